@@ -9,8 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.rewards import build_reward_fn, default_compute_score, load_custom_reward_fn, score_batch
-from megatron_rl.rewards import gsm8k, math_boxed
+from megatron_rl.rewards import (
+    build_reward_fn,
+    default_compute_score,
+    gsm8k,
+    load_custom_reward_fn,
+    math_boxed,
+    score_batch,
+)
 
 
 @pytest.mark.parametrize(
