@@ -1,0 +1,194 @@
+"""Lean functional decoder for generation: the megatron-core GPT forward on a dict of tensors.
+
+It runs the whole layer stack of one generation-TP shard (the weights ``reshard.py`` assembles from the
+actor's own parameters), with a preallocated KV cache. Numerics follow HF transformers / megatron-core
+(local spec, RMSNorm, rotate-half RoPE, SwiGLU): fp32 results agree to ~1e-6.
+
+Tensor-parallel pieces (``tp`` is the generation TP size, ``group`` its process group):
+- vocab-parallel embedding: rows outside this rank's vocab range are masked, partial sums all-reduced;
+- qkv / fc1 column-parallel: this rank holds G/tp whole query groups and F/tp of the MLP;
+- proj / fc2 row-parallel: partial outputs all-reduced;
+- output layer vocab-parallel: logits all-gathered, padded vocab columns dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """Architecture facts the decoder needs (a subset of ``models.ModelArgs``; built with ``from_args``)."""
+
+    vocab_size: int
+    padded_vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    rope_theta: float
+    norm_eps: float
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_args(cls, args) -> DecoderSpec:
+        """Read the fields of any object with these attribute names (``ModelArgs``, a namespace)."""
+        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
+
+
+@dataclass
+class GenWeights:
+    """One generation-TP shard of the full layer stack. Layer dicts hold the keys
+    ``ln1, qkv_w, [qkv_b], [q_norm, k_norm], proj, ln2, fc1, fc2`` (megatron-core layouts)."""
+
+    embed: torch.Tensor  # [Vp/tp, h]
+    layers: list[dict[str, torch.Tensor]]
+    final_norm: torch.Tensor  # [h]
+    output: torch.Tensor  # [Vp/tp, h] (the embedding itself when tied)
+    tp: int = 1
+    tp_rank: int = 0
+    group: dist.ProcessGroup | None = None
+    owned: list[torch.Tensor] = field(default_factory=list)  # gathered buffers (not the actor's own)
+
+    def owned_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.owned)
+
+
+def _all_reduce(x: torch.Tensor, w: GenWeights) -> torch.Tensor:
+    if w.tp > 1:
+        dist.all_reduce(x, group=w.group)
+    return x
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions [B, T] -> cos, sin [B, 1, T, D] (HF convention: freqs repeated, not interleaved)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
+    )
+    freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos/sin [B, 1, T, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def embed(tokens: torch.Tensor, w: GenWeights) -> torch.Tensor:
+    """tokens [B, T] -> hidden [B, T, h]; vocab-parallel lookup + all-reduce over the generation TP group."""
+    if w.tp == 1:
+        return F.embedding(tokens, w.embed)
+    rows = w.embed.shape[0]
+    local = tokens - w.tp_rank * rows
+    outside = (local < 0) | (local >= rows)
+    h = F.embedding(local.masked_fill(outside, 0), w.embed)
+    h = h.masked_fill(outside[..., None], 0.0)
+    return _all_reduce(h, w)
+
+
+def logits(h: torch.Tensor, w: GenWeights, spec: DecoderSpec) -> torch.Tensor:
+    """h [B, h] (already final-normed) -> fp32 logits [B, V] over the true vocab, gathered across TP."""
+    local = (h @ w.output.t()).float()  # [B, Vp/tp]
+    if w.tp > 1:
+        parts = [torch.empty_like(local) for _ in range(w.tp)]
+        dist.all_gather(parts, local.contiguous(), group=w.group)
+        local = torch.cat(parts, dim=-1)  # [B, Vp]
+    return local[:, : spec.vocab_size]
+
+
+def _qkv(x: torch.Tensor, layer: dict, spec: DecoderSpec, cos, sin):
+    """x [B, T, h] -> q [B, Hl, T, D], k/v [B, Gl, T, D] with qk-norm and RoPE applied."""
+    B, T, _ = x.shape
+    D = spec.head_dim
+    rep = spec.num_attention_heads // spec.num_query_groups
+    qkv = F.linear(x, layer["qkv_w"], layer.get("qkv_b"))  # [B, T, Gl*(rep+2)*D]
+    qkv = qkv.view(B, T, -1, rep + 2, D)  # [B, T, Gl, rep+2, D]
+    q = qkv[:, :, :, :rep].reshape(B, T, -1, D)  # [B, T, Hl, D]
+    k, v = qkv[:, :, :, rep], qkv[:, :, :, rep + 1]  # [B, T, Gl, D]
+    if spec.qk_norm:
+        q = rms_norm(q, layer["q_norm"], spec.norm_eps)
+        k = rms_norm(k, layer["k_norm"], spec.norm_eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _mlp(x: torch.Tensor, layer: dict, w: GenWeights) -> torch.Tensor:
+    gate, up = F.linear(x, layer["fc1"]).chunk(2, dim=-1)  # [B, T, F/tp] each
+    return _all_reduce(F.linear(F.silu(gate) * up, layer["fc2"]), w)
+
+
+def prefill(
+    w: GenWeights,
+    spec: DecoderSpec,
+    cache: torch.Tensor,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Run right-padded prompts, fill their cache slots, return the last real token's logits.
+
+    tokens [B, T] (right-padded), lengths [B], slots [B]; cache [L, 2, S, Gl, Tmax, D].
+    Returns fp32 logits [B, V]. Pad keys land in the cache past each length and are masked (then
+    overwritten) by decode, so a plain causal mask is exact for the real tokens.
+    """
+    B, T = tokens.shape
+    positions = torch.arange(T, device=tokens.device).expand(B, T)  # [B, T]
+    cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta, w.embed.dtype)
+    x = embed(tokens, w)
+    for i, layer in enumerate(w.layers):
+        q, k, v = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps), layer, spec, cos, sin)
+        cache[i, 0, slots, :, :T] = k
+        cache[i, 1, slots, :, :T] = v
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, Hl, T, D]
+        a = a.transpose(1, 2).reshape(B, T, -1)  # [B, T, Hl*D]
+        x = x + _all_reduce(F.linear(a, layer["proj"]), w)
+        x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps), layer, w)
+    last = x[torch.arange(B, device=x.device), lengths - 1]  # [B, h]
+    return logits(rms_norm(last, w.final_norm, spec.norm_eps), w, spec)
+
+
+def decode(
+    w: GenWeights, spec: DecoderSpec, cache: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """One decode step for slots 0..B-1 (static shapes, CUDA-graph capturable).
+
+    tokens [B] (the token at ``positions``), positions [B]; cache [L, 2, S, Gl, Tmax, D] with S >= B.
+    Writes each slot's new key/value at its position and attends to keys 0..position.
+    Returns fp32 logits [B, V].
+    """
+    B = tokens.shape[0]
+    Tmax = cache.shape[4]
+    rep = spec.num_attention_heads // spec.num_query_groups
+    batch = torch.arange(B, device=tokens.device)
+    cos, sin = rope_cos_sin(positions[:, None], spec.head_dim, spec.rope_theta, w.embed.dtype)
+    visible = torch.arange(Tmax, device=tokens.device)[None, :] <= positions[:, None]  # [B, Tmax]
+    mask = visible[:, None, None, :]  # [B, 1, 1, Tmax]
+    x = embed(tokens[:, None], w)  # [B, 1, h]
+    for i, layer in enumerate(w.layers):
+        q, k, v = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps), layer, spec, cos, sin)
+        k_cache, v_cache = cache[i, 0, :B], cache[i, 1, :B]  # [B, Gl, Tmax, D]
+        k_cache[batch, :, positions] = k[:, :, 0]
+        v_cache[batch, :, positions] = v[:, :, 0]
+        # the rep query heads of a group share its K/V: fold them into the query-length axis (no K/V copy)
+        qg = q.reshape(B, k.shape[1], rep, spec.head_dim)  # [B, Gl, rep, D]
+        a = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=mask)  # [B, Gl, rep, D]
+        a = a.reshape(B, 1, -1)  # [B, 1, Hl*D]
+        x = x + _all_reduce(F.linear(a, layer["proj"]), w)
+        x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps), layer, w)
+    return logits(rms_norm(x[:, 0], w.final_norm, spec.norm_eps), w, spec)
