@@ -31,7 +31,7 @@ AdvantageEstimator = Callable[..., tuple[Tensor, Tensor]]
 class EstimatorTraits:
     """What the collective layer must do around an estimator."""
 
-    grouped: bool  # needs all samples of a prompt group together (uses ``index``)
+    grouped: bool  # outcome-level: uses rewards only via row sums, and needs whole groups (``index``)
     whitened: bool  # whitens over the batch's response tokens (accepts ``whiten=False``)
 
 

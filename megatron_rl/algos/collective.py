@@ -67,7 +67,13 @@ def global_masked_whiten(values: Tensor, mask: Tensor, group, eps: float = 1e-8)
 def _grouped_outcome(
     name: str, token_level_rewards: Tensor, response_mask: Tensor, index, dp_group, **kwargs: Any
 ) -> tuple[Tensor, Tensor]:
-    """Run a grouped estimator on the scores of the whole DP group; keep this rank's rows."""
+    """Run a grouped estimator on the scores of the whole DP group; keep this rank's rows.
+
+    Grouped estimators see rewards only through row sums (scores), so ``[B_global, 1]`` rewards with
+    a mask of ones reproduce them exactly; this rank's mask is applied afterwards.
+    """
+    if index is None:
+        raise ValueError(f"Advantage estimator {name!r} groups samples by prompt: pass index=[B] group ids.")
     scores, offset = _all_gather_rows(token_level_rewards.sum(-1), dp_group)  # [B_global]
     all_index = _all_gather_index(index, dp_group)
     ones = torch.ones_like(scores).unsqueeze(-1)  # [B_global, 1]
@@ -108,6 +114,7 @@ def compute_advantages_dp(
     if not traits.whitened:
         return advantages, returns
     advantages = global_masked_whiten(advantages, response_mask, dp_group)
+    # Grouped estimators return their advantages as returns (no critic); the others keep raw returns.
     return advantages, (advantages if traits.grouped else returns)
 
 

@@ -85,6 +85,8 @@ def vocab_parallel_log_probs(
     """Log-probs [B, T] of global vocab ids ``target`` [B, T] under ``softmax(logits / temperature)``.
 
     ``logits``: this rank's vocab shard [B, T, V/tp]. Differentiable with respect to ``logits``.
+    A target outside ``[0, V)`` (e.g. a padding id) gives ``-logsumexp`` there instead of an error;
+    mask those positions.
     """
     return _VocabParallelLogProb.apply(_scaled(logits, temperature), target, tp_group)
 
