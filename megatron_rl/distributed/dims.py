@@ -9,7 +9,7 @@ class LayoutError(ValueError):
     """A parallel layout or batch setting that cannot work; the message names the key and a fix."""
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -33,15 +33,6 @@ class ParallelDims:
         ):
             if value < 1:
                 raise LayoutError(f"{key}={value} must be >= 1.")
-        if world_size % (tp * pp) != 0:
-            valid = [(t, p) for t in _divisors(world_size) for p in _divisors(world_size // t)]
-            hint = ", ".join(f"TP={t} x PP={p}" for t, p in valid[:6])
-            raise LayoutError(
-                f"parallel.tensor_model_parallel_size={tp} x parallel.pipeline_model_parallel_size={pp} "
-                f"= {tp * pp} does not divide the world size {world_size} (number of processes). "
-                f"Choose sizes whose product divides {world_size}, for example {hint}, or launch a "
-                f"multiple of {tp * pp} processes (torchrun --nproc-per-node)."
-            )
         if num_layers is not None and pp > num_layers:
             raise LayoutError(
                 f"parallel.pipeline_model_parallel_size={pp} is larger than the model's {num_layers} "
@@ -52,7 +43,16 @@ class ParallelDims:
             raise LayoutError(
                 f"The model's {num_layers} layers do not split evenly over "
                 f"parallel.pipeline_model_parallel_size={pp} stages. Use a PP size that divides "
-                f"{num_layers}: {', '.join(map(str, _divisors(num_layers)))}."
+                f"{num_layers}: {', '.join(map(str, divisors(num_layers)))}."
+            )
+        if world_size % (tp * pp) != 0:
+            valid = [(t, p) for t in divisors(world_size) for p in divisors(world_size // t)]
+            hint = ", ".join(f"TP={t} x PP={p}" for t, p in valid[:6])
+            raise LayoutError(
+                f"parallel.tensor_model_parallel_size={tp} x parallel.pipeline_model_parallel_size={pp} "
+                f"= {tp * pp} does not divide the world size {world_size} (number of processes). "
+                f"Choose sizes whose product divides {world_size}, for example {hint}, or launch a "
+                f"multiple of {tp * pp} processes (torchrun --nproc-per-node)."
             )
         return cls(world_size=world_size, tp=tp, pp=pp, dp=world_size // (tp * pp))
 

@@ -45,14 +45,22 @@ def read_launch_env(environ: os._Environ | dict | None = None) -> LaunchEnv:
     port = int(env.get("MASTER_PORT", 29500))
     if "RANK" in env and "WORLD_SIZE" in env:
         return LaunchEnv(
-            int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-            env.get("MASTER_ADDR", "127.0.0.1"), port, "torchrun",
+            int(env["RANK"]),
+            int(env["WORLD_SIZE"]),
+            int(env.get("LOCAL_RANK", 0)),
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            port,
+            "torchrun",
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_NODELIST", "127.0.0.1"))
         return LaunchEnv(
-            int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
-            addr, port, "slurm",
+            int(env["SLURM_PROCID"]),
+            int(env["SLURM_NTASKS"]),
+            int(env.get("SLURM_LOCALID", 0)),
+            addr,
+            port,
+            "slurm",
         )
     return LaunchEnv(0, 1, 0, "127.0.0.1", port, "single")
 

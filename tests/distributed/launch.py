@@ -25,12 +25,22 @@ def free_port() -> int:
 def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 600, env: dict | None = None):
     """Run ``workers/<worker>`` with ``nproc`` CPU processes; raise with the output on failure."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        str(WORKERS / worker), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        str(WORKERS / worker),
+        *args,
     ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-                "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        **(env or {}),
+    }
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
     if proc.returncode != 0:
         raise AssertionError(

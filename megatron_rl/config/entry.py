@@ -1,0 +1,50 @@
+"""What every entry point does first: compose, convert, validate — and report bad input in one paragraph."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from megatron_rl.config.schema import JobConfig, ModelConfig
+from megatron_rl.config.validate import ConfigError, validate_job
+from megatron_rl.distributed.dims import LayoutError, ParallelDims
+from megatron_rl.distributed.runtime import read_launch_env
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print a one-paragraph error (once, from rank 0) and exit non-zero on every rank."""
+    if read_launch_env().rank == 0:
+        print(f"megatron-rl: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def model_num_layers(model: ModelConfig) -> int:
+    """Layer count of the configured model, read cheaply (config.json only) before any heavy work."""
+    if model.path is None:
+        return model.num_layers
+    for candidate in (Path(model.path) / "config.json", Path(model.path) / "hf_config" / "config.json"):
+        if candidate.is_file():
+            return int(json.loads(candidate.read_text())["num_hidden_layers"])
+    raise ConfigError(
+        f"model.path={model.path!r} has no config.json (looked in {model.path} and {model.path}/hf_config). "
+        f"Point model.path at an HF model directory or a megatron_rl checkpoint."
+    )
+
+
+def checked_layout(cfg: JobConfig) -> ParallelDims:
+    """Validate ``cfg`` against the launch's world size; on bad input, exit with the message."""
+    try:
+        return validate_job(cfg, read_launch_env().world_size, num_layers=model_num_layers(cfg.model))
+    except LayoutError as err:
+        fail(str(err))
+
+
+def quiet_third_party() -> None:
+    """megatron-core warns at import that apex/TE are absent; they are optional here."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

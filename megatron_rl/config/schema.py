@@ -1,0 +1,221 @@
+"""The job configuration: one dataclass per component, defined once.
+
+Hydra composes YAML groups from ``configs/`` over these dataclasses (registered in ``store.py``); the
+entry point converts the result to ``JobConfig`` and library code receives only dataclasses.
+Key names follow verl where a verl user would look for them (``data.train_batch_size``,
+``actor.ppo_mini_batch_size``, ``rollout.n``, ``algorithm.kl_ctrl.kl_coef``...), and megatron-core's for
+parallel sizes. Every field carries its documentation in the ``doc`` metadata; the README's config
+reference is generated from it (``python -m megatron_rl.config.reference``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+def doc(default: Any, text: str, **kw) -> Any:
+    """A dataclass field with a default and its documentation."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": text}, **kw)
+    return field(default=default, metadata={"doc": text}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    """The policy model. With ``path`` unset, the built-in tiny model (defined in code) is used."""
+
+    name: str = doc("tiny", "Label of the model preset (set by the YAML group, e.g. model=qwen2_5_0_5b).")
+    path: Optional[str] = doc(None, "HF model directory or one of our checkpoints; None = built-in tiny.")
+    critic_path: Optional[str] = doc(
+        None, "HF sequence-classification checkpoint for the critic; None = initialise from the actor."
+    )
+    dtype: str = doc("float32", "Parameter/compute dtype: float32 | bfloat16.")
+    num_layers: int = doc(2, "Built-in tiny model only: transformer layers.")
+    hidden_size: int = doc(64, "Built-in tiny model only: hidden size.")
+    num_attention_heads: int = doc(4, "Built-in tiny model only: attention heads.")
+    num_key_value_heads: int = doc(2, "Built-in tiny model only: KV heads (GQA groups).")
+    ffn_hidden_size: int = doc(128, "Built-in tiny model only: MLP hidden size.")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout (megatron-core names). DP is what the world size leaves: world / (TP x PP)."""
+
+    tensor_model_parallel_size: int = doc(1, "Tensor-parallel size (TP).")
+    pipeline_model_parallel_size: int = doc(1, "Pipeline-parallel size (PP); must divide the layer count.")
+    sequence_parallel: bool = doc(False, "megatron-core sequence parallelism (GPU only, needs TP > 1).")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation with the in-place resharded engine."""
+
+    n: int = doc(1, "Samples per prompt (GRPO group size).")
+    temperature: float = doc(1.0, "Sampling temperature; 0 = greedy. Training log-probs use it too.")
+    top_p: float = doc(1.0, "Nucleus sampling threshold (1.0 = off).")
+    top_k: int = doc(-1, "Top-k sampling (-1 = off).")
+    max_new_tokens: int = doc(16, "Response length limit (verl: data.max_response_length).")
+    stop_token_ids: list = doc([], "Extra stop token ids besides the tokenizer's EOS.")
+    tensor_model_parallel_size: Optional[int] = doc(
+        None, "Generation TP size (TP_g); must divide parallel.tensor_model_parallel_size. None = same."
+    )
+    kv_cache_tokens: int = doc(0, "KV-cache size in tokens per rank; 0 = sized from the batch.")
+    gpu_memory_utilization: float = doc(
+        0.5, "With kv_cache_tokens=0 on GPU: cap as a fraction of free memory."
+    )
+    cuda_graphs: bool = doc(True, "Capture the decode step in CUDA graphs (GPU only).")
+    val_temperature: float = doc(0.0, "Temperature for validation generation (0 = greedy).")
+
+
+@dataclass
+class KLCtrlConfig:
+    type: str = doc("fixed", "KL-in-reward controller: fixed | adaptive.")
+    kl_coef: float = doc(0.001, "Initial (fixed: constant) KL coefficient.")
+    target_kl: float = doc(0.1, "Adaptive controller: target KL.")
+    horizon: int = doc(10000, "Adaptive controller: horizon in samples.")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation and KL in the reward."""
+
+    name: str = doc("grpo", "Label of the algorithm preset (algorithm=ppo|grpo|rloo|reinforce_plus_plus).")
+    adv_estimator: str = doc(
+        "grpo", "gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline (gae needs a critic)."
+    )
+    gamma: float = doc(1.0, "Discount factor (gae, reinforce_plus_plus).")
+    lam: float = doc(1.0, "GAE lambda.")
+    norm_adv_by_std_in_grpo: bool = doc(True, "GRPO: divide by the group std; false = Dr.GRPO.")
+    use_kl_in_reward: bool = doc(False, "Subtract kl_coef * KL(actor || ref) from token rewards.")
+    kl_penalty: str = doc("k1", "KL estimator in the reward: k1 | k2 | k3 | abs.")
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = doc(1e-6, "Peak learning rate.")
+    weight_decay: float = doc(0.01, "AdamW weight decay.")
+    betas: list = doc([0.9, 0.999], "AdamW betas.")
+    eps: float = doc(1e-8, "AdamW epsilon.")
+    clip_grad: float = doc(1.0, "Global gradient-norm clip (over all TP/PP shards).")
+    lr_warmup_steps: int = doc(0, "Linear warmup steps (optimizer steps).")
+    lr_decay_style: str = doc("constant", "constant | linear | cosine after warmup.")
+    min_lr_ratio: float = doc(0.0, "Final LR as a fraction of lr for linear/cosine decay.")
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_mini_batch_size: int = doc(8, "Prompts per optimizer step, global (times rollout.n sequences).")
+    ppo_micro_batch_size_per_gpu: int = doc(4, "Sequences per forward/backward on each rank.")
+    ppo_epochs: int = doc(1, "Passes over each rollout batch.")
+    policy_loss: str = doc("vanilla", "vanilla (PPO clip, dual-clip) | gspo.")
+    clip_ratio_low: float = doc(0.2, "PPO clip below 1 (ratio >= 1 - clip_ratio_low).")
+    clip_ratio_high: float = doc(0.2, "PPO clip above 1 (clip-higher when > clip_ratio_low).")
+    clip_ratio_c: float = doc(3.0, "Dual-clip bound for negative advantages (> 1).")
+    loss_agg_mode: str = doc(
+        "token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."
+    )
+    entropy_coeff: float = doc(0.0, "Entropy bonus coefficient.")
+    use_kl_loss: bool = doc(False, "Add kl_loss_coef * KL(actor || ref) to the loss (GRPO style).")
+    kl_loss_coef: float = doc(0.001, "KL-loss coefficient.")
+    kl_loss_type: str = doc("k3", "KL estimator for the loss: k1 | k2 | k3 | abs (k3 has a biased gradient).")
+    tis_mode: Optional[str] = doc(
+        None, "Truncated importance sampling vs rollout log-probs: token | sequence."
+    )
+    tis_cap: float = doc(2.0, "Cap of the truncated IS weight.")
+
+
+@dataclass
+class CriticConfig:
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_mini_batch_size: int = doc(8, "Prompts per critic optimizer step, global.")
+    ppo_micro_batch_size_per_gpu: int = doc(4, "Sequences per critic forward/backward on each rank.")
+    ppo_epochs: int = doc(1, "Critic passes over each rollout batch.")
+    cliprange_value: float = doc(0.5, "Value clipping range around the old values.")
+    loss_agg_mode: str = doc("token-mean", "Aggregation of the value loss (as actor.loss_agg_mode).")
+
+
+@dataclass
+class RefConfig:
+    offload_to_cpu: bool = doc(False, "Park the frozen reference model on CPU between uses (GPU only).")
+
+
+@dataclass
+class CustomRewardConfig:
+    path: Optional[str] = doc(None, "Python file with a verl-style compute_score function.")
+    name: str = doc("compute_score", "Function name in that file.")
+
+
+@dataclass
+class RewardConfig:
+    reward_fn: str = doc("auto", "auto (by data_source) | gsm8k | math | custom | builtin.")
+    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    format_score: float = doc(0.0, "Score for a well-formatted but wrong answer (rule rewards).")
+    gsm8k_mode: str = doc("strict", "GSM8K answer extraction: strict (#### N) | flexible (last number).")
+
+
+@dataclass
+class DataConfig:
+    train_files: Optional[Any] = doc(None, "Parquet file(s) of prompts (verl format); None = built-in task.")
+    val_files: Optional[Any] = doc(None, "Parquet file(s) for validation; None = built-in task's val split.")
+    prompt_key: str = doc("prompt", "Column holding the prompt (string or chat messages).")
+    max_prompt_length: int = doc(32, "Prompt token limit.")
+    truncation: str = doc("error", "Overlong prompts: error | left | right | filter.")
+    apply_chat_template: bool = doc(True, "Format prompts with the tokenizer's chat template if it has one.")
+    train_batch_size: int = doc(16, "Prompts per training step, global.")
+    val_batch_size: int = doc(64, "Prompts per validation batch, global (last batch may be smaller).")
+    shuffle: bool = doc(True, "Shuffle prompts each epoch (seeded).")
+    seed: int = doc(1, "Data shuffling seed.")
+
+
+@dataclass
+class TrainerConfig:
+    total_training_steps: int = doc(20, "Training steps (rollout + update); stops earlier at total_epochs.")
+    total_epochs: int = doc(1000, "Epoch limit over the training prompts.")
+    critic_warmup: int = doc(0, "Steps at the start that update only the critic.")
+    save_freq: int = doc(-1, "Checkpoint every N steps (-1 = never; the last step is saved if > 0).")
+    test_freq: int = doc(5, "Validate every N steps (-1 = never).")
+    val_before_train: bool = doc(True, "Validate once before the first step.")
+    logger: list = doc(["console", "jsonl"], "Any of console, jsonl, tensorboard, wandb.")
+    project_name: str = doc("megatron_rl", "Project name (wandb/tensorboard).")
+    experiment_name: str = doc("default", "Run name (wandb/tensorboard).")
+    output_dir: str = doc("outputs/default", "Where metrics, logs and checkpoints go.")
+    seed: int = doc(1234, "Seed for model init, sampling and everything else.")
+    resume_mode: str = doc("auto", "auto | disable | path.")
+    resume_from_path: Optional[str] = doc(None, "Checkpoint dir for resume_mode=path.")
+    max_ckpt_to_keep: int = doc(2, "Newest checkpoints kept.")
+    save_hf: bool = doc(False, "Also write an HF export of the actor with each checkpoint.")
+    dry_run: bool = doc(False, "Print layout and memory estimate, then exit.")
+    log_generations_freq: int = doc(5, "Print a few sample generations every N steps (-1 = never).")
+    timeout_minutes: float = doc(30.0, "Collective timeout; a hang past it is reported with phase and rank.")
+
+
+@dataclass
+class LoggerConfig:
+    wandb_mode: str = doc("offline", "wandb mode: offline | online | disabled.")
+    num_generations_to_log: int = doc(2, "Sample generations printed per log_generations_freq.")
+
+
+@dataclass
+class GenerateConfig:
+    prompts: Optional[str] = doc(None, "megatron-rl generate: JSONL file with a 'prompt' field per line.")
+    output: Optional[str] = doc(None, "megatron-rl generate: output JSONL path.")
+    chat_template: bool = doc(False, "Apply the tokenizer's chat template to each prompt.")
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)

@@ -1,0 +1,125 @@
+"""Start-up validation of a ``JobConfig`` against the world size, before any process group or GPU work.
+
+Every error names the config key(s) at fault and a value that would work.
+"""
+
+from __future__ import annotations
+
+from megatron_rl.config.schema import JobConfig
+from megatron_rl.distributed.dims import LayoutError, ParallelDims, divisors
+
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3", "abs", "low_var_kl", "kl", "mse")
+CHOICES = {
+    "algorithm.adv_estimator": ADV_ESTIMATORS,
+    "algorithm.kl_penalty": KL_KINDS,
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "actor.loss_agg_mode": LOSS_AGG_MODES,
+    "actor.policy_loss": ("vanilla", "gspo"),
+    "actor.kl_loss_type": KL_KINDS,
+    "actor.tis_mode": (None, "token", "sequence"),
+    "critic.loss_agg_mode": LOSS_AGG_MODES,
+    "data.truncation": ("error", "left", "right", "filter"),
+    "model.dtype": ("float32", "bfloat16"),
+    "trainer.resume_mode": ("auto", "disable", "path"),
+    "reward.reward_fn": ("auto", "gsm8k", "math", "custom", "builtin"),
+    "reward.gsm8k_mode": ("strict", "flexible"),
+    "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
+    "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
+}
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+
+class ConfigError(LayoutError):
+    """A configuration value that cannot work; the message names the key and a fix."""
+
+
+def _get(cfg: JobConfig, dotted: str):
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_choices(cfg: JobConfig) -> None:
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            shown = " | ".join("null" if a is None else str(a) for a in allowed)
+            raise ConfigError(f"{key}={value!r} is not one of: {shown}. Set {key} to one of those.")
+    bad = [b for b in cfg.trainer.logger if b not in LOGGERS]
+    if bad:
+        raise ConfigError(
+            f"trainer.logger has unknown backend(s) {bad}; valid: {', '.join(LOGGERS)}. "
+            f"Example: trainer.logger=[console,jsonl]."
+        )
+
+
+def _check_positive(cfg: JobConfig, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 1.")
+
+
+def _check_update_batches(cfg: JobConfig, role: str, dp: int) -> int:
+    """Mini/micro-batch divisibility for the actor or critic; returns micro-batches per mini-batch."""
+    n, global_bs = cfg.rollout.n, cfg.data.train_batch_size
+    mini = _get(cfg, f"{role}.ppo_mini_batch_size")
+    micro = _get(cfg, f"{role}.ppo_micro_batch_size_per_gpu")
+    if mini > global_bs or global_bs % mini != 0:
+        ok = [d for d in divisors(global_bs)]
+        raise ConfigError(
+            f"{role}.ppo_mini_batch_size={mini} must divide data.train_batch_size={global_bs} "
+            f"(both count prompts). Valid values: {ok}."
+        )
+    seqs_per_rank, rem = divmod(mini * n, dp)
+    if rem or seqs_per_rank == 0:
+        raise ConfigError(
+            f"A mini-batch of {role}.ppo_mini_batch_size={mini} prompts x rollout.n={n} = {mini * n} "
+            f"sequences does not split evenly over the data-parallel size {dp} (world / (TP x PP)). "
+            f"Make {role}.ppo_mini_batch_size * rollout.n a multiple of {dp}."
+        )
+    if seqs_per_rank % micro != 0:
+        ok = divisors(seqs_per_rank)
+        raise ConfigError(
+            f"{role}.ppo_micro_batch_size_per_gpu={micro} must divide the {seqs_per_rank} sequences each "
+            f"rank holds per mini-batch ({role}.ppo_mini_batch_size={mini} x rollout.n={n} / DP={dp}). "
+            f"Valid values: {ok}."
+        )
+    return seqs_per_rank // micro
+
+
+def validate_job(cfg: JobConfig, world_size: int, num_layers: int | None = None) -> ParallelDims:
+    """Check the whole job against ``world_size``; return the layout. Raises ``LayoutError``/``ConfigError``."""
+    par = cfg.parallel
+    dims = ParallelDims.build(
+        world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size, num_layers=num_layers
+    )
+    _check_choices(cfg)
+    _check_positive(
+        cfg,
+        (
+            "data.train_batch_size",
+            "rollout.n",
+            "rollout.max_new_tokens",
+            "data.max_prompt_length",
+            "actor.ppo_epochs",
+            "critic.ppo_epochs",
+            "trainer.total_training_steps",
+        ),
+    )
+    if par.sequence_parallel and par.tensor_model_parallel_size == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1.")
+    tp_g = cfg.rollout.tensor_model_parallel_size
+    if tp_g is not None and (tp_g < 1 or par.tensor_model_parallel_size % tp_g != 0):
+        raise ConfigError(
+            f"rollout.tensor_model_parallel_size={tp_g} must divide parallel.tensor_model_parallel_size="
+            f"{par.tensor_model_parallel_size}. Valid: {divisors(par.tensor_model_parallel_size)}."
+        )
+    _check_update_batches(cfg, "actor", dims.dp)
+    if cfg.algorithm.adv_estimator == "gae":
+        _check_update_batches(cfg, "critic", dims.dp)
+    if cfg.trainer.resume_mode == "path" and not cfg.trainer.resume_from_path:
+        raise ConfigError("trainer.resume_mode=path needs trainer.resume_from_path=<checkpoint dir>.")
+    return dims

@@ -1,0 +1,24 @@
+"""`megatron-rl train` / `python -m megatron_rl.train`: compose the config, init distributed, train."""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from megatron_rl.config.entry import checked_layout, quiet_third_party
+from megatron_rl.config.store import CONFIG_DIR, to_job_config
+
+
+@hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="config")
+def main(dcfg: DictConfig) -> None:
+    quiet_third_party()
+    cfg = to_job_config(dcfg)
+    dims = checked_layout(cfg)  # exits with a message before any process group or GPU work
+
+    from megatron_rl.trainer.run import run_training
+
+    run_training(cfg, dims)
+
+
+if __name__ == "__main__":
+    main()

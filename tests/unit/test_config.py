@@ -1,0 +1,118 @@
+"""Config composition, validation messages and the CLI surface (issue: foundation)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl.config import ConfigError, JobConfig, validate_job
+from megatron_rl.distributed import LayoutError
+
+CLI = [sys.executable, "-m", "megatron_rl.cli"]
+
+
+def _run(args, tmp_path, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
+    env.update(env_extra or {})
+    return subprocess.run(CLI + args, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+
+
+def test_defaults_validate_at_world_1():
+    dims = validate_job(JobConfig(), world_size=1, num_layers=2)
+    assert (dims.tp, dims.pp, dims.dp) == (1, 1, 1)
+
+
+def test_tp3_with_4_ranks_names_key_and_alternative():
+    cfg = JobConfig()
+    cfg.parallel.tensor_model_parallel_size = 3
+    with pytest.raises(LayoutError) as err:
+        validate_job(cfg, world_size=4, num_layers=2)
+    msg = str(err.value)
+    assert "parallel.tensor_model_parallel_size=3" in msg and "world size 4" in msg
+    assert "TP=2 x PP=2" in msg  # a valid alternative is offered
+
+
+def test_pp_larger_than_layers():
+    cfg = JobConfig()
+    cfg.parallel.pipeline_model_parallel_size = 4
+    with pytest.raises(LayoutError, match=r"pipeline_model_parallel_size=4 is larger than the model's 2"):
+        validate_job(cfg, world_size=4, num_layers=2)
+
+
+@pytest.mark.parametrize(
+    "key,value,needle",
+    [
+        ("actor.ppo_mini_batch_size", 5, "actor.ppo_mini_batch_size=5 must divide data.train_batch_size=16"),
+        ("actor.ppo_micro_batch_size_per_gpu", 3, "actor.ppo_micro_batch_size_per_gpu=3 must divide"),
+        ("actor.ppo_mini_batch_size", 32, "must divide data.train_batch_size"),
+    ],
+)
+def test_batch_sizes_that_do_not_divide(key, value, needle):
+    cfg = JobConfig()
+    section, name = key.split(".")
+    setattr(getattr(cfg, section), name, value)
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        validate_job(cfg, world_size=1, num_layers=2)
+
+
+def test_mini_batch_smaller_than_dp_never_loops():
+    cfg = JobConfig()
+    cfg.rollout.n = 1
+    cfg.actor.ppo_mini_batch_size = 2
+    cfg.actor.ppo_micro_batch_size_per_gpu = 1
+    with pytest.raises(ConfigError, match="does not split evenly over the data-parallel size 4"):
+        validate_job(cfg, world_size=4, num_layers=2)
+
+
+def test_critic_batches_checked_only_with_gae():
+    cfg = JobConfig()
+    cfg.critic.ppo_micro_batch_size_per_gpu = 7
+    validate_job(cfg, world_size=1, num_layers=2)  # grpo: no critic
+    cfg.algorithm.adv_estimator = "gae"
+    with pytest.raises(ConfigError, match="critic.ppo_micro_batch_size_per_gpu=7"):
+        validate_job(cfg, world_size=1, num_layers=2)
+
+
+def test_unknown_choice_and_logger():
+    cfg = JobConfig()
+    cfg.algorithm.adv_estimator = "ppo"
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator='ppo' is not one of"):
+        validate_job(cfg, world_size=1)
+    cfg = JobConfig()
+    cfg.trainer.logger = ["console", "mlflow"]
+    with pytest.raises(ConfigError, match="trainer.logger"):
+        validate_job(cfg, world_size=1)
+
+
+def test_rollout_tp_must_divide_train_tp():
+    cfg = JobConfig()
+    cfg.parallel.tensor_model_parallel_size = 4
+    cfg.rollout.tensor_model_parallel_size = 3
+    with pytest.raises(ConfigError, match="rollout.tensor_model_parallel_size=3 must divide"):
+        validate_job(cfg, world_size=4, num_layers=2)
+
+
+def test_cli_help_and_cfg_job(tmp_path):
+    out = _run(["train", "--help"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "algorithm: grpo, ppo" in out.stdout
+    out = _run(["train", "--cfg", "job", "algorithm=ppo", "rollout.temperature=0.7"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "adv_estimator: gae" in out.stdout and "temperature: 0.7" in out.stdout
+    top = _run([], tmp_path)
+    assert top.returncode == 2 and "train" in top.stdout
+
+
+def test_cli_tp2_single_process_fails_fast(tmp_path):
+    out = _run(["train", "parallel.tensor_model_parallel_size=2"], tmp_path)
+    assert out.returncode != 0
+    assert "parallel.tensor_model_parallel_size=2" in out.stderr and "world size 1" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_cli_bad_batch_is_one_paragraph(tmp_path):
+    out = _run(["train", "actor.ppo_micro_batch_size_per_gpu=3"], tmp_path)
+    assert out.returncode != 0
+    assert "actor.ppo_micro_batch_size_per_gpu=3" in out.stderr and "Traceback" not in out.stderr
+    assert out.stderr.strip().count("\n") == 0

@@ -1,0 +1,59 @@
+"""One test per behaviour patched by megatron_rl.distributed.cpu_compat (fails loudly on an mcore upgrade)."""
+
+import megatron.core
+import pytest
+import torch
+
+from megatron_rl.distributed import cpu_compat
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the compat layer only applies without CUDA"
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _patched():
+    assert cpu_compat.apply()
+
+
+def test_pinned_version_matches_installed():
+    assert megatron.core.__version__ == cpu_compat.SUPPORTED_MCORE_VERSION
+
+
+def test_version_mismatch_is_refused(monkeypatch):
+    monkeypatch.setattr(cpu_compat, "_applied", False)
+    monkeypatch.setattr(megatron.core, "__version__", "9.9.9")
+    with pytest.raises(RuntimeError, match="checked against megatron-core 0.16.1, but 9.9.9"):
+        cpu_compat.apply()
+
+
+def test_current_device_is_cpu():
+    assert torch.zeros(1, device=torch.cuda.current_device()).device.type == "cpu"
+    torch.cuda.synchronize()  # a no-op, not an error
+
+
+def test_rng_tracker_forks_the_cpu_generator():
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    assert not parallel_state.model_parallel_is_initialized()
+    tracker = get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add("stream", 123)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    with tracker.fork("stream"):
+        a = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), before), "fork must restore the default generator"
+    torch.manual_seed(123)
+    assert torch.equal(a, torch.rand(3)), "the forked stream draws from its own seed"
+    tracker.reset()
+    del model_parallel_cuda_manual_seed
+
+
+def test_schedules_literal_cuda_tensors_land_on_cpu():
+    from megatron.core.pipeline_parallel import schedules
+
+    t = schedules.torch.zeros([], dtype=torch.int, device="cuda")
+    assert t.device.type == "cpu"
+    assert schedules.torch.float32 is torch.float32

@@ -1,0 +1,38 @@
+"""Reading the launch environment from torchrun or slurm variables."""
+
+from megatron_rl.distributed.runtime import first_slurm_host, read_launch_env
+
+
+def test_torchrun_env():
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h1", "MASTER_PORT": "2222"}
+    le = read_launch_env(env)
+    assert (le.rank, le.world_size, le.local_rank, le.master_addr, le.master_port, le.source) == (
+        3,
+        8,
+        1,
+        "h1",
+        2222,
+        "torchrun",
+    )
+
+
+def test_slurm_env_uses_first_host():
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "16",
+        "SLURM_LOCALID": "5",
+        "SLURM_NODELIST": "gpu[007-009,012]",
+    }
+    le = read_launch_env(env)
+    assert (le.rank, le.world_size, le.local_rank, le.master_addr, le.source) == (5, 16, 5, "gpu007", "slurm")
+
+
+def test_single_process_default():
+    le = read_launch_env({})
+    assert (le.rank, le.world_size, le.source) == (0, 1, "single")
+
+
+def test_nodelist_forms():
+    assert first_slurm_host("node12") == "node12"
+    assert first_slurm_host("a[1-3],b7") == "a1"
+    assert first_slurm_host("dgx-[04,07-08]") == "dgx-04"
