@@ -1,0 +1,98 @@
+"""Transformer-layer ModuleSpecs: megatron-core's local layer with torch SDPA core attention, or the
+Transformer Engine layer when transformer-engine is importable.
+
+The stock local ``DotProductAttention`` asks for a CUDA memory buffer and materialises the [T, T] score
+matrix; SDPA runs flash/memory-efficient kernels on GPU and works on CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+try:  # guarded: TE is a GPU-only extra
+    import transformer_engine  # noqa: F401
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    HAVE_TE = True
+except ImportError:
+    HAVE_TE = False
+
+
+class SDPACoreAttention(MegatronModule):
+    """Causal (optionally sliding-window, optionally padding-masked) attention through torch SDPA.
+
+    Constructor signature matches megatron-core's ``DotProductAttention`` so it drops into SelfAttention.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
+        self.window = config.window_size[0] if config.window_size is not None else None
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        """query [T, B, H/tp, D], key/value [T, B, G/tp, D]; attention_mask None (plain causal) or bool
+        broadcastable to [B, 1, T, T] with True = masked (megatron convention). Returns [T, B, H/tp*D]."""
+        if packed_seq_params is not None:
+            raise NotImplementedError("SDPACoreAttention does not support packed sequences (THD layout)")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads, T, D]
+        mask = self._keep_mask(attention_mask, q.shape[2], q.device)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True, scale=self.softmax_scale
+        )  # [B, H/tp, T, D]
+        t_len, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(t_len, b, -1)  # [T, B, H/tp*D]
+
+    def _keep_mask(self, attention_mask, t_len: int, dev) -> torch.Tensor | None:
+        """Bool [B|1, 1, T, T] with True = attend, or None when plain causal attention is exact."""
+        if attention_mask is None and (self.window is None or t_len <= self.window):
+            return None
+        idx = torch.arange(t_len, device=dev)
+        keep = idx[None, :] <= idx[:, None]  # [T, T] causal
+        if self.window is not None:
+            keep &= idx[:, None] - idx[None, :] <= self.window
+        keep = keep[None, None]  # [1, 1, T, T]
+        if attention_mask is not None:
+            keep = keep & ~attention_mask.bool()
+            # a fully masked row (a padding query) would give NaN; let it attend to itself
+            keep = keep | (~keep.any(-1, keepdim=True) & torch.eye(t_len, dtype=torch.bool, device=dev))
+        return keep
+
+
+def layer_spec(qk_norm: bool, backend: str = "auto") -> ModuleSpec:
+    """The GPT layer ModuleSpec. ``backend``: "local" (megatron-core modules + SDPA), "te" (Transformer
+    Engine; fuses the pre-attention/pre-MLP norms into linear_qkv/linear_fc1) or "auto" (TE if importable).
+    """
+    if backend not in ("auto", "local", "te"):
+        raise ValueError(f"model backend={backend!r}; use 'auto', 'local' or 'te'")
+    if backend == "te" and not HAVE_TE:
+        raise ImportError("model backend='te' needs transformer-engine; install it or use backend='local'")
+    if backend == "te" or (backend == "auto" and HAVE_TE):
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    spec = copy.deepcopy(get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm"))
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
