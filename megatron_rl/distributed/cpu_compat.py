@@ -11,6 +11,9 @@ task) runs through. This module patches exactly those, and only when CUDA is abs
 3. ``torch.cuda.synchronize`` becomes a no-op.
 4. The pipeline schedules create a few tensors with a literal ``device="cuda"``; in their module those
    land on the CPU.
+5. ``LanguageModule.setup_embeddings_and_output_layer`` moves the last stage's copy of a tied embedding
+   with ``weight.data.cuda()`` before all-reducing it over the embedding group (tied embeddings at PP>1);
+   while that method runs, ``Tensor.cuda`` returns the tensor itself.
 
 What is *not* patched, by design: megatron-core's optimizers (they assert CUDA grads; the CPU path uses
 torch AdamW) and the stock ``DotProductAttention`` (our ModuleSpec uses SDPA core attention instead).
@@ -22,6 +25,7 @@ per patched behaviour.
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -75,6 +79,21 @@ class _TorchWithCudaOnCpu(types.ModuleType):
         return torch.tensor(*args, device=_cuda_to_cpu(device), **kwargs)
 
 
+def _without_tensor_cuda(fn):
+    """Run ``fn`` with ``Tensor.cuda`` as the identity (restored afterwards)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        original = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = original
+
+    return wrapper
+
+
 def needed() -> bool:
     """True when no usable CUDA device is present (the only case in which we patch)."""
     return not torch.cuda.is_available()
@@ -86,6 +105,7 @@ def apply() -> bool:
     if _applied or not needed():
         return _applied
     import megatron.core
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
 
@@ -104,5 +124,8 @@ def apply() -> bool:
     mcore_random._get_cuda_rng_state = _cpu_get_rng_state
     mcore_random._set_cuda_rng_state = _cpu_set_rng_state
     schedules.torch = _TorchWithCudaOnCpu()
+    LanguageModule.setup_embeddings_and_output_layer = _without_tensor_cuda(
+        LanguageModule.setup_embeddings_and_output_layer
+    )
     _applied = True
     return True

@@ -57,3 +57,13 @@ def test_schedules_literal_cuda_tensors_land_on_cpu():
     t = schedules.torch.zeros([], dtype=torch.int, device="cuda")
     assert t.device.type == "cpu"
     assert schedules.torch.float32 is torch.float32
+
+
+def test_tied_embedding_setup_runs_without_tensor_cuda():
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    assert hasattr(LanguageModule.setup_embeddings_and_output_layer, "__wrapped__")
+    original = torch.Tensor.cuda
+    seen = cpu_compat._without_tensor_cuda(lambda: torch.ones(2).cuda().device)()
+    assert seen.type == "cpu"
+    assert torch.Tensor.cuda is original, "Tensor.cuda must be restored after the wrapped call"
