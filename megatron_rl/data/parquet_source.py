@@ -89,7 +89,9 @@ def _ground_truth(reward_model: Any, path: Path, row: int) -> Any:
     return reward_model["ground_truth"]
 
 
-def read_prompt_file(path: Path, prompt_key: str = "prompt", files_key: str = "data.train_files"):
+def read_prompt_file(
+    path: Path, prompt_key: str = "prompt", files_key: str = "data.train_files"
+) -> list[SourceRow]:
     """Read one parquet file into a list of ``SourceRow``; raise naming the file on any problem."""
     table = _read_table(path, files_key)
     _require_columns(table, path, prompt_key)

@@ -45,6 +45,8 @@ class PromptSampler:
                 f"data.train_batch_size={batch_size} is larger than the dataset ({num_rows} rows); "
                 f"set data.train_batch_size <= {num_rows} or add more data"
             )
+        if seed < 0:
+            raise ValueError(f"data.seed={seed} must be a non-negative integer")
         if total_epochs is not None and total_epochs <= 0:
             raise ValueError(f"total_epochs={total_epochs} must be positive (or None to iterate forever)")
         self.num_rows = num_rows

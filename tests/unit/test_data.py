@@ -82,7 +82,7 @@ def test_multiple_files_concatenate_in_order(tmp_path, tok):
     assert [r.file_row for r in read_prompt_files(tmp_path)] == [0, 1, 0]  # a directory means its *.parquet
 
 
-def test_truncation_modes(tmp_path, tok):
+def test_truncation_modes(tmp_path, tok, caplog):
     path = write_rows(tmp_path / "t.parquet", ["abcdefgh", "ab", "abcdef"])
     kw = dict(max_prompt_length=4, apply_chat_template=False)
     left = PromptDataset(path, tok, truncation="left", **kw)
@@ -91,6 +91,7 @@ def test_truncation_modes(tmp_path, tok):
     assert [tok.decode(r.prompt_ids) for r in right.rows] == ["abcd", "ab", "abcd"]
     kept = PromptDataset(path, tok, truncation="filter", **kw)
     assert kept.num_filtered == 2 and [r.index for r in kept.rows] == [1]
+    assert "dropped 2 of 3 prompts" in caplog.text
     with pytest.raises(ValueError) as err:
         PromptDataset(path, tok, truncation="error", **kw)
     msg = str(err.value)
@@ -154,6 +155,8 @@ def test_tokenizer_save_load_round_trip(tmp_path, tok):
 def test_batch_larger_than_dataset_names_key_and_count():
     with pytest.raises(ValueError, match=r"data.train_batch_size=8 is larger than the dataset \(5 rows\)"):
         PromptSampler(5, 8)
+    with pytest.raises(ValueError, match="data.seed=-1"):
+        PromptSampler(5, 2, seed=-1)
 
 
 def test_shuffle_is_seeded_and_covers_each_epoch():
