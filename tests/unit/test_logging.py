@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import time
 
@@ -19,6 +20,7 @@ from megatron_rl.logging import (
     to_float,
 )
 from megatron_rl.logging import metric_names as names
+from megatron_rl.logging.console import ConsoleBackend
 
 
 def read_jsonl(path):
@@ -103,6 +105,15 @@ def test_console_progress_and_generations(tmp_path, capsys):
     assert "score=1  data_source='d'" in out and "What is 2+2?" in out
     long = format_generations([{"prompt": "x" * 5000, "response": "y", "score": 0.0}], 0, max_chars=100)
     assert "[... 4900 chars ...]" in long and len(long) < 400
+
+
+def test_progress_postfix_shows_step_score_kl_and_seconds_per_step():
+    bar = ConsoleBackend(total_steps=10, stream=io.StringIO())
+    bar.log({names.SCORE_MEAN: 0.5, names.ACTOR_PPO_KL: 1e-3, names.TIMING_STEP: 2.0}, 3)
+    assert bar.bar.postfix == "step=3, score=0.500, kl=1.00e-03, s/step=2.00"
+    bar.log({names.ACTOR_KL_LOSS: 0.02}, 5)  # no timing metric: wall clock between calls
+    assert "kl=2.00e-02" in bar.bar.postfix and "s/step=" in bar.bar.postfix
+    bar.close()
 
 
 def test_metric_names_cover_the_standard_set():
