@@ -3,16 +3,20 @@
 Every reward function has verl's signature ``fn(data_source, solution_str, ground_truth, extra_info=None)``
 and returns a float or a dict with ``score``. Names:
 
-- ``default``: pick the rule from each sample's ``data_source`` (``DATA_SOURCE_RULES``).
-- ``gsm8k`` / ``math``: that rule for every sample, whatever its ``data_source``.
+- ``auto``: pick the rule from each sample's ``data_source`` (``DATA_SOURCE_RULES``).
+- ``gsm8k`` / ``math`` (or any name added with ``register_rule``): that rule for every sample.
 - ``custom``: ``reward.custom_reward_function.path`` / ``.name``.
 - ``model``: a reward *model* scores the batch; that scorer (``RewardModelScorer``) is built by the trainer
-  from ``megatron_rl.models``, not here, so ``build_reward_fn("model")`` raises. It should expose the
-  same batch contract as ``score_batch``: ``(scores: list[float], extra_metrics: dict[str, list[float]])``.
+  from ``megatron_rl.models``, not here, so ``build_reward_fn("model")`` raises. It should keep the batch
+  contract of ``score_batch``: ``(scores: list[float], extra_metrics: dict[str, list[float]])``.
+
+Rule options: ``reward.format_score`` goes to the built-in gsm8k and math rules, ``reward.gsm8k_mode`` to
+gsm8k; rules added with ``register_rule`` receive no options.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -22,14 +26,14 @@ from megatron_rl.rewards.custom import load_custom_reward_fn
 RewardFn = Callable[..., Any]
 
 
-def gsm8k_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info=None, **kwargs) -> float:
-    """GSM8K rule; ``kwargs``: ``method`` (strict|flexible), ``format_score``, ``score``."""
-    return gsm8k.compute_score(solution_str, ground_truth, **kwargs)
+def gsm8k_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info=None, **options) -> float:
+    """GSM8K rule; ``options``: ``method`` (strict|flexible), ``format_score``, ``score``."""
+    return gsm8k.compute_score(solution_str, ground_truth, **options)
 
 
-def math_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info=None, **kwargs) -> float:
-    """Boxed-answer rule; ``kwargs``: ``score``, ``format_score``."""
-    return math_boxed.compute_score(solution_str, ground_truth, **kwargs)
+def math_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info=None, **options) -> float:
+    """Boxed-answer rule; ``options``: ``format_score``, ``score``."""
+    return math_boxed.compute_score(solution_str, ground_truth, **options)
 
 
 RULES: dict[str, RewardFn] = {"gsm8k": gsm8k_reward, "math": math_reward}
@@ -43,17 +47,35 @@ DATA_SOURCE_RULES: dict[str, str] = {
     "math": "math",
 }
 
+_RESERVED = ("auto", "custom", "model")
+
 
 def register_rule(name: str, fn: RewardFn, data_sources: tuple[str, ...] = ()) -> None:
-    """Add a rule usable as ``reward.reward_fn=<name>`` and, for ``data_sources``, by ``default``."""
-    if name in ("default", "custom", "model"):
+    """Add a rule usable as ``reward.reward_fn=<name>`` and, for ``data_sources``, by ``auto``."""
+    if name in _RESERVED:
         raise ValueError(f"'{name}' is a reserved reward.reward_fn name; pick another rule name")
     RULES[name] = fn
     for source in data_sources:
         DATA_SOURCE_RULES[source] = name
 
 
-def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info=None) -> float:
+def rule_options(rule: str, format_score: float = 0.0, gsm8k_method: str = "strict") -> dict:
+    """The keyword options rule ``rule`` takes (see the module docstring)."""
+    if rule == "gsm8k":
+        return {"method": gsm8k_method, "format_score": format_score}
+    if rule == "math":
+        return {"format_score": format_score}
+    return {}
+
+
+def default_compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info=None,
+    format_score: float = 0.0,
+    gsm8k_method: str = "strict",
+) -> float:
     """Dispatch to the rule registered for ``data_source``."""
     rule = DATA_SOURCE_RULES.get(data_source)
     if rule is None:
@@ -62,24 +84,29 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: Any
             f"reward.reward_fn to one of {sorted(RULES)} to use it for every sample, or reward.reward_fn=custom "
             "with reward.custom_reward_function.path"
         )
-    return RULES[rule](data_source, solution_str, ground_truth, extra_info)
+    options = rule_options(rule, format_score, gsm8k_method)
+    return RULES[rule](data_source, solution_str, ground_truth, extra_info, **options)
 
 
 def reward_fn_names() -> list[str]:
-    return ["default", *sorted(RULES), "custom", "model"]
+    return ["auto", *sorted(RULES), "custom", "model"]
 
 
 def build_reward_fn(
     name: str,
     custom_path: str | None = None,
     custom_name: str = "compute_score",
+    format_score: float = 0.0,
+    gsm8k_method: str = "strict",
     reward_kwargs: dict | None = None,
 ) -> RewardFn:
-    """The function for ``reward.reward_fn=name``.
+    """The function for ``reward.reward_fn=name``, with verl's signature.
 
-    ``reward_kwargs`` (``reward.reward_kwargs``) are bound to a single named rule (e.g. ``method`` and
-    ``format_score`` for gsm8k) or to the custom function.
+    ``format_score`` / ``gsm8k_method`` (``reward.format_score`` / ``reward.gsm8k_mode``) configure the
+    built-in rules; ``reward_kwargs`` are bound to a custom function (verl's ``reward_kwargs``).
     """
+    if gsm8k_method not in gsm8k.METHODS:
+        raise ValueError(f"reward.gsm8k_mode={gsm8k_method!r} is not one of {list(gsm8k.METHODS)}")
     if name == "custom":
         return load_custom_reward_fn(custom_path, custom_name, reward_kwargs)
     if name == "model":
@@ -87,21 +114,9 @@ def build_reward_fn(
             "reward.reward_fn=model is scored by a reward model (RewardModelScorer, built by the trainer from "
             "megatron_rl.models), not by a rule function; the trainer must build that scorer instead"
         )
-    if name == "default":
-        if reward_kwargs:
-            raise ValueError(
-                f"reward.reward_kwargs={reward_kwargs} cannot apply to reward.reward_fn=default, which mixes "
-                f"rules; set reward.reward_fn to one rule ({sorted(RULES)}) or drop reward.reward_kwargs"
-            )
-        return default_compute_score
+    if name == "auto":
+        return functools.partial(default_compute_score, format_score=format_score, gsm8k_method=gsm8k_method)
     if name not in RULES:
         raise ValueError(f"reward.reward_fn={name!r} is not one of {reward_fn_names()}")
-    rule = RULES[name]
-    if not reward_kwargs:
-        return rule
-
-    def bound(data_source, solution_str, ground_truth, extra_info=None):
-        return rule(data_source, solution_str, ground_truth, extra_info, **reward_kwargs)
-
-    bound.__qualname__ = f"{name}_reward({reward_kwargs})"
-    return bound
+    options = rule_options(name, format_score, gsm8k_method)
+    return functools.partial(RULES[name], **options) if options else RULES[name]

@@ -15,6 +15,7 @@ from megatron_rl.rewards import (
     gsm8k,
     load_custom_reward_fn,
     math_boxed,
+    registry,
     score_batch,
 )
 
@@ -75,12 +76,33 @@ def test_default_dispatch_by_data_source():
     assert default_compute_score("DigitalLearningGmbH/MATH-lighteval", "#### 3", "3") == 0.0
     with pytest.raises(KeyError, match="data_source='mystery'.*reward.reward_fn"):
         default_compute_score("mystery", "#### 3", "3")
-    flexible = build_reward_fn("gsm8k", reward_kwargs={"method": "flexible"})
+    flexible = build_reward_fn("gsm8k", gsm8k_method="flexible", format_score=0.1)
     assert flexible("anything", "it is 3", "3") == 1.0
+    assert flexible("anything", "it is 4", "3") == 0.1
+    auto = build_reward_fn("auto", format_score=0.2)
+    assert auto(data_source="lighteval/MATH", solution_str=r"\boxed{4}", ground_truth="3") == 0.2
+    assert auto(data_source="openai/gsm8k", solution_str="it is 3", ground_truth="3") == 0.0  # strict
+    with pytest.raises(ValueError, match="reward.gsm8k_mode='loose'"):
+        build_reward_fn("auto", gsm8k_method="loose")
     with pytest.raises(ValueError, match="reward.reward_fn='nope'"):
         build_reward_fn("nope")
     with pytest.raises(ValueError, match="RewardModelScorer"):
         build_reward_fn("model")
+
+
+def test_register_rule_is_used_by_name_and_by_auto(monkeypatch):
+    monkeypatch.setattr("megatron_rl.rewards.registry.RULES", dict(registry.RULES))
+    monkeypatch.setattr("megatron_rl.rewards.registry.DATA_SOURCE_RULES", dict(registry.DATA_SOURCE_RULES))
+
+    def first_char(data_source, solution_str, ground_truth, extra_info=None):
+        return float(solution_str[:1] == ground_truth)
+
+    registry.register_rule("first_char", first_char, data_sources=("toy/task",))
+    assert build_reward_fn("first_char")("x", "7 apples", "7") == 1.0
+    assert build_reward_fn("auto")("toy/task", "8", "7") == 0.0
+    assert "first_char" in registry.reward_fn_names()
+    with pytest.raises(ValueError, match="reserved"):
+        registry.register_rule("auto", first_char)
 
 
 def write_reward_file(tmp_path, body):
