@@ -55,14 +55,16 @@ class TensorboardBackend:
 
 
 class WandbBackend:
-    """A wandb run with ``dir=output_dir``. Set ``WANDB_MODE=offline`` to log without network (sync later
-    with ``wandb sync <output_dir>/wandb/offline-run-*``)."""
+    """A wandb run with ``dir=output_dir``. ``mode="offline"`` (or ``WANDB_MODE=offline`` when ``mode`` is
+    None) logs without network; sync later with ``wandb sync <output_dir>/wandb/offline-run-*``."""
 
-    def __init__(self, output_dir: Path, project: str, experiment: str, config: dict) -> None:
+    def __init__(
+        self, output_dir: Path, project: str, experiment: str, config: dict, mode: str | None
+    ) -> None:
         import wandb
 
         self.wandb = wandb
-        self.run = wandb.init(project=project, name=experiment, config=config, dir=str(output_dir))
+        self.run = wandb.init(project=project, name=experiment, config=config, dir=str(output_dir), mode=mode)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)

@@ -12,6 +12,7 @@ from megatron_rl.logging.console import ConsoleBackend
 from megatron_rl.logging.file_backends import JsonlBackend, TensorboardBackend, WandbBackend
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+WANDB_MODES = (None, "offline", "online", "disabled")
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
@@ -62,6 +63,7 @@ class MetricsLogger:
         config: the resolved run config as a plain dict (stored with the wandb run).
         rank: global rank; only rank 0 writes.
         total_steps: length of the console progress bar (``None``: unknown).
+        wandb_mode: ``logger.wandb_mode`` (offline | online | disabled); ``None`` defers to ``WANDB_MODE``.
     """
 
     def __init__(
@@ -73,8 +75,13 @@ class MetricsLogger:
         config: dict | None = None,
         rank: int = 0,
         total_steps: int | None = None,
+        wandb_mode: str | None = None,
     ) -> None:
         self.names = check_backends(backends)
+        if wandb_mode not in WANDB_MODES:
+            raise ValueError(
+                f"logger.wandb_mode={wandb_mode!r} is not one of {[m for m in WANDB_MODES if m]}"
+            )
         self.output_dir = Path(output_dir)
         self.rank = rank
         self.backends: list = []
@@ -89,7 +96,8 @@ class MetricsLogger:
             elif name == "tensorboard":
                 self.backends.append(TensorboardBackend(self.output_dir))
             else:
-                self.backends.append(WandbBackend(self.output_dir, project, experiment, dict(config or {})))
+                wandb = WandbBackend(self.output_dir, project, experiment, dict(config or {}), wandb_mode)
+                self.backends.append(wandb)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Log one step's metrics (floats, numpy scalars or 0-d tensors); no-op off rank 0."""

@@ -80,9 +80,12 @@ def test_tensorboard_writes_event_file(tmp_path):
 
 
 def test_wandb_offline_writes_under_output_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_MODE", "online")  # the explicit mode wins; online would need network
     monkeypatch.setenv("WANDB_SILENT", "true")
-    with MetricsLogger(["wandb"], tmp_path, project="proj", experiment="exp", config={"lr": 1e-6}) as logger:
+    with pytest.raises(ValueError, match="logger.wandb_mode='local'"):
+        MetricsLogger(["wandb"], tmp_path, wandb_mode="local")
+    kw = dict(project="proj", experiment="exp", config={"lr": 1e-6}, wandb_mode="offline")
+    with MetricsLogger(["wandb"], tmp_path, **kw) as logger:
         logger.log({names.SCORE_MEAN: 0.5}, 1)
         logger.log_generations([{"prompt": "p", "response": "r", "score": 1.0}], 1)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
