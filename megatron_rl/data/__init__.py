@@ -2,7 +2,7 @@
 
 from megatron_rl.data.parquet_source import SourceRow, read_prompt_files
 from megatron_rl.data.prompt_dataset import TRUNCATION_MODES, PromptDataset, PromptRow
-from megatron_rl.data.sampler import PromptDataLoader, PromptSampler, dp_share
+from megatron_rl.data.sampler import PromptDataLoader, PromptSampler, dp_share, eval_batches
 from megatron_rl.data.tiny_tokenizer import build_char_tokenizer
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "SourceRow",
     "build_char_tokenizer",
     "dp_share",
+    "eval_batches",
     "read_prompt_files",
 ]

@@ -185,3 +185,12 @@ def dp_share(batch: Sequence[T], dp_rank: int, dp_size: int) -> list[T]:
         )
     n = len(batch) // dp_size
     return list(batch[dp_rank * n : (dp_rank + 1) * n])
+
+
+def eval_batches(dataset: PromptDataset, batch_size: int) -> list[list[PromptRow]]:
+    """Every row of ``dataset`` in file order, in batches of ``data.val_batch_size`` (the last may be
+    smaller): validation scores every prompt exactly once, unlike training which drops the remainder."""
+    if batch_size <= 0:
+        raise ValueError(f"data.val_batch_size={batch_size} must be a positive number of prompts")
+    rows = dataset.rows
+    return [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]

@@ -15,6 +15,7 @@ from megatron_rl.data import (
     PromptSampler,
     build_char_tokenizer,
     dp_share,
+    eval_batches,
     read_prompt_files,
 )
 
@@ -208,3 +209,11 @@ def test_loader_global_batches_and_dp_share(tmp_path, tok):
     assert shares[0] + shares[1] == batches[0] and len(shares[0]) == 2
     with pytest.raises(ValueError, match="multiple of 3"):
         dp_share(batches[0], 0, 3)
+
+
+def test_eval_batches_cover_every_row_once(tmp_path, tok):
+    ds = PromptDataset(write_rows(tmp_path / "v.parquet", [f"q{i}" for i in range(5)]), tok)
+    batches = eval_batches(ds, 2)
+    assert [[r.index for r in b] for b in batches] == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="data.val_batch_size=0"):
+        eval_batches(ds, 0)
