@@ -1,0 +1,91 @@
+"""The rollout engine in one process: decoder vs HF, continuous batching, log-probs, seeds, errors."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed" / "workers"))
+from rollout_common import hf_greedy, hf_logprobs, hf_to_mcore, random_prompts, spec_of, tiny_hf  # noqa: E402
+
+from megatron_rl.rollout import decoder  # noqa: E402
+from megatron_rl.rollout.engine import EngineConfig, GenerationOOM, RolloutEngine  # noqa: E402
+from megatron_rl.rollout.sampling import SamplingParams  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def model(request):
+    hf = tiny_hf(request.param)
+    spec = spec_of(hf)
+    return hf, spec, hf_to_mcore(hf, spec, 1, 0, 1, 0)
+
+
+def test_greedy_equals_hf_and_logprobs_equal_hf_forward(model):
+    hf, spec, params = model
+    prompts = random_prompts(6, seed=1)
+    before = {k: p.detach().clone() for k, p in params.items()}
+    engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=4))
+    out = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10))
+    assert [c.response_ids for c in out] == [hf_greedy(hf, p, 10) for p in prompts]
+    sampled = engine.generate(prompts, SamplingParams(temperature=0.7, top_p=0.9, n=2, max_new_tokens=10, seed=1))
+    assert [(c.prompt_index, c.sample_index) for c in sampled] == [(i, s) for i in range(6) for s in range(2)]
+    for c in sampled:
+        ref = hf_logprobs(hf, c.prompt_ids, c.response_ids, 0.7)
+        assert (torch.tensor(c.logprobs) - ref).abs().max() < 1e-5
+    assert all(torch.equal(p, before[k]) for k, p in params.items())
+    stats = engine.last_stats
+    assert stats.gathered_weight_bytes == 0 and stats.peak_memory_bytes == stats.kv_cache_bytes > 0
+
+
+def test_continuous_batching_with_stop_ids_equals_each_prompt_alone():
+    hf = tiny_hf("llama")
+    spec = spec_of(hf)
+    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
+    prompts = random_prompts(10, seed=4)
+    full = [hf_greedy(hf, p, 16) for p in prompts]
+    stop = {full[0][1], full[3][6], full[5][11]}  # responses end early at different lengths
+    sp = SamplingParams(temperature=0, max_new_tokens=16, stop_token_ids=tuple(stop))
+    engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=3, max_prefill_tokens=40))
+    batched = engine.generate(prompts, sp)
+    lengths = {len(c.response_ids) for c in batched}
+    assert len(lengths) >= 3 and {c.finish_reason for c in batched} == {"stop", "length"}
+    for p, c, ref in zip(prompts, batched, full):
+        alone = RolloutEngine(params, spec, EngineConfig(max_num_seqs=1)).generate([p], sp)[0]
+        assert c.response_ids == alone.response_ids
+        cut = next((i + 1 for i, t in enumerate(ref) if t in stop), len(ref))
+        assert c.response_ids == ref[:cut]
+        assert c.finish_reason == ("stop" if c.response_ids[-1] in stop else "length")
+    assert engine.last_stats.slots == 3
+
+
+def test_engine_sampling_is_reproducible_with_a_seed(model):
+    hf, spec, params = model
+    engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=2))
+    prompts = random_prompts(3, seed=2)
+    run = [engine.generate(prompts, SamplingParams(temperature=1.0, top_k=50, n=2, max_new_tokens=8, seed=s))
+           for s in (9, 9, 10)]
+    ids = [[c.response_ids for c in r] for r in run]
+    assert ids[0] == ids[1] and ids[0] != ids[2]
+
+
+def test_bad_arguments_fail_before_any_work(model):
+    _, spec, params = model
+    with pytest.raises(ValueError, match="rollout.tensor_model_parallel_size=2.*parallel.tensor_model_parallel_size"):
+        RolloutEngine(params, spec, EngineConfig(tensor_model_parallel_size=2)).generate([[1, 2]], SamplingParams())
+    engine = RolloutEngine(params, spec, EngineConfig(kv_cache_tokens=20))
+    with pytest.raises(ValueError, match="rollout.kv_cache_tokens"):
+        engine.generate([[1] * 15], SamplingParams(max_new_tokens=8))
+    with pytest.raises(ValueError, match="Empty prompt"):
+        engine.generate([[]], SamplingParams(max_new_tokens=8))
+
+
+def test_out_of_memory_names_the_keys_to_lower(model, monkeypatch):
+    _, spec, params = model
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(decoder, "prefill", oom)
+    with pytest.raises(GenerationOOM, match="rollout.kv_cache_tokens.*data.train_batch_size.*rollout.max_new_tokens"):
+        RolloutEngine(params, spec).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))

@@ -1,0 +1,61 @@
+"""Sampling: allowed sets of top-k / top-p, seeded reproducibility, greedy, the log-prob convention."""
+
+import pytest
+import torch
+
+from megatron_rl.rollout.sampling import SamplingParams, sample, token_logprobs, truncate_logits
+
+# probabilities 0.4, 0.3, 0.15, 0.1, 0.05 (then tiny mass)
+PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.04, 0.01])
+LOGITS = PROBS.log()[None].repeat(4000, 1)  # [B, V]
+
+
+def draw(params: SamplingParams, seed: int = 0) -> torch.Tensor:
+    return sample(LOGITS, params, torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(
+    "top_k,top_p,allowed",
+    [(2, 1.0, {0, 1}), (-1, 0.7, {0, 1}), (-1, 0.71, {0, 1, 2}), (3, 0.5, {0, 1}), (1, 1.0, {0})],
+)
+def test_top_k_top_p_never_emit_outside_the_allowed_set(top_k, top_p, allowed):
+    tokens = draw(SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p))
+    assert set(tokens.tolist()) == allowed  # all allowed tokens show up in 4000 draws, nothing else
+    kept = torch.isfinite(truncate_logits(LOGITS[:1], top_k, top_p))[0]
+    assert set(kept.nonzero()[:, 0].tolist()) == allowed
+
+
+def test_sampling_follows_the_distribution_and_temperature():
+    freq = torch.bincount(draw(SamplingParams(temperature=1.0)), minlength=6).float() / 4000
+    assert torch.allclose(freq, PROBS, atol=0.03)
+    hot = torch.bincount(draw(SamplingParams(temperature=3.0)), minlength=6).float() / 4000
+    assert hot[0] < freq[0] and hot[5] > freq[5]
+
+
+def test_fixed_seed_is_reproducible_and_seeds_differ():
+    p = SamplingParams(temperature=0.8, top_p=0.9)
+    assert torch.equal(draw(p, seed=5), draw(p, seed=5))
+    assert not torch.equal(draw(p, seed=5), draw(p, seed=6))
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(7, 50)
+    assert torch.equal(sample(logits, SamplingParams(temperature=0), None), logits.argmax(-1))
+
+
+def test_logprob_is_the_temperature_scaled_full_softmax():
+    logits = torch.randn(3, 11)
+    tokens = torch.tensor([0, 5, 10])
+    want = torch.log_softmax(logits / 0.5, -1)[torch.arange(3), tokens]
+    assert torch.allclose(token_logprobs(logits, tokens, 0.5), want)
+    assert torch.allclose(token_logprobs(logits, tokens, 0.0), torch.log_softmax(logits, -1)[torch.arange(3), tokens])
+
+
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"), ({"n": 0}, "rollout.n"),
+     ({"max_new_tokens": 0}, "max_new_tokens")],
+)
+def test_bad_sampling_params_name_the_key(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        SamplingParams(**kwargs)
