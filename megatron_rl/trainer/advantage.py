@@ -1,0 +1,105 @@
+"""Rewards -> (KL in reward) -> advantages, computed collectively across DP ranks."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state as ps
+
+from megatron_rl.algos import (
+    AdaptiveKLController,
+    FixedKLController,
+    all_reduce_metrics,
+    apply_kl_in_reward,
+    compute_advantages_dp,
+    kl_penalty,
+    masked_mean,
+)
+from megatron_rl.config.schema import AlgorithmConfig
+from megatron_rl.rewards import score_batch
+from megatron_rl.trainer.batch import RolloutBatch
+
+
+def build_kl_controller(cfg: AlgorithmConfig):
+    k = cfg.kl_ctrl
+    if k.type == "adaptive":
+        return AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
+    return FixedKLController(k.kl_coef)
+
+
+def decode_responses(batch: RolloutBatch, tokenizer) -> list[str]:
+    lens = batch.response_lens.tolist()
+    ids = batch.responses.tolist()
+    return tokenizer.batch_decode([row[:n] for row, n in zip(ids, lens)], skip_special_tokens=True)
+
+
+def score_responses(batch: RolloutBatch, reward_fn, tokenizer) -> dict[str, torch.Tensor]:
+    """Rule/custom scores, placed on the last response token of each sequence (``token_level_scores``)."""
+    batch.response_texts = decode_responses(batch, tokenizer)
+    rows = batch.rows
+    scores, extra = score_batch(
+        reward_fn,
+        [r.data_source for r in rows],
+        batch.response_texts,
+        [r.ground_truth for r in rows],
+        [r.extra_info for r in rows],
+    )
+    dev = batch.response_mask.device
+    score_t = torch.tensor(scores, dtype=torch.float32, device=dev)  # [B]
+    tls = torch.zeros_like(batch.response_mask)
+    last = (batch.response_lens - 1).clamp(min=0)
+    has_tokens = batch.response_lens > 0
+    tls[has_tokens, last[has_tokens]] = score_t[has_tokens]
+    batch.token_level_scores = tls
+    out = {"score": score_t}
+    out.update({f"reward_extra/{k}": torch.tensor(v, dtype=torch.float32, device=dev) for k, v in extra.items()})
+    return out
+
+
+def compute_advantages(batch: RolloutBatch, cfg: AlgorithmConfig, kl_ctrl) -> dict[str, float]:
+    """Fill ``token_level_rewards``, ``advantages`` and ``returns``; returns DP-reduced metrics."""
+    dp_group = ps.get_data_parallel_group()
+    metrics: dict[str, torch.Tensor] = {}
+    if cfg.use_kl_in_reward:
+        rewards, kl_metrics = apply_kl_in_reward(
+            token_level_scores=batch.token_level_scores, logprob=batch.old_log_probs,
+            ref_logprob=batch.ref_log_probs, response_mask=batch.response_mask,
+            kl_coef=kl_ctrl.value, kind=cfg.kl_penalty,
+        )  # fmt: skip
+        reduced = all_reduce_metrics(kl_metrics, dp_group, weight=float(len(batch)))
+        kl_ctrl.update(float(reduced["kl_in_reward/kl"]), n_steps=len(batch) * ps.get_data_parallel_world_size())
+        metrics.update(reduced)
+        batch.token_level_rewards = rewards
+    else:
+        batch.token_level_rewards = batch.token_level_scores
+    batch.advantages, batch.returns = compute_advantages_dp(
+        cfg.adv_estimator, dp_group=dp_group, token_level_rewards=batch.token_level_rewards,
+        response_mask=batch.response_mask, index=batch.group_index, values=batch.values,
+        gamma=cfg.gamma, lam=cfg.lam, norm_adv_by_std=cfg.norm_adv_by_std_in_grpo,
+    )  # fmt: skip
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def batch_metrics(batch: RolloutBatch, max_new_tokens: int) -> dict[str, float]:
+    """critic/*, response_length/*, actor-vs-ref KL and rollout-vs-recompute log-prob gap, reduced over DP."""
+    mask = batch.response_mask
+    seq_score = batch.token_level_scores.sum(-1)
+    seq_reward = batch.token_level_rewards.sum(-1)
+    lens = batch.response_lens.float()
+    m = {
+        "critic/score/mean": seq_score.mean(),
+        "critic/rewards/mean": seq_reward.mean(),
+        "critic/advantages/mean": masked_mean(batch.advantages, mask),
+        "critic/returns/mean": masked_mean(batch.returns, mask),
+        "response_length/mean": lens.mean(),
+        "response_length/clip_ratio": (lens >= max_new_tokens).float().mean(),
+        "rollout/logprob_abs_diff": masked_mean((batch.rollout_log_probs - batch.old_log_probs).abs(), mask),
+    }
+    if batch.values is not None:
+        m["critic/values/mean"] = masked_mean(batch.values, mask)
+    if batch.ref_log_probs is not None:
+        kl = kl_penalty(logprob=batch.old_log_probs, ref_logprob=batch.ref_log_probs, kind="k1")
+        m["actor/reference_kl"] = masked_mean(kl, mask)
+    ops = {"response_length/max": "max"}
+    m["response_length/max"] = lens.max()
+    reduced = all_reduce_metrics(m, ps.get_data_parallel_group(), weight=float(len(batch)), reduce_ops=ops)
+    return {k: float(v) for k, v in reduced.items()}

@@ -1,0 +1,108 @@
+"""The rollout batch of one DP rank: prompt+response token tensors and everything computed on them.
+
+Layout: every sequence is ``prompt + response`` contiguous and right-padded, so plain causal attention
+with positions 0..T-1 is exact for every real token (no left padding, no attention mask). Per-token RL
+quantities live in a response-aligned ``[B, R]`` frame (R = rollout.max_new_tokens, the same on every
+rank); ``score_pos`` maps response token j of row i to the position whose logits score it
+(``prompt_len_i - 1 + j``: logits at t score token t + 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from megatron_rl.data import PromptRow
+from megatron_rl.rollout.engine import Completion
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor  # [B, T] prompt + response, right-padded
+    responses: torch.Tensor  # [B, R] response ids (0 past the end)
+    response_mask: torch.Tensor  # [B, R] float, 1 on response tokens (EOS included)
+    score_pos: torch.Tensor  # [B, R] long: logits position scoring each response token
+    prompt_lens: torch.Tensor  # [B]
+    response_lens: torch.Tensor  # [B]
+    group_index: torch.Tensor  # [B] global prompt id (GRPO/RLOO groups may straddle DP ranks)
+    rollout_log_probs: torch.Tensor  # [B, R] sampling-time log-probs (temperature applied)
+    finish_reasons: list[str]
+    rows: list[PromptRow]  # the prompt row of each sequence
+    response_texts: list[str] = field(default_factory=list)
+    old_log_probs: torch.Tensor | None = None  # [B, R]
+    ref_log_probs: torch.Tensor | None = None  # [B, R]
+    values: torch.Tensor | None = None  # [B, R]
+    token_level_scores: torch.Tensor | None = None  # [B, R]
+    token_level_rewards: torch.Tensor | None = None  # [B, R]
+    advantages: torch.Tensor | None = None  # [B, R]
+    returns: torch.Tensor | None = None  # [B, R]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[1]
+
+    def select(self, idx: torch.Tensor | list[int]) -> RolloutBatch:
+        """Rows ``idx`` of every per-sequence field (tensors indexed on dim 0, lists likewise)."""
+        idx_list = idx.tolist() if isinstance(idx, torch.Tensor) else list(idx)
+        index = torch.tensor(idx_list, dtype=torch.long)
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                out[f.name] = value[index.to(value.device)]
+            elif isinstance(value, list) and value:
+                out[f.name] = [value[i] for i in idx_list]
+            else:
+                out[f.name] = value
+        return RolloutBatch(**out)
+
+
+def build_batch(
+    completions: list[Completion],
+    rows: list[PromptRow],
+    group_offset: int,
+    max_new_tokens: int,
+    pad_id: int,
+    device: torch.device,
+) -> RolloutBatch:
+    """Tensors from the engine's completions of this DP rank's prompts ``rows`` (ordered by prompt, sample).
+
+    ``group_offset``: global id of ``rows[0]`` so group ids are unique across DP ranks.
+    """
+    b, r = len(completions), max_new_tokens
+    prompt_lens = torch.tensor([len(c.prompt_ids) for c in completions])
+    response_lens = torch.tensor([len(c.response_ids) for c in completions])
+    t = int((prompt_lens + response_lens).max())
+    input_ids = torch.full((b, t), pad_id, dtype=torch.long)
+    responses = torch.zeros(b, r, dtype=torch.long)
+    rollout_lp = torch.zeros(b, r, dtype=torch.float32)
+    for i, c in enumerate(completions):
+        seq = c.prompt_ids + c.response_ids
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        responses[i, : len(c.response_ids)] = torch.tensor(c.response_ids, dtype=torch.long)
+        rollout_lp[i, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    j = torch.arange(r)
+    response_mask = (j[None, :] < response_lens[:, None]).float()  # [B, R]
+    score_pos = (prompt_lens[:, None] - 1 + j[None, :]).clamp(max=t - 1)  # [B, R]
+    return RolloutBatch(
+        input_ids=input_ids.to(device),
+        responses=responses.to(device),
+        response_mask=response_mask.to(device),
+        score_pos=score_pos.to(device),
+        prompt_lens=prompt_lens.to(device),
+        response_lens=response_lens.to(device),
+        group_index=torch.tensor([group_offset + c.prompt_index for c in completions], device=device),
+        rollout_log_probs=rollout_lp.to(device),
+        finish_reasons=[c.finish_reason or "length" for c in completions],
+        rows=[rows[c.prompt_index] for c in completions],
+    )
+
+
+def split_micro_batches(batch: RolloutBatch, micro_size: int) -> list[RolloutBatch]:
+    """Consecutive micro-batches of ``micro_size`` sequences (the caller checked divisibility)."""
+    return [batch.select(range(s, s + micro_size)) for s in range(0, len(batch), micro_size)]

@@ -1,0 +1,114 @@
+"""Build everything a run needs on this rank: models (actor, ref, critic), engine, data, rewards, logger."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from megatron_rl.config.schema import JobConfig
+from megatron_rl.data import PromptDataLoader, PromptDataset
+from megatron_rl.distributed import ParallelDims
+from megatron_rl.logging import MetricsLogger
+from megatron_rl.models import ModelArgs, build_model, load_hf_weights
+from megatron_rl.rewards import build_reward_fn
+from megatron_rl.rollout.decoder import DecoderSpec
+from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
+from megatron_rl.trainer.advantage import build_kl_controller
+from megatron_rl.trainer.builtin_task import prepare_builtin_task
+from megatron_rl.trainer.workers import CriticWorker, PolicyWorker
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Components:
+    cfg: JobConfig
+    dims: ParallelDims
+    args: ModelArgs
+    tokenizer: object
+    actor: PolicyWorker
+    ref: PolicyWorker | None
+    critic: CriticWorker | None
+    engine: RolloutEngine
+    train_loader: PromptDataLoader
+    val_dataset: PromptDataset | None
+    reward_fn: object
+    kl_ctrl: object
+    logger: MetricsLogger
+    total_steps: int
+
+
+def _resolve_paths(cfg: JobConfig) -> tuple[str, str | None, str | None, bool]:
+    """Model dir and data files; the built-in task fills in whatever is unset."""
+    data, model = cfg.data, cfg.model
+    if model.path is not None and data.train_files is not None:
+        return model.path, data.train_files, data.val_files, data.apply_chat_template
+    workdir = Path(cfg.trainer.output_dir) / "builtin_task"
+    model_dir, train, val = prepare_builtin_task(model, workdir, cfg.trainer.seed)
+    builtin_data = data.train_files is None
+    return (
+        model.path or model_dir,
+        train if builtin_data else data.train_files,
+        val if builtin_data and data.val_files is None else data.val_files,
+        data.apply_chat_template and not builtin_data,  # the built-in task's prompts are plain text
+    )
+
+
+def _build_models(cfg: JobConfig, args: ModelArgs, model_dir: str, total_steps: int):
+    dtype, r = DTYPES[cfg.model.dtype], cfg.rollout.max_new_tokens
+    actor_model = build_model(args, "actor", dtype)
+    load_hf_weights(actor_model, model_dir, args)
+    actor = PolicyWorker(actor_model, cfg.actor, cfg.rollout.temperature, args.vocab_size, total_steps, r)
+    ref = None
+    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        ref_model = build_model(args, "ref", dtype)
+        load_hf_weights(ref_model, model_dir, args)
+        ref = PolicyWorker(
+            ref_model, cfg.actor, cfg.rollout.temperature, args.vocab_size, total_steps, r, trainable=False
+        )
+    critic = None
+    if cfg.algorithm.adv_estimator == "gae":
+        critic_model = build_model(args, "critic", dtype)
+        load_hf_weights(critic_model, cfg.model.critic_path or model_dir, args, role="critic")
+        critic = CriticWorker(critic_model, cfg.critic, total_steps, r)
+    return actor, ref, critic
+
+
+def _reward_fn(cfg: JobConfig):
+    rw = cfg.reward
+    return build_reward_fn(
+        rw.reward_fn, rw.custom_reward_function.path, rw.custom_reward_function.name,
+        format_score=rw.format_score, gsm8k_method=rw.gsm8k_mode,
+    )  # fmt: skip
+
+
+def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
+    reward_fn = _reward_fn(cfg)  # a bad custom function path fails before models are built
+    model_dir, train_files, val_files, chat = _resolve_paths(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    data = cfg.data
+    dataset_kw = dict(tokenizer=tokenizer, prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length,
+                      truncation=data.truncation, apply_chat_template=chat)  # fmt: skip
+    train_ds = PromptDataset(train_files, files_key="data.train_files", **dataset_kw)
+    loader = PromptDataLoader(train_ds, data.train_batch_size, data.shuffle, data.seed, cfg.trainer.total_epochs)
+    val_ds = PromptDataset(val_files, files_key="data.val_files", **dataset_kw) if val_files else None
+    total = min(cfg.trainer.total_training_steps, loader.steps_per_epoch * cfg.trainer.total_epochs)
+    args = ModelArgs.from_hf_config(model_dir, tp=dims.tp)
+    actor, ref, critic = _build_models(cfg, args, model_dir, total)
+    engine_cfg = EngineConfig(
+        tensor_model_parallel_size=cfg.rollout.tensor_model_parallel_size,
+        kv_cache_tokens=cfg.rollout.kv_cache_tokens or None,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        cuda_graphs=cfg.rollout.cuda_graphs,
+    )
+    engine = RolloutEngine(actor.model, DecoderSpec.from_args(args), engine_cfg)
+    logger = MetricsLogger(
+        cfg.trainer.logger, cfg.trainer.output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
+        config=dataclasses.asdict(cfg), rank=torch.distributed.get_rank(), total_steps=total,
+    )  # fmt: skip
+    return Components(cfg, dims, args, tokenizer, actor, ref, critic, engine, loader, val_ds, reward_fn,
+                      build_kl_controller(cfg.algorithm), logger, total)  # fmt: skip

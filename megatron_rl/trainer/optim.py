@@ -1,0 +1,117 @@
+"""Optimizer step for a TP/PP-sharded model on any device: DP grad reduction, tied-embedding sync,
+a layout-aware global grad norm for clipping, AdamW and the LR schedule.
+
+megatron-core's own optimizers assert CUDA tensors, so this path uses torch AdamW (fused on GPU). The
+losses are normalised by global token/sequence counts, so DP gradients are *summed*, not averaged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megatron_rl.config.schema import OptimConfig
+from megatron_rl.models import unwrap
+
+
+def lr_lambda(cfg: OptimConfig, total_steps: int):
+    """Multiplier of the peak LR at optimizer step ``s``: linear warmup, then constant/linear/cosine."""
+
+    def fn(step: int) -> float:
+        if cfg.lr_warmup_steps > 0 and step < cfg.lr_warmup_steps:
+            return (step + 1) / cfg.lr_warmup_steps
+        if cfg.lr_decay_style == "constant":
+            return 1.0
+        span = max(1, total_steps - cfg.lr_warmup_steps)
+        frac = min(1.0, (step - cfg.lr_warmup_steps) / span)
+        decay = 1.0 - frac if cfg.lr_decay_style == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
+    return fn
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int):
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = bool(params) and params[0].is_cuda
+    opt = torch.optim.AdamW(
+        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
+    return opt, sched
+
+
+def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
+
+
+def _shared_embedding(model: torch.nn.Module) -> torch.nn.Parameter | None:
+    core = unwrap(model)
+    if ps.get_pipeline_model_parallel_world_size() == 1 or not core.share_embeddings_and_output_weights:
+        return None
+    if core.pre_process or core.post_process:
+        return core.shared_embedding_or_output_weight()
+    return None
+
+
+def reduce_gradients(model: torch.nn.Module) -> None:
+    """Sum grads over DP; sum the tied embedding's grad between the first and last PP stage."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        _all_reduce_coalesced(grads, ps.get_data_parallel_group())
+    shared = _shared_embedding(model)
+    if shared is not None:
+        dist.all_reduce(shared.grad, group=ps.get_embedding_group())
+
+
+def _counts_once(p: torch.nn.Parameter, model: torch.nn.Module, shared) -> bool:
+    """Whether this rank counts ``p`` in the global norm (TP-replicated params only on TP rank 0; the tied
+    embedding only on the first stage)."""
+    if shared is not None and p is shared and not unwrap(model).pre_process:
+        return False
+    sharded = getattr(p, "tensor_model_parallel", False)
+    return sharded or ps.get_tensor_model_parallel_rank() == 0
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the full (unsharded) gradient over TP x PP; scale grads if above ``max_norm``."""
+    params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+    shared = _shared_embedding(model)
+    dev = params[0].grad.device if params else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=dev)
+    for p in params:
+        if _counts_once(p, model, shared):
+            sq += p.grad.detach().double().square().sum()
+    dist.all_reduce(sq, group=ps.get_model_parallel_group())
+    norm = sq.sqrt()
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad.mul_(coef.to(p.grad.dtype))
+    return norm.float()
+
+
+def optimizer_step(model, opt, sched, clip_grad: float) -> dict[str, torch.Tensor]:
+    """Reduce, clip and apply the accumulated gradients; returns grad_norm and the LR used."""
+    reduce_gradients(model)
+    grad_norm = clip_grad_norm(model, clip_grad)
+    lr = opt.param_groups[0]["lr"]
+    if torch.isfinite(grad_norm):
+        opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return {"grad_norm": grad_norm, "lr": torch.tensor(lr)}

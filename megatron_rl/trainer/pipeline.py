@@ -1,0 +1,77 @@
+"""Micro-batches through megatron-core's pipeline schedule, and results back to every pipeline rank.
+
+The schedule contract is megatron-core's: ``forward_step(data_iterator, model) -> (output, loss_fn)``;
+``loss_fn(output)`` runs on the last stage only and returns ``(loss, dict)``. The schedule divides that
+loss by the number of micro-batches; our losses are already normalised by global denominators, so the
+loss functions hand back ``loss * num_micro_batches`` to cancel it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_rl.models import unwrap
+from megatron_rl.trainer.batch import RolloutBatch
+
+LossFn = Callable[[RolloutBatch, torch.Tensor], tuple[torch.Tensor, dict]]
+
+
+def _positions(input_ids: torch.Tensor) -> torch.Tensor:
+    b, t = input_ids.shape
+    return torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)  # [B, T]
+
+
+def run_micro_batches(
+    model: torch.nn.Module, micro_batches: list[RolloutBatch], loss_fn: LossFn, forward_only: bool
+) -> list[dict]:
+    """Run ``micro_batches`` (same T on every pipeline stage) through the schedule.
+
+    Returns the list of per-micro-batch dicts from ``loss_fn`` on the last stage, [] elsewhere.
+    """
+    n = len(micro_batches)
+
+    def forward_step(data_iterator, model_chunk):
+        mb = next(data_iterator)
+        out = model_chunk(mb.input_ids, _positions(mb.input_ids), attention_mask=None)
+        return out, partial(_scaled, loss_fn, mb, n)
+
+    unwrap(model).config.pipeline_dtype = next(model.parameters()).dtype
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=model,
+        num_microbatches=n,
+        seq_length=micro_batches[0].seq_len,
+        micro_batch_size=len(micro_batches[0]),
+        forward_only=forward_only,
+    )
+
+
+def _scaled(loss_fn: LossFn, mb: RolloutBatch, n: int, output: torch.Tensor):
+    loss, info = loss_fn(mb, output)
+    return loss * n, info
+
+
+def broadcast_from_last_stage(obj):
+    """A picklable object from the last PP stage to every rank of this pipeline."""
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(
+        box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+    )
+    return box[0]
+
+
+def pad_to_length(batch: RolloutBatch, length: int, pad_id: int) -> RolloutBatch:
+    """Right-pad ``input_ids`` to ``length`` so every micro-batch of a pipeline shares one shape."""
+    extra = length - batch.seq_len
+    if extra > 0:
+        batch.input_ids = torch.nn.functional.pad(batch.input_ids, (0, extra), value=pad_id)
+    return batch

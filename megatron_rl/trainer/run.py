@@ -1,0 +1,123 @@
+"""The training loop, identical on every rank: generate -> score -> advantages -> update -> metrics."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from megatron.core import parallel_state as ps
+
+from megatron_rl.config.schema import JobConfig
+from megatron_rl.data import dp_share
+from megatron_rl.distributed import ParallelDims, device, init_distributed
+from megatron_rl.logging import Timer
+from megatron_rl.rollout.sampling import SamplingParams
+from megatron_rl.trainer.advantage import batch_metrics, compute_advantages, score_responses
+from megatron_rl.trainer.batch import RolloutBatch, build_batch
+from megatron_rl.trainer.build import Components, build_components
+
+
+def _sampling(c: Components, temperature: float, n: int, seed: int) -> SamplingParams:
+    r = c.cfg.rollout
+    stops = [c.tokenizer.eos_token_id, *r.stop_token_ids]
+    return SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k, n=n,
+                          max_new_tokens=r.max_new_tokens, stop_token_ids=[s for s in stops if s is not None],
+                          seed=seed)  # fmt: skip
+
+
+def rollout(c: Components, rows, group_offset: int, params: SamplingParams, timer: Timer) -> RolloutBatch:
+    """This DP rank's prompts -> completions (engine, in place) -> batch tensors; scores attached."""
+    with timer("gen"):
+        completions = c.engine.generate([r.prompt_ids for r in rows], params)
+    batch = build_batch(completions, rows, group_offset, params.max_new_tokens, c.tokenizer.pad_token_id or 0,
+                        device())  # fmt: skip
+    return batch
+
+
+def _dp_rows(c: Components, rows):
+    return dp_share(rows, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+
+
+def validate(c: Components, step: int, timer: Timer) -> dict[str, float]:
+    """Greedy (rollout.val_temperature) generation on the validation prompts; mean score over DP."""
+    if c.val_dataset is None:
+        return {}
+    rows = [c.val_dataset[i] for i in range(len(c.val_dataset))]
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = rows[rank::dp]
+    params = _sampling(c, c.cfg.rollout.val_temperature, 1, c.cfg.trainer.seed)
+    batch = rollout(c, mine, 0, params, timer) if mine else None
+    total = torch.zeros(2, dtype=torch.float64, device=device())
+    if batch is not None:
+        scores = score_responses(batch, c.reward_fn, c.tokenizer)["score"]
+        total += torch.stack([scores.double().sum(), torch.tensor(float(len(scores)), dtype=torch.float64)])
+    torch.distributed.all_reduce(total, group=ps.get_data_parallel_group())
+    return {"val/score/mean": float(total[0] / total[1].clamp(min=1))}
+
+
+def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float], RolloutBatch]:
+    cfg = c.cfg
+    global_rows = c.train_loader.global_batch(step)
+    rows = _dp_rows(c, global_rows)
+    offset = step * len(global_rows) + ps.get_data_parallel_rank() * len(rows)
+    batch = rollout(c, rows, offset, _sampling(c, cfg.rollout.temperature, cfg.rollout.n, cfg.trainer.seed + step),
+                    timer)  # fmt: skip
+    with timer("old_log_prob"):
+        batch.old_log_probs = c.actor.log_probs(batch)
+    if c.ref is not None:
+        with timer("ref"):
+            batch.ref_log_probs = c.ref.log_probs(batch)
+    if c.critic is not None:
+        with timer("values"):
+            batch.values = c.critic.values(batch)
+    with timer("reward"):
+        score_responses(batch, c.reward_fn, c.tokenizer)
+    with timer("adv"):
+        metrics = compute_advantages(batch, cfg.algorithm, c.kl_ctrl)
+    if c.critic is not None:
+        with timer("update_critic"):
+            metrics |= c.critic.update(batch, cfg.critic.ppo_mini_batch_size * cfg.rollout.n // c.dims.dp)
+    if step >= cfg.trainer.critic_warmup:
+        with timer("update_actor"):
+            metrics |= c.actor.update(batch, cfg.actor.ppo_mini_batch_size * cfg.rollout.n // c.dims.dp)
+    metrics |= batch_metrics(batch, cfg.rollout.max_new_tokens)
+    return metrics, batch
+
+
+def _perf(c: Components, batch: RolloutBatch, seconds: float) -> dict[str, float]:
+    tokens = torch.tensor(float((batch.prompt_lens + batch.response_lens).sum()), device=device())
+    torch.distributed.all_reduce(tokens, group=ps.get_data_parallel_group())
+    out = {"perf/throughput": float(tokens) / max(seconds, 1e-9) / c.dims.world_size}
+    if torch.cuda.is_available():
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def _samples(c: Components, batch: RolloutBatch, k: int) -> list[dict]:
+    scores = batch.token_level_scores.sum(-1).tolist()
+    return [{"prompt": batch.rows[i].prompt_text, "response": batch.response_texts[i], "score": scores[i]}
+            for i in range(min(k, len(batch)))]  # fmt: skip
+
+
+def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
+    """Entry from ``megatron_rl.train`` after validation: init distributed, build, loop, close."""
+    os.makedirs(cfg.trainer.output_dir, exist_ok=True)
+    init_distributed(dims.tp, dims.pp, seed=cfg.trainer.seed, timeout_minutes=cfg.trainer.timeout_minutes)
+    c = build_components(cfg, dims)
+    tr = cfg.trainer
+    with c.logger:
+        if tr.val_before_train:
+            c.logger.log(validate(c, 0, Timer()), step=0)
+        for step in range(c.total_steps):
+            timer, t0 = Timer(), time.perf_counter()
+            metrics, batch = train_step(c, step, timer)
+            done = step + 1
+            if tr.test_freq > 0 and (done % tr.test_freq == 0 or done == c.total_steps):
+                metrics |= validate(c, done, timer)
+            seconds = time.perf_counter() - t0
+            metrics |= timer.metrics() | {"timing_s/step": seconds} | _perf(c, batch, seconds)
+            metrics["timing_s/reshard"] = c.engine.last_stats.reshard_s + c.engine.last_stats.gather_back_s
+            c.logger.log(metrics, step=done)
+            if tr.log_generations_freq > 0 and done % tr.log_generations_freq == 0:
+                c.logger.log_generations(_samples(c, batch, c.cfg.logger.num_generations_to_log), step=done)

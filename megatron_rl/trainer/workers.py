@@ -1,0 +1,191 @@
+"""Actor, reference and critic on their TP/PP shards: forward passes for log-probs/values, PPO updates.
+
+Every method is called on every rank (SPMD) with this DP rank's batch; results come back on every rank
+of the pipeline. Updates: ppo_epochs x mini-batches x micro-batches through megatron-core's schedule,
+with loss denominators counted over all micro-batches and DP ranks of each optimizer step.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from megatron.core import parallel_state as ps
+
+from megatron_rl.algos import (
+    all_reduce_metrics,
+    compute_entropy_loss,
+    compute_kl_loss,
+    compute_policy_loss,
+    compute_value_loss,
+    global_loss_denominators,
+    vocab_parallel_entropy,
+    vocab_parallel_log_probs,
+)
+from megatron_rl.config.schema import ActorConfig, CriticConfig
+from megatron_rl.trainer.batch import RolloutBatch, split_micro_batches
+from megatron_rl.trainer.optim import build_optimizer, optimizer_step
+from megatron_rl.trainer.pipeline import broadcast_from_last_stage, run_micro_batches
+
+
+def _gather_positions(out: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """out [B, T, ...] at positions pos [B, R] -> [B, R, ...]."""
+    if out.dim() == 2:
+        return out.gather(1, pos)
+    return out.gather(1, pos[..., None].expand(-1, -1, out.shape[-1]))  # [B, R, V/tp]
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """logits [..., V/tp] with the rows past the true vocab (padding to a multiple of 128*TP) pushed to a
+    large negative value, as the engine excludes them when sampling. Finite, so entropy stays finite."""
+    v_local = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * v_local
+    if start + v_local <= vocab_size:
+        return logits
+    ids = torch.arange(start, start + v_local, device=logits.device)
+    return logits.masked_fill(ids >= vocab_size, -1e30)
+
+
+def response_log_probs(logits, mb: RolloutBatch, temperature: float, vocab_size: int, with_entropy: bool):
+    """logits [B, T, V/tp] -> log-probs [B, R] of the response tokens (and entropy [B, R] if asked)."""
+    scoring = mask_padded_vocab(_gather_positions(logits, mb.score_pos).float(), vocab_size)  # [B, R, V/tp]
+    tp_group = ps.get_tensor_model_parallel_group()
+    lp = vocab_parallel_log_probs(scoring, mb.responses, tp_group=tp_group, temperature=temperature)
+    ent = vocab_parallel_entropy(scoring, tp_group=tp_group, temperature=temperature) if with_entropy else None
+    return lp, ent
+
+
+def _reduce_update_metrics(per_micro: list[dict], num_optimizer_steps: int) -> dict[str, float]:
+    """Last-stage micro-batch metrics -> DP-reduced means (losses summed per step, then averaged)."""
+    if not per_micro:
+        return {}
+    keys = [k for k in per_micro[0] if k != "_tokens"]
+    tokens = torch.stack([m["_tokens"] for m in per_micro]).double()
+    merged = {}
+    for k in keys:
+        vals = torch.stack([m[k].double().reshape(()) for m in per_micro])
+        if k.endswith("loss"):
+            merged[k] = vals.sum() / num_optimizer_steps
+        else:
+            merged[k] = (vals * tokens).sum() / tokens.sum().clamp(min=1)
+    ops = {k: "sum" for k in keys if k.endswith("loss")}
+    reduced = all_reduce_metrics(merged, ps.get_data_parallel_group(), weight=tokens.sum(), reduce_ops=ops)
+    return {k: float(v) for k, v in reduced.items()}
+
+
+class _TrainedModel:
+    """A model with its optimizer and the mini/micro-batch loop shared by actor and critic."""
+
+    def __init__(self, model, cfg, total_steps: int, response_len: int):
+        self.model = model
+        self.cfg = cfg
+        self.response_len = response_len
+        self.opt, self.sched = build_optimizer(model, cfg.optim, total_steps)
+
+    def _forward_only(self, batch: RolloutBatch, loss_fn) -> list[dict]:
+        mbs = split_micro_batches(batch, self.cfg.ppo_micro_batch_size_per_gpu)
+        with torch.no_grad():
+            return run_micro_batches(self.model, mbs, loss_fn, forward_only=True)
+
+    def _update(self, batch: RolloutBatch, loss_fn, mini_seqs: int, prefix: str) -> dict[str, float]:
+        self.model.train()
+        per_micro, steps, step_info = [], 0, []
+        for _ in range(self.cfg.ppo_epochs):
+            for start in range(0, len(batch), mini_seqs):
+                mini = batch.select(range(start, start + mini_seqs))
+                mbs = split_micro_batches(mini, self.cfg.ppo_micro_batch_size_per_gpu)
+                denom = global_loss_denominators([m.response_mask for m in mbs], ps.get_data_parallel_group())
+                per_micro += run_micro_batches(self.model, mbs, partial(loss_fn, denom), forward_only=False)
+                step_info.append(optimizer_step(self.model, self.opt, self.sched, self.cfg.optim.clip_grad))
+                steps += 1
+        metrics = broadcast_from_last_stage(_reduce_update_metrics(per_micro, steps))
+        out = {f"{prefix}/{k}": v for k, v in metrics.items()}
+        out[f"{prefix}/grad_norm"] = float(sum(float(s["grad_norm"]) for s in step_info) / steps)
+        out[f"{prefix}/lr"] = float(step_info[-1]["lr"])
+        return out
+
+
+class PolicyWorker(_TrainedModel):
+    """Actor (trainable) or reference (frozen, ``cfg`` only for micro-batch sizes)."""
+
+    def __init__(self, model, cfg: ActorConfig, temperature: float, vocab_size: int, total_steps: int,
+                 response_len: int, trainable: bool = True):  # fmt: skip
+        self.temperature = temperature
+        self.vocab_size = vocab_size
+        if trainable:
+            super().__init__(model, cfg, total_steps, response_len)
+        else:
+            self.model, self.cfg, self.response_len = model, cfg, response_len
+
+    def log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+        """Log-probs [B, R] of the batch's responses under this model (temperature applied)."""
+        self.model.eval()
+
+        def loss_fn(mb, logits):
+            lp, _ = response_log_probs(logits, mb, self.temperature, self.vocab_size, with_entropy=False)
+            return logits.new_zeros(()), {"lp": lp}
+
+        outs = self._forward_only(batch, loss_fn)
+        lp = torch.cat([o["lp"] for o in outs]).cpu() if outs else None
+        return broadcast_from_last_stage(lp).to(batch.response_mask.device)
+
+    def _loss(self, denom, mb: RolloutBatch, logits: torch.Tensor):
+        cfg, (n_tok, n_seq) = self.cfg, denom
+        agg = dict(loss_agg_mode=cfg.loss_agg_mode, global_num_tokens=n_tok, global_num_seqs=n_seq,
+                   seq_len_norm=self.response_len)  # fmt: skip
+        lp, ent = response_log_probs(logits, mb, self.temperature, self.vocab_size, with_entropy=True)
+        loss, metrics = compute_policy_loss(
+            cfg.policy_loss, old_log_prob=mb.old_log_probs, log_prob=lp, advantages=mb.advantages,
+            response_mask=mb.response_mask, clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+            rollout_log_prob=mb.rollout_log_probs, tis_mode=cfg.tis_mode, tis_cap=cfg.tis_cap, **agg,
+        )  # fmt: skip
+        ent_loss, ent_metrics = compute_entropy_loss(entropy=ent, response_mask=mb.response_mask, **agg)
+        metrics.update(ent_metrics)
+        if cfg.entropy_coeff:
+            loss = loss - cfg.entropy_coeff * ent_loss
+        if cfg.use_kl_loss:
+            kl_loss, kl_metrics = compute_kl_loss(
+                logprob=lp, ref_logprob=mb.ref_log_probs, response_mask=mb.response_mask,
+                kind=cfg.kl_loss_type, **agg,
+            )  # fmt: skip
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = kl_loss.detach()
+        metrics = {k: v.detach() for k, v in metrics.items()}
+        metrics["_tokens"] = mb.response_mask.sum()
+        return loss, metrics
+
+    def update(self, batch: RolloutBatch, mini_seqs: int) -> dict[str, float]:
+        return self._update(batch, self._loss, mini_seqs, "actor")
+
+
+class CriticWorker(_TrainedModel):
+    """Scalar-head critic: values [B, R] and the clipped value-loss update."""
+
+    def __init__(self, model, cfg: CriticConfig, total_steps: int, response_len: int):
+        super().__init__(model, cfg, total_steps, response_len)
+
+    def values(self, batch: RolloutBatch) -> torch.Tensor:
+        self.model.eval()
+
+        def loss_fn(mb, values):
+            return values.new_zeros(()), {"v": _gather_positions(values, mb.score_pos) * mb.response_mask}
+
+        outs = self._forward_only(batch, loss_fn)
+        v = torch.cat([o["v"] for o in outs]).float().cpu() if outs else None
+        return broadcast_from_last_stage(v).to(batch.response_mask.device)
+
+    def _loss(self, denom, mb: RolloutBatch, values: torch.Tensor):
+        n_tok, n_seq = denom
+        vpreds = _gather_positions(values, mb.score_pos).float()  # [B, R]
+        loss, metrics = compute_value_loss(
+            vpreds=vpreds, values=mb.values, returns=mb.returns, response_mask=mb.response_mask,
+            cliprange_value=self.cfg.cliprange_value, loss_agg_mode=self.cfg.loss_agg_mode,
+            global_num_tokens=n_tok, global_num_seqs=n_seq, seq_len_norm=self.response_len,
+        )  # fmt: skip
+        metrics = {k: v.detach() for k, v in metrics.items()}
+        metrics["_tokens"] = mb.response_mask.sum()
+        return loss, metrics
+
+    def update(self, batch: RolloutBatch, mini_seqs: int) -> dict[str, float]:
+        return self._update(batch, self._loss, mini_seqs, "critic")
