@@ -41,6 +41,21 @@ class EngineConfig:
     max_prefill_tokens: int = 16384  # padded tokens per prefill batch
     cuda_graphs: bool = True  # capture the decode step on GPU
 
+    def __post_init__(self):
+        if self.kv_cache_tokens == 0:  # the config's "sized from the batch"
+            object.__setattr__(self, "kv_cache_tokens", None)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]."
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"rollout.max_num_seqs={self.max_num_seqs} must be >= 1.")
+
+    @classmethod
+    def from_config(cls, rollout) -> EngineConfig:
+        """From any object with (some of) these attribute names, e.g. the ``rollout`` config section."""
+        return cls(**{k: getattr(rollout, k) for k in cls.__dataclass_fields__ if hasattr(rollout, k)})
+
 
 @dataclass
 class Completion:
@@ -134,7 +149,9 @@ class RolloutEngine:
             raise GenerationOOM(_oom_message(exc)) from exc
         t2 = time.perf_counter()
         stats.peak_memory_bytes = (
-            torch.cuda.max_memory_allocated() if on_gpu else stats.kv_cache_bytes + stats.gathered_weight_bytes
+            torch.cuda.max_memory_allocated()
+            if on_gpu
+            else stats.kv_cache_bytes + stats.gathered_weight_bytes
         )
         del runner, weights
         stats.new_tokens = sum(len(c.response_ids) for c in seqs)

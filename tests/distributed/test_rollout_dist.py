@@ -7,3 +7,8 @@ def test_engine_matches_hf_greedy_and_training_logprobs_in_every_layout():
     proc = run_torchrun("rollout_engine.py", 4, timeout=300)
     for layout in ("TP=1 PP=1", "TP=2 PP=1", "TP=1 PP=2", "TP=2 PP=2"):
         assert proc.stdout.count(f"ok {layout}") == 2, proc.stdout
+
+
+def test_generate_job_writes_completions_of_every_dp_rank():
+    proc = run_torchrun("rollout_generate_job.py", 2, timeout=180)
+    assert "ok generate_job" in proc.stdout, proc.stdout

@@ -28,7 +28,9 @@ def test_greedy_equals_hf_and_logprobs_equal_hf_forward(model):
     engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=4))
     out = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10))
     assert [c.response_ids for c in out] == [hf_greedy(hf, p, 10) for p in prompts]
-    sampled = engine.generate(prompts, SamplingParams(temperature=0.7, top_p=0.9, n=2, max_new_tokens=10, seed=1))
+    sampled = engine.generate(
+        prompts, SamplingParams(temperature=0.7, top_p=0.9, n=2, max_new_tokens=10, seed=1)
+    )
     assert [(c.prompt_index, c.sample_index) for c in sampled] == [(i, s) for i in range(6) for s in range(2)]
     for c in sampled:
         ref = hf_logprobs(hf, c.prompt_ids, c.response_ids, 0.7)
@@ -63,16 +65,22 @@ def test_engine_sampling_is_reproducible_with_a_seed(model):
     hf, spec, params = model
     engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=2))
     prompts = random_prompts(3, seed=2)
-    run = [engine.generate(prompts, SamplingParams(temperature=1.0, top_k=50, n=2, max_new_tokens=8, seed=s))
-           for s in (9, 9, 10)]
+    run = [
+        engine.generate(prompts, SamplingParams(temperature=1.0, top_k=50, n=2, max_new_tokens=8, seed=s))
+        for s in (9, 9, 10)
+    ]
     ids = [[c.response_ids for c in r] for r in run]
     assert ids[0] == ids[1] and ids[0] != ids[2]
 
 
 def test_bad_arguments_fail_before_any_work(model):
     _, spec, params = model
-    with pytest.raises(ValueError, match="rollout.tensor_model_parallel_size=2.*parallel.tensor_model_parallel_size"):
-        RolloutEngine(params, spec, EngineConfig(tensor_model_parallel_size=2)).generate([[1, 2]], SamplingParams())
+    with pytest.raises(
+        ValueError, match="rollout.tensor_model_parallel_size=2.*parallel.tensor_model_parallel_size"
+    ):
+        RolloutEngine(params, spec, EngineConfig(tensor_model_parallel_size=2)).generate(
+            [[1, 2]], SamplingParams()
+        )
     engine = RolloutEngine(params, spec, EngineConfig(kv_cache_tokens=20))
     with pytest.raises(ValueError, match="rollout.kv_cache_tokens"):
         engine.generate([[1] * 15], SamplingParams(max_new_tokens=8))
@@ -87,5 +95,7 @@ def test_out_of_memory_names_the_keys_to_lower(model, monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
     monkeypatch.setattr(decoder, "prefill", oom)
-    with pytest.raises(GenerationOOM, match="rollout.kv_cache_tokens.*data.train_batch_size.*rollout.max_new_tokens"):
+    with pytest.raises(
+        GenerationOOM, match="rollout.kv_cache_tokens.*data.train_batch_size.*rollout.max_new_tokens"
+    ):
         RolloutEngine(params, spec).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))

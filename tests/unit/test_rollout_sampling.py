@@ -48,13 +48,20 @@ def test_logprob_is_the_temperature_scaled_full_softmax():
     tokens = torch.tensor([0, 5, 10])
     want = torch.log_softmax(logits / 0.5, -1)[torch.arange(3), tokens]
     assert torch.allclose(token_logprobs(logits, tokens, 0.5), want)
-    assert torch.allclose(token_logprobs(logits, tokens, 0.0), torch.log_softmax(logits, -1)[torch.arange(3), tokens])
+    assert torch.allclose(
+        token_logprobs(logits, tokens, 0.0), torch.log_softmax(logits, -1)[torch.arange(3), tokens]
+    )
 
 
 @pytest.mark.parametrize(
     "kwargs,key",
-    [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"), ({"n": 0}, "rollout.n"),
-     ({"max_new_tokens": 0}, "max_new_tokens")],
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"n": 0}, "rollout.n"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+    ],
 )
 def test_bad_sampling_params_name_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key):

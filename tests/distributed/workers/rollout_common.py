@@ -27,10 +27,22 @@ def tiny_hf(family: str, seed: int = 0):
     greedy decoding has no near-ties. EOS is the last id (greedy practically never picks it)."""
     config_cls, model_cls, tied = FAMILIES[family]
     cfg = config_cls(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.1,
-        rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=EOS, pad_token_id=0,
-        tie_word_embeddings=tied, attention_bias=family == "qwen2",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        tie_word_embeddings=tied,
+        attention_bias=family == "qwen2",
     )
     cfg.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
@@ -41,11 +53,18 @@ def spec_of(hf, tp: int = 1) -> DecoderSpec:
     c = hf.config
     multiple = 128 * tp
     return DecoderSpec(
-        vocab_size=c.vocab_size, padded_vocab_size=-(-c.vocab_size // multiple) * multiple,
-        hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads, num_query_groups=c.num_key_value_heads,
-        head_dim=c.head_dim, rope_theta=float(c.rope_parameters["rope_theta"]), norm_eps=c.rms_norm_eps,
-        qkv_bias=c.model_type == "qwen2", qk_norm=c.model_type == "qwen3",
+        vocab_size=c.vocab_size,
+        padded_vocab_size=-(-c.vocab_size // multiple) * multiple,
+        hidden_size=c.hidden_size,
+        ffn_hidden_size=c.intermediate_size,
+        num_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_query_groups=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        rope_theta=float(c.rope_parameters["rope_theta"]),
+        norm_eps=c.rms_norm_eps,
+        qkv_bias=c.model_type == "qwen2",
+        qk_norm=c.model_type == "qwen3",
         tie_word_embeddings=c.tie_word_embeddings,
     )
 
@@ -80,7 +99,9 @@ def hf_to_mcore(hf, spec: DecoderSpec, tp: int, tp_rank: int, pp: int, pp_rank: 
         out |= {
             name + "input_layernorm.weight": sd[f"{pre}input_layernorm.weight"],
             name + "self_attention.linear_qkv.weight": qkv("weight"),
-            name + "self_attention.linear_proj.weight": sd[f"{pre}self_attn.o_proj.weight"].chunk(tp, 1)[tp_rank],
+            name + "self_attention.linear_proj.weight": sd[f"{pre}self_attn.o_proj.weight"].chunk(tp, 1)[
+                tp_rank
+            ],
             name + "pre_mlp_layernorm.weight": sd[f"{pre}post_attention_layernorm.weight"],
             name + "mlp.linear_fc1.weight": torch.cat([rows(gate, tp_rank), rows(up, tp_rank)]),
             name + "mlp.linear_fc2.weight": sd[f"{pre}mlp.down_proj.weight"].chunk(tp, 1)[tp_rank],
@@ -107,10 +128,14 @@ def random_prompts(count: int, seed: int, max_len: int = 20) -> list[list[int]]:
 def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
     """HF greedy continuation of one prompt alone (no padding), EOS disabled."""
     out = hf.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @torch.no_grad()

@@ -80,7 +80,9 @@ def check_layout(path, hf, tp, pp, prompts, refs):
         assert all(c.finish_reason == "length" for c in out)
         params = SamplingParams(temperature=0.7, top_k=40, n=2, max_new_tokens=NEW, seed=3)
         sampled = engine.generate([prompts[i] for i in mine[:4]], params)
-        assert [(c.prompt_index, c.sample_index) for c in sampled] == [(i, s) for i in range(4) for s in range(2)]
+        assert [(c.prompt_index, c.sample_index) for c in sampled] == [
+            (i, s) for i in range(4) for s in range(2)
+        ]
         ref_lp = training_logprobs(model, sampled, 0.7, spec.vocab_size)
         err = max((torch.tensor(c.logprobs) - r).abs().max().item() for c, r in zip(sampled, ref_lp))
         assert err < 1e-5, f"TP={tp} PP={pp} TP_g={tp_g}: rollout log-probs off by {err}"
