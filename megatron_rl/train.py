@@ -5,7 +5,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from megatron_rl.config.entry import checked_layout, quiet_third_party
+from megatron_rl.config.entry import checked_layout, quiet_third_party, reported_errors
 from megatron_rl.config.store import CONFIG_DIR, to_job_config
 
 
@@ -17,7 +17,8 @@ def main(dcfg: DictConfig) -> None:
 
     from megatron_rl.trainer.run import run_training
 
-    run_training(cfg, dims)
+    with reported_errors(cfg.trainer.output_dir):
+        run_training(cfg, dims)
 
 
 if __name__ == "__main__":

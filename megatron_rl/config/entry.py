@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from megatron_rl.config.schema import JobConfig, ModelConfig
@@ -48,3 +50,19 @@ def quiet_third_party() -> None:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@contextlib.contextmanager
+def reported_errors(output_dir: str):
+    """Turn an exception into a one-paragraph message on stderr (rank 0) and the full traceback in
+    ``<output_dir>/error_rank<R>.log``; ``MEGATRON_RL_TRACEBACK=1`` lets it propagate instead."""
+    try:
+        yield
+    except Exception as err:
+        if os.environ.get("MEGATRON_RL_TRACEBACK") == "1":
+            raise
+        rank = read_launch_env().rank
+        log = Path(output_dir) / f"error_rank{rank}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(traceback.format_exc())
+        fail(f"{type(err).__name__}: {err} (traceback: {log}; MEGATRON_RL_TRACEBACK=1 shows it)", code=1)

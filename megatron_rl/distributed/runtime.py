@@ -6,6 +6,7 @@ import datetime
 import os
 import random
 import re
+import socket
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,12 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def read_launch_env(environ: os._Environ | dict | None = None) -> LaunchEnv:
     env = os.environ if environ is None else environ
     port = int(env.get("MASTER_PORT", 29500))
@@ -62,6 +69,8 @@ def read_launch_env(environ: os._Environ | dict | None = None) -> LaunchEnv:
             port,
             "slurm",
         )
+    if "MASTER_PORT" not in env:
+        port = _free_port()  # a lone process must not collide with another run's default port
     return LaunchEnv(0, 1, 0, "127.0.0.1", port, "single")
 
 

@@ -1,0 +1,58 @@
+"""Bad inputs produce the documented one-paragraph error, naming the file/key, before training starts."""
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.integration.cli import train
+
+
+def _parquet(path, **columns):
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def _rows(prompts, truth="1"):
+    n = len(prompts)
+    return dict(prompt=prompts, data_source=["custom"] * n,
+                reward_model=[{"ground_truth": truth}] * n, extra_info=[{"index": i} for i in range(n)])  # fmt: skip
+
+
+def _fails(tmp_path, *overrides):
+    out = train(tmp_path / "run", "trainer.val_before_train=false", "trainer.total_training_steps=1", *overrides)
+    assert out.returncode != 0, out.stdout[-2000:]
+    err = out.stderr.strip().splitlines()[-1]
+    assert err.startswith("megatron-rl: error:"), out.stderr[-3000:]
+    return err
+
+
+def test_missing_prompt_column(tmp_path):
+    f = _parquet(tmp_path / "p.parquet", question=["12="], data_source=["x"], reward_model=[{"ground_truth": "2"}])
+    err = _fails(tmp_path, f"data.train_files={f}")
+    assert "p.parquet" in err and "question" in err and "data.prompt_key" in err
+
+
+def test_empty_parquet(tmp_path):
+    f = _parquet(tmp_path / "empty.parquet", **{k: pa.array([], pa.string()) for k in ("prompt", "data_source")})
+    err = _fails(tmp_path, f"data.train_files={f}")
+    assert "empty.parquet" in err
+
+
+def test_overlong_prompt_with_truncation_error(tmp_path):
+    f = _parquet(tmp_path / "long.parquet", **_rows(["1" * 50 + "="] * 16))
+    err = _fails(tmp_path, f"data.train_files={f}", "data.max_prompt_length=20", "data.truncation=error")
+    assert "data.max_prompt_length" in err and "data.truncation" in err
+
+
+@pytest.mark.parametrize(
+    "body,needle",
+    [("raise KeyError('boom')", "sample 0"), ("return float('nan')", "nan")],
+)
+def test_custom_reward_function_errors(tmp_path, body, needle):
+    f = _parquet(tmp_path / "ok.parquet", **_rows(["12="] * 16))
+    fn = tmp_path / "my_reward.py"
+    fn.write_text(f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    {body}\n")
+    err = _fails(tmp_path, f"data.train_files={f}", "reward.reward_fn=custom",
+                 f"reward.custom_reward_function.path={fn}")  # fmt: skip
+    assert needle in err.lower() or needle in err
+    assert "custom" in err
