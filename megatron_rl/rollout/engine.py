@@ -77,6 +77,7 @@ class GenerationStats:
     generate_s: float = 0.0
     gather_back_s: float = 0.0  # generation -> train: free + all-gather results
     decode_steps: int = 0
+    decode_s: float = 0.0  # time in decode steps (forward + sampling + bookkeeping), prefills excluded
     new_tokens: int = 0  # this replica's
 
 
@@ -286,11 +287,13 @@ class _Runner:
             if waiting and self.cache.num_free:
                 self._admit(waiting, active)
                 continue
+            t0 = time.perf_counter()
             rows = sorted(active.items())
             logits = self._decode(rows[-1][0] + 1)  # [>= max slot + 1, V]
             picked = logits[torch.tensor([slot for slot, _ in rows], device=logits.device)]
             self._advance(rows, self._sample(picked), active)
             self.stats.decode_steps += 1
+            self.stats.decode_s += time.perf_counter() - t0  # _sample synced with the host
 
 
 def _dp_rank() -> int:
