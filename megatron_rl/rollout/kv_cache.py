@@ -70,7 +70,8 @@ class KVCache:
 
     def __init__(self, plan: CachePlan, num_layers: int, local_groups: int, head_dim: int, dtype, device):
         self.plan = plan
-        self.data = torch.empty(  # [L, 2, S, G/tp, Tmax, D]
+        # zeros, not empty: masked positions still enter SDPA as 0 * value, so NaN garbage would poison it
+        self.data = torch.zeros(  # [L, 2, S, G/tp, Tmax, D]
             num_layers, 2, plan.slots, local_groups, plan.max_len, head_dim, dtype=dtype, device=device
         )
         self._free = list(range(plan.slots))

@@ -99,3 +99,15 @@ def test_out_of_memory_names_the_keys_to_lower(model, monkeypatch):
         GenerationOOM, match="rollout.kv_cache_tokens.*data.train_batch_size.*rollout.max_new_tokens"
     ):
         RolloutEngine(params, spec).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+
+
+def test_kv_cache_starts_finite_so_masked_positions_cannot_poison_attention():
+    from megatron_rl.rollout.kv_cache import CachePlan, KVCache
+
+    cache = KVCache(
+        CachePlan(slots=3, max_len=7, bytes_per_token=0), 2, 2, 4, torch.bfloat16, torch.device("cpu")
+    )
+    assert cache.data.shape == (2, 2, 3, 2, 7, 4) and torch.isfinite(cache.data).all()
+    assert [cache.allocate() for _ in range(2)] == [0, 1]
+    cache.release(0)
+    assert cache.allocate() == 0 and cache.num_free == 1
