@@ -31,7 +31,7 @@ EOS = 151645
 
 def sync() -> None:
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
 def build_hf(layers: int, device: str):
