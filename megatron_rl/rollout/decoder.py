@@ -41,6 +41,12 @@ class DecoderSpec:
     @classmethod
     def from_args(cls, args) -> DecoderSpec:
         """Read the fields of any object with these attribute names (``ModelArgs``, a namespace)."""
+        for unsupported in ("rope_scaling_factor", "sliding_window"):
+            if getattr(args, unsupported, None):
+                raise NotImplementedError(
+                    f"The rollout decoder does not implement {unsupported}={getattr(args, unsupported)} yet; "
+                    f"generation would not match the trained model. Use a model without it."
+                )
         return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
 
 
