@@ -58,22 +58,27 @@ def _resolve_paths(cfg: JobConfig) -> tuple[str, str | None, str | None, bool]:
     )
 
 
+def _model(args: ModelArgs, role: str, dtype: torch.dtype, weights_dir: str) -> torch.nn.Module:
+    """Build and load one role; the whole module is cast to ``dtype`` (megatron-core's norms are created
+    in fp32 whatever ``params_dtype`` says; its Float16Module casts likewise)."""
+    model = build_model(args, role, dtype)
+    load_hf_weights(model, weights_dir, args, role=role)
+    return model.to(dtype)
+
+
 def _build_models(cfg: JobConfig, args: ModelArgs, model_dir: str, total_steps: int):
     dtype, r = DTYPES[cfg.model.dtype], cfg.rollout.max_new_tokens
-    actor_model = build_model(args, "actor", dtype)
-    load_hf_weights(actor_model, model_dir, args)
+    actor_model = _model(args, "actor", dtype, model_dir)
     actor = PolicyWorker(actor_model, cfg.actor, cfg.rollout.temperature, args.vocab_size, total_steps, r)
     ref = None
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-        ref_model = build_model(args, "ref", dtype)
-        load_hf_weights(ref_model, model_dir, args)
+        ref_model = _model(args, "ref", dtype, model_dir)
         ref = PolicyWorker(
             ref_model, cfg.actor, cfg.rollout.temperature, args.vocab_size, total_steps, r, trainable=False
         )
     critic = None
     if cfg.algorithm.adv_estimator == "gae":
-        critic_model = build_model(args, "critic", dtype)
-        load_hf_weights(critic_model, cfg.model.critic_path or model_dir, args, role="critic")
+        critic_model = _model(args, "critic", dtype, cfg.model.critic_path or model_dir)
         critic = CriticWorker(critic_model, cfg.critic, total_steps, r)
     return actor, ref, critic
 

@@ -34,13 +34,51 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):
     return fn
 
 
+class MainParamsAdamW:
+    """AdamW on fp32 main copies of low-precision (bf16) model parameters, as megatron-core's mixed-precision
+    optimizer does: updates of lr ~1e-6 would vanish if applied to bf16 weights directly. With fp32
+    parameters it is plain AdamW on the parameters themselves."""
+
+    def __init__(self, params: list[torch.nn.Parameter], cfg: OptimConfig):
+        self.model_params = params
+        self.main = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in params]
+        fused = bool(params) and params[0].is_cuda
+        self.opt = torch.optim.AdamW(
+            self.main, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused
+        )
+        self.param_groups = self.opt.param_groups
+
+    def step(self) -> None:
+        for p, m in zip(self.model_params, self.main):
+            if m is not p:
+                m.grad = p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.model_params, self.main):
+                if m is not p:
+                    p.copy_(m)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p, m in zip(self.model_params, self.main):
+            p.grad = None
+            if m is not p:
+                m.grad = None
+
+    def state_dict(self) -> dict:
+        return {"opt": self.opt.state_dict(), "main": [m.detach() for m in self.main]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["opt"])
+        with torch.no_grad():
+            for p, m, saved in zip(self.model_params, self.main, state["main"]):
+                m.copy_(saved)
+                if m is not p:
+                    p.copy_(m)
+
+
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int):
-    params = [p for p in model.parameters() if p.requires_grad]
-    fused = bool(params) and params[0].is_cuda
-    opt = torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
+    opt = MainParamsAdamW([p for p in model.parameters() if p.requires_grad], cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt.opt, lr_lambda(cfg, total_steps))
     return opt, sched
 
 
