@@ -35,10 +35,11 @@ def model_num_layers(model: ModelConfig) -> int:
     )
 
 
-def checked_layout(cfg: JobConfig) -> ParallelDims:
+def checked_layout(cfg: JobConfig, training: bool = True) -> ParallelDims:
     """Validate ``cfg`` against the launch's world size; on bad input, exit with the message."""
     try:
-        return validate_job(cfg, read_launch_env().world_size, num_layers=model_num_layers(cfg.model))
+        world = read_launch_env().world_size
+        return validate_job(cfg, world, num_layers=model_num_layers(cfg.model), training=training)
     except LayoutError as err:
         fail(str(err))
 

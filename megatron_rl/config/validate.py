@@ -90,8 +90,12 @@ def _check_update_batches(cfg: JobConfig, role: str, dp: int) -> int:
     return seqs_per_rank // micro
 
 
-def validate_job(cfg: JobConfig, world_size: int, num_layers: int | None = None) -> ParallelDims:
-    """Check the whole job against ``world_size``; return the layout. Raises ``LayoutError``/``ConfigError``."""
+def validate_job(
+    cfg: JobConfig, world_size: int, num_layers: int | None = None, training: bool = True
+) -> ParallelDims:
+    """Check the job against ``world_size``; return the layout. Raises ``LayoutError``/``ConfigError``.
+
+    ``training=False`` (``megatron-rl generate``) skips the update batch-size checks."""
     par = cfg.parallel
     dims = ParallelDims.build(
         world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size, num_layers=num_layers
@@ -117,6 +121,8 @@ def validate_job(cfg: JobConfig, world_size: int, num_layers: int | None = None)
             f"rollout.tensor_model_parallel_size={tp_g} must divide parallel.tensor_model_parallel_size="
             f"{par.tensor_model_parallel_size}. Valid: {divisors(par.tensor_model_parallel_size)}."
         )
+    if not training:
+        return dims
     _check_update_batches(cfg, "actor", dims.dp)
     if cfg.algorithm.adv_estimator == "gae":
         _check_update_batches(cfg, "critic", dims.dp)
