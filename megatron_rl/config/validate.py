@@ -23,7 +23,7 @@ CHOICES = {
     "data.truncation": ("error", "left", "right", "filter"),
     "model.dtype": ("float32", "bfloat16"),
     "trainer.resume_mode": ("auto", "disable", "path"),
-    "reward.reward_fn": ("auto", "gsm8k", "math", "custom", "builtin"),
+    "reward.reward_fn": ("auto", "gsm8k", "math", "custom", "builtin", "model"),
     "reward.gsm8k_mode": ("strict", "flexible"),
     "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
@@ -126,6 +126,8 @@ def validate_job(
     _check_update_batches(cfg, "actor", dims.dp)
     if cfg.algorithm.adv_estimator == "gae":
         _check_update_batches(cfg, "critic", dims.dp)
+    if cfg.reward.reward_fn == "model" and not cfg.reward.reward_model_path:
+        raise ConfigError("reward.reward_fn=model needs reward.reward_model_path=<HF sequence-classification dir>.")
     if cfg.trainer.resume_mode == "path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=path needs trainer.resume_from_path=<checkpoint dir>.")
     return dims

@@ -32,19 +32,22 @@ def decode_responses(batch: RolloutBatch, tokenizer) -> list[str]:
     return tokenizer.batch_decode([row[:n] for row, n in zip(ids, lens)], skip_special_tokens=True)
 
 
-def score_responses(batch: RolloutBatch, reward_fn, tokenizer) -> dict[str, torch.Tensor]:
-    """Rule/custom scores, placed on the last response token of each sequence (``token_level_scores``)."""
+def score_responses(batch: RolloutBatch, reward_fn, tokenizer, reward_model=None) -> dict[str, torch.Tensor]:
+    """Rule/custom (or reward-model) scores, placed on the last response token of each sequence
+    (``token_level_scores``)."""
     batch.response_texts = decode_responses(batch, tokenizer)
-    rows = batch.rows
-    scores, extra = score_batch(
-        reward_fn,
-        [r.data_source for r in rows],
-        batch.response_texts,
-        [r.ground_truth for r in rows],
-        [r.extra_info for r in rows],
-    )
-    dev = batch.response_mask.device
-    score_t = torch.tensor(scores, dtype=torch.float32, device=dev)  # [B]
+    rows, dev, extra = batch.rows, batch.response_mask.device, {}
+    if reward_model is not None:
+        score_t = reward_model(batch).float()  # [B]
+    else:
+        scores, extra = score_batch(
+            reward_fn,
+            [r.data_source for r in rows],
+            batch.response_texts,
+            [r.ground_truth for r in rows],
+            [r.extra_info for r in rows],
+        )
+        score_t = torch.tensor(scores, dtype=torch.float32, device=dev)  # [B]
     tls = torch.zeros_like(batch.response_mask)
     last = (batch.response_lens - 1).clamp(min=0)
     has_tokens = batch.response_lens > 0

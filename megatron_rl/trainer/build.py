@@ -19,6 +19,7 @@ from megatron_rl.rollout.decoder import DecoderSpec
 from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
 from megatron_rl.trainer.advantage import build_kl_controller
 from megatron_rl.trainer.builtin_task import prepare_builtin_task
+from megatron_rl.trainer.reward_model import RewardModelScorer
 from megatron_rl.trainer.workers import CriticWorker, PolicyWorker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -37,6 +38,7 @@ class Components:
     train_loader: PromptDataLoader
     val_dataset: PromptDataset | None
     reward_fn: object
+    reward_model: RewardModelScorer | None
     kl_ctrl: object
     logger: MetricsLogger
     total_steps: int
@@ -85,6 +87,8 @@ def _build_models(cfg: JobConfig, args: ModelArgs, model_dir: str, total_steps: 
 
 def _reward_fn(cfg: JobConfig):
     rw = cfg.reward
+    if rw.reward_fn == "model":
+        return None
     return build_reward_fn(
         rw.reward_fn, rw.custom_reward_function.path, rw.custom_reward_function.name,
         format_score=rw.format_score, gsm8k_method=rw.gsm8k_mode,
@@ -110,10 +114,14 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         cuda_graphs=cfg.rollout.cuda_graphs,
     )
+    reward_model = None
+    if cfg.reward.reward_fn == "model":
+        reward_model = RewardModelScorer(cfg.reward.reward_model_path, dims.tp, DTYPES[cfg.model.dtype],
+                                         cfg.actor.ppo_micro_batch_size_per_gpu, args.vocab_size)  # fmt: skip
     engine = RolloutEngine(actor.model, DecoderSpec.from_args(args), engine_cfg)
     logger = MetricsLogger(
         cfg.trainer.logger, cfg.trainer.output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
         config=dataclasses.asdict(cfg), rank=torch.distributed.get_rank(), total_steps=total,
     )  # fmt: skip
     return Components(cfg, dims, args, tokenizer, actor, ref, critic, engine, loader, val_ds, reward_fn,
-                      build_kl_controller(cfg.algorithm), logger, total)  # fmt: skip
+                      reward_model, build_kl_controller(cfg.algorithm), logger, total)  # fmt: skip

@@ -50,7 +50,7 @@ def validate(c: Components, step: int, timer: Timer) -> dict[str, float]:
     batch = rollout(c, mine, 0, params, timer) if mine else None
     total = torch.zeros(2, dtype=torch.float64, device=device())
     if batch is not None:
-        scores = score_responses(batch, c.reward_fn, c.tokenizer)["score"]
+        scores = score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)["score"]
         total += torch.stack([scores.double().sum(), torch.tensor(float(len(scores)), dtype=torch.float64)])
     torch.distributed.all_reduce(total, group=ps.get_data_parallel_group())
     return {"val/score/mean": float(total[0] / total[1].clamp(min=1))}
@@ -72,7 +72,7 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
         with timer("values"):
             batch.values = c.critic.values(batch)
     with timer("reward"):
-        score_responses(batch, c.reward_fn, c.tokenizer)
+        score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)
     with timer("adv"):
         metrics = compute_advantages(batch, cfg.algorithm, c.kl_ctrl)
     if c.critic is not None:
