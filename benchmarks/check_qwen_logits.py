@@ -15,9 +15,18 @@ import torch.distributed as dist
 from megatron_rl.distributed import init_distributed
 from megatron_rl.models import ModelArgs, build_model, forward_logits, load_hf_weights
 
-QWEN2_5_0_5B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                    num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-                    rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6)  # fmt: skip
+QWEN2_5_0_5B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    rope_theta=1000000.0,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+)
 
 
 def make_model(path: str) -> None:
@@ -66,9 +75,16 @@ def main() -> None:
     if dist.get_rank() == 0:
         make_model(a.path)
     dist.barrier()
-    ids = torch.randint(0, QWEN2_5_0_5B["vocab_size"], (4, 256), generator=torch.Generator().manual_seed(1)).cuda()
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tp": dims.tp, "shape": "Qwen2.5-0.5B",
-              "batch": list(ids.shape)}  # fmt: skip
+    ids = torch.randint(
+        0, QWEN2_5_0_5B["vocab_size"], (4, 256), generator=torch.Generator().manual_seed(1)
+    ).cuda()
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "tp": dims.tp,
+        "shape": "Qwen2.5-0.5B",
+        "batch": list(ids.shape),
+    }
     mine = {n: ours(a.path, dims.tp, d, ids) for n, d in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
     if dist.get_rank() == 0:
         ref32, ref16 = reference(a.path, torch.float32, ids), reference(a.path, torch.bfloat16, ids)
@@ -79,7 +95,8 @@ def main() -> None:
         result["bf16_hf_vs_hf_fp32"] = compare(ref16, ref32)
         result["pass"] = (
             result["fp32_ours_vs_hf_fp32"]["rel_err_fro"] < 1e-4
-            and result["bf16_ours_vs_hf_fp32"]["rel_err_fro"] <= 1.5 * result["bf16_hf_vs_hf_fp32"]["rel_err_fro"]
+            and result["bf16_ours_vs_hf_fp32"]["rel_err_fro"]
+            <= 1.5 * result["bf16_hf_vs_hf_fp32"]["rel_err_fro"]
         )
         print(json.dumps(result, indent=1))
         with open(a.out, "w") as f:

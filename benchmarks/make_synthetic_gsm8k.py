@@ -33,8 +33,13 @@ def tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(specials)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=specials[1:], chat_template=TEMPLATE)  # fmt: skip
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=specials[1:],
+        chat_template=TEMPLATE,
+    )
 
 
 def rows(n: int, seed: int, split: str) -> pa.Table:
@@ -45,13 +50,15 @@ def rows(n: int, seed: int, split: str) -> pa.Table:
         q = f"Tom has {a} apples and buys {b} bags with {c} apples each. How many apples does Tom have now?"
         prompts.append([{"role": "user", "content": q + " " + INSTRUCTION}])
         truths.append(str(a + b * c))
-    return pa.table({
-        "data_source": ["openai/gsm8k"] * n,
-        "prompt": prompts,
-        "ability": ["math"] * n,
-        "reward_model": [{"style": "rule", "ground_truth": t} for t in truths],
-        "extra_info": [{"split": split, "index": i} for i in range(n)],
-    })  # fmt: skip
+    return pa.table(
+        {
+            "data_source": ["openai/gsm8k"] * n,
+            "prompt": prompts,
+            "ability": ["math"] * n,
+            "reward_model": [{"style": "rule", "ground_truth": t} for t in truths],
+            "extra_info": [{"split": split, "index": i} for i in range(n)],
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -19,11 +19,20 @@ from megatron_rl.config.store import CONFIG_DIR, to_job_config
 def main(dcfg: DictConfig) -> None:
     quiet_third_party()
     cfg = to_job_config(dcfg)
-    missing = [k for k, v in (("model.path", cfg.model.path), ("generate.prompts", cfg.generate.prompts),
-                              ("generate.output", cfg.generate.output)) if not v]  # fmt: skip
+    missing = [
+        k
+        for k, v in (
+            ("model.path", cfg.model.path),
+            ("generate.prompts", cfg.generate.prompts),
+            ("generate.output", cfg.generate.output),
+        )
+        if not v
+    ]
     if missing:
-        fail(f"megatron-rl generate needs {', '.join(missing)} (e.g. model.path=/models/Qwen2.5-0.5B-Instruct "
-             f"generate.prompts=prompts.jsonl generate.output=out.jsonl).")  # fmt: skip
+        fail(
+            f"megatron-rl generate needs {', '.join(missing)} (e.g. model.path=/models/Qwen2.5-0.5B-Instruct "
+            f"generate.prompts=prompts.jsonl generate.output=out.jsonl)."
+        )
     dims = checked_layout(cfg, training=False)
 
     import torch
@@ -33,15 +42,27 @@ def main(dcfg: DictConfig) -> None:
     from megatron_rl.rollout.sampling import SamplingParams
 
     r = cfg.rollout
-    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=r.n,
-                              max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(r.stop_token_ids),
-                              seed=cfg.trainer.seed)  # fmt: skip
+    sampling = SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        n=r.n,
+        max_new_tokens=r.max_new_tokens,
+        stop_token_ids=tuple(r.stop_token_ids),
+        seed=cfg.trainer.seed,
+    )
     with reported_errors(cfg.trainer.output_dir):
         rows = generate_from_config(
-            cfg.model.path, read_prompts(cfg.generate.prompts), sampling, chat_template=cfg.generate.chat_template,
-            engine_config=EngineConfig.from_config(r), tp=dims.tp, pp=dims.pp,
-            dtype=getattr(torch, cfg.model.dtype), output=cfg.generate.output,
-        )  # fmt: skip
+            cfg.model.path,
+            read_prompts(cfg.generate.prompts),
+            sampling,
+            chat_template=cfg.generate.chat_template,
+            engine_config=EngineConfig.from_config(r),
+            tp=dims.tp,
+            pp=dims.pp,
+            dtype=getattr(torch, cfg.model.dtype),
+            output=cfg.generate.output,
+        )
         print(f"megatron-rl generate: wrote {len(rows)} completions to {cfg.generate.output}")
 
 

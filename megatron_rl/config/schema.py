@@ -152,7 +152,8 @@ class CustomRewardConfig:
 class RewardConfig:
     reward_fn: str = doc("auto", "auto (by data_source) | gsm8k | math | custom | builtin | model.")
     reward_model_path: Optional[str] = doc(
-        None, "reward_fn=model: HF *ForSequenceClassification checkpoint (num_labels=1, the actor's tokenizer)."
+        None,
+        "reward_fn=model: HF *ForSequenceClassification checkpoint (num_labels=1, the actor's tokenizer).",
     )
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     format_score: float = doc(0.0, "Score for a well-formatted but wrong answer (rule rewards).")

@@ -127,7 +127,9 @@ def validate_job(
     if cfg.algorithm.adv_estimator == "gae":
         _check_update_batches(cfg, "critic", dims.dp)
     if cfg.reward.reward_fn == "model" and not cfg.reward.reward_model_path:
-        raise ConfigError("reward.reward_fn=model needs reward.reward_model_path=<HF sequence-classification dir>.")
+        raise ConfigError(
+            "reward.reward_fn=model needs reward.reward_model_path=<HF sequence-classification dir>."
+        )
     if cfg.trainer.resume_mode == "path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=path needs trainer.resume_from_path=<checkpoint dir>.")
     return dims

@@ -54,7 +54,9 @@ def score_responses(batch: RolloutBatch, reward_fn, tokenizer, reward_model=None
     tls[has_tokens, last[has_tokens]] = score_t[has_tokens]
     batch.token_level_scores = tls
     out = {"score": score_t}
-    out.update({f"reward_extra/{k}": torch.tensor(v, dtype=torch.float32, device=dev) for k, v in extra.items()})
+    out.update(
+        {f"reward_extra/{k}": torch.tensor(v, dtype=torch.float32, device=dev) for k, v in extra.items()}
+    )
     return out
 
 
@@ -64,21 +66,32 @@ def compute_advantages(batch: RolloutBatch, cfg: AlgorithmConfig, kl_ctrl) -> di
     metrics: dict[str, torch.Tensor] = {}
     if cfg.use_kl_in_reward:
         rewards, kl_metrics = apply_kl_in_reward(
-            token_level_scores=batch.token_level_scores, logprob=batch.old_log_probs,
-            ref_logprob=batch.ref_log_probs, response_mask=batch.response_mask,
-            kl_coef=kl_ctrl.value, kind=cfg.kl_penalty,
-        )  # fmt: skip
+            token_level_scores=batch.token_level_scores,
+            logprob=batch.old_log_probs,
+            ref_logprob=batch.ref_log_probs,
+            response_mask=batch.response_mask,
+            kl_coef=kl_ctrl.value,
+            kind=cfg.kl_penalty,
+        )
         reduced = all_reduce_metrics(kl_metrics, dp_group, weight=float(len(batch)))
-        kl_ctrl.update(float(reduced["kl_in_reward/kl"]), n_steps=len(batch) * ps.get_data_parallel_world_size())
+        kl_ctrl.update(
+            float(reduced["kl_in_reward/kl"]), n_steps=len(batch) * ps.get_data_parallel_world_size()
+        )
         metrics.update(reduced)
         batch.token_level_rewards = rewards
     else:
         batch.token_level_rewards = batch.token_level_scores
     batch.advantages, batch.returns = compute_advantages_dp(
-        cfg.adv_estimator, dp_group=dp_group, token_level_rewards=batch.token_level_rewards,
-        response_mask=batch.response_mask, index=batch.group_index, values=batch.values,
-        gamma=cfg.gamma, lam=cfg.lam, norm_adv_by_std=cfg.norm_adv_by_std_in_grpo,
-    )  # fmt: skip
+        cfg.adv_estimator,
+        dp_group=dp_group,
+        token_level_rewards=batch.token_level_rewards,
+        response_mask=batch.response_mask,
+        index=batch.group_index,
+        values=batch.values,
+        gamma=cfg.gamma,
+        lam=cfg.lam,
+        norm_adv_by_std=cfg.norm_adv_by_std_in_grpo,
+    )
     return {k: float(v) for k, v in metrics.items()}
 
 

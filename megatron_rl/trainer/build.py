@@ -90,9 +90,12 @@ def _reward_fn(cfg: JobConfig):
     if rw.reward_fn == "model":
         return None
     return build_reward_fn(
-        rw.reward_fn, rw.custom_reward_function.path, rw.custom_reward_function.name,
-        format_score=rw.format_score, gsm8k_method=rw.gsm8k_mode,
-    )  # fmt: skip
+        rw.reward_fn,
+        rw.custom_reward_function.path,
+        rw.custom_reward_function.name,
+        format_score=rw.format_score,
+        gsm8k_method=rw.gsm8k_mode,
+    )
 
 
 def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
@@ -100,10 +103,17 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
     model_dir, train_files, val_files, chat = _resolve_paths(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data = cfg.data
-    dataset_kw = dict(tokenizer=tokenizer, prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length,
-                      truncation=data.truncation, apply_chat_template=chat)  # fmt: skip
+    dataset_kw = dict(
+        tokenizer=tokenizer,
+        prompt_key=data.prompt_key,
+        max_prompt_length=data.max_prompt_length,
+        truncation=data.truncation,
+        apply_chat_template=chat,
+    )
     train_ds = PromptDataset(train_files, files_key="data.train_files", **dataset_kw)
-    loader = PromptDataLoader(train_ds, data.train_batch_size, data.shuffle, data.seed, cfg.trainer.total_epochs)
+    loader = PromptDataLoader(
+        train_ds, data.train_batch_size, data.shuffle, data.seed, cfg.trainer.total_epochs
+    )
     val_ds = PromptDataset(val_files, files_key="data.val_files", **dataset_kw) if val_files else None
     total = min(cfg.trainer.total_training_steps, loader.steps_per_epoch * cfg.trainer.total_epochs)
     args = ModelArgs.from_hf_config(model_dir, tp=dims.tp)
@@ -116,12 +126,37 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
     )
     reward_model = None
     if cfg.reward.reward_fn == "model":
-        reward_model = RewardModelScorer(cfg.reward.reward_model_path, dims.tp, DTYPES[cfg.model.dtype],
-                                         cfg.actor.ppo_micro_batch_size_per_gpu, args.vocab_size)  # fmt: skip
+        reward_model = RewardModelScorer(
+            cfg.reward.reward_model_path,
+            dims.tp,
+            DTYPES[cfg.model.dtype],
+            cfg.actor.ppo_micro_batch_size_per_gpu,
+            args.vocab_size,
+        )
     engine = RolloutEngine(actor.model, DecoderSpec.from_args(args), engine_cfg)
     logger = MetricsLogger(
-        cfg.trainer.logger, cfg.trainer.output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
-        config=dataclasses.asdict(cfg), rank=torch.distributed.get_rank(), total_steps=total,
-    )  # fmt: skip
-    return Components(cfg, dims, args, tokenizer, actor, ref, critic, engine, loader, val_ds, reward_fn,
-                      reward_model, build_kl_controller(cfg.algorithm), logger, total)  # fmt: skip
+        cfg.trainer.logger,
+        cfg.trainer.output_dir,
+        cfg.trainer.project_name,
+        cfg.trainer.experiment_name,
+        config=dataclasses.asdict(cfg),
+        rank=torch.distributed.get_rank(),
+        total_steps=total,
+    )
+    return Components(
+        cfg,
+        dims,
+        args,
+        tokenizer,
+        actor,
+        ref,
+        critic,
+        engine,
+        loader,
+        val_ds,
+        reward_fn,
+        reward_model,
+        build_kl_controller(cfg.algorithm),
+        logger,
+        total,
+    )

@@ -44,7 +44,12 @@ class MainParamsAdamW:
         self.main = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in params]
         fused = bool(params) and params[0].is_cuda
         self.opt = torch.optim.AdamW(
-            self.main, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused
+            self.main,
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            fused=fused,
         )
         self.param_groups = self.opt.param_groups
 

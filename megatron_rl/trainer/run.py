@@ -21,17 +21,24 @@ from megatron_rl.trainer.build import Components, build_components
 def _sampling(c: Components, temperature: float, n: int, seed: int) -> SamplingParams:
     r = c.cfg.rollout
     stops = [c.tokenizer.eos_token_id, *r.stop_token_ids]
-    return SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k, n=n,
-                          max_new_tokens=r.max_new_tokens, stop_token_ids=[s for s in stops if s is not None],
-                          seed=seed)  # fmt: skip
+    return SamplingParams(
+        temperature=temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        n=n,
+        max_new_tokens=r.max_new_tokens,
+        stop_token_ids=[s for s in stops if s is not None],
+        seed=seed,
+    )
 
 
 def rollout(c: Components, rows, group_offset: int, params: SamplingParams, timer: Timer) -> RolloutBatch:
     """This DP rank's prompts -> completions (engine, in place) -> batch tensors; scores attached."""
     with timer("gen"):
         completions = c.engine.generate([r.prompt_ids for r in rows], params)
-    batch = build_batch(completions, rows, group_offset, params.max_new_tokens, c.tokenizer.pad_token_id or 0,
-                        device())  # fmt: skip
+    batch = build_batch(
+        completions, rows, group_offset, params.max_new_tokens, c.tokenizer.pad_token_id or 0, device()
+    )
     return batch
 
 
@@ -61,8 +68,9 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     global_rows = c.train_loader.global_batch(step)
     rows = _dp_rows(c, global_rows)
     offset = step * len(global_rows) + ps.get_data_parallel_rank() * len(rows)
-    batch = rollout(c, rows, offset, _sampling(c, cfg.rollout.temperature, cfg.rollout.n, cfg.trainer.seed + step),
-                    timer)  # fmt: skip
+    batch = rollout(
+        c, rows, offset, _sampling(c, cfg.rollout.temperature, cfg.rollout.n, cfg.trainer.seed + step), timer
+    )
     with timer("old_log_prob"):
         batch.old_log_probs = c.actor.log_probs(batch)
     if c.ref is not None:
@@ -85,19 +93,38 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     return metrics, batch
 
 
-def _perf(c: Components, batch: RolloutBatch, seconds: float) -> dict[str, float]:
+PEAK_BF16_FLOPS = 790e12  # H200 dense bf16, the reference the benchmarks use
+
+
+def _actor_params(c: Components) -> int:
+    """Actor parameter count N from the shape (the 6N-per-token training estimate; attention's T^2 term
+    is left out, as in the usual MFU convention)."""
+    a = c.args
+    attn = a.hidden_size * (a.num_attention_heads + 2 * a.num_query_groups) * a.head_dim
+    attn += a.num_attention_heads * a.head_dim * a.hidden_size
+    return a.num_layers * (attn + 3 * a.hidden_size * a.ffn_hidden_size) + a.vocab_size * a.hidden_size
+
+
+def _perf(c: Components, batch: RolloutBatch, seconds: float, update_s: float) -> dict[str, float]:
+    """perf/throughput: prompt+response tokens per second per GPU over the step; perf/mfu: the actor
+    update's model FLOPs utilisation against the H200's dense bf16 peak (GPU runs only)."""
     tokens = torch.tensor(float((batch.prompt_lens + batch.response_lens).sum()), device=device())
     torch.distributed.all_reduce(tokens, group=ps.get_data_parallel_group())
-    out = {"perf/throughput": float(tokens) / max(seconds, 1e-9) / c.dims.world_size}
+    per_gpu = float(tokens) / max(seconds, 1e-9) / c.dims.world_size
+    out = {"perf/throughput": per_gpu}
     if torch.cuda.is_available():
         out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        flops = 6 * _actor_params(c) * float(tokens) * c.cfg.actor.ppo_epochs / c.dims.world_size
+        out["perf/mfu"] = flops / max(update_s, 1e-9) / PEAK_BF16_FLOPS
     return out
 
 
 def _samples(c: Components, batch: RolloutBatch, k: int) -> list[dict]:
     scores = batch.token_level_scores.sum(-1).tolist()
-    return [{"prompt": batch.rows[i].prompt_text, "response": batch.response_texts[i], "score": scores[i]}
-            for i in range(min(k, len(batch)))]  # fmt: skip
+    return [
+        {"prompt": batch.rows[i].prompt_text, "response": batch.response_texts[i], "score": scores[i]}
+        for i in range(min(k, len(batch)))
+    ]
 
 
 def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
@@ -116,7 +143,8 @@ def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
             if tr.test_freq > 0 and (done % tr.test_freq == 0 or done == c.total_steps):
                 metrics |= validate(c, done, timer)
             seconds = time.perf_counter() - t0
-            metrics |= timer.metrics() | {"timing_s/step": seconds} | _perf(c, batch, seconds)
+            metrics |= timer.metrics() | {"timing_s/step": seconds}
+            metrics |= _perf(c, batch, seconds, metrics.get("timing_s/update_actor", 0.0))
             metrics["timing_s/reshard"] = c.engine.last_stats.reshard_s + c.engine.last_stats.gather_back_s
             c.logger.log(metrics, step=done)
             if tr.log_generations_freq > 0 and done % tr.log_generations_freq == 0:

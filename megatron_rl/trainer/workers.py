@@ -51,7 +51,9 @@ def response_log_probs(logits, mb: RolloutBatch, temperature: float, vocab_size:
     scoring = mask_padded_vocab(_gather_positions(logits, mb.score_pos).float(), vocab_size)  # [B, R, V/tp]
     tp_group = ps.get_tensor_model_parallel_group()
     lp = vocab_parallel_log_probs(scoring, mb.responses, tp_group=tp_group, temperature=temperature)
-    ent = vocab_parallel_entropy(scoring, tp_group=tp_group, temperature=temperature) if with_entropy else None
+    ent = (
+        vocab_parallel_entropy(scoring, tp_group=tp_group, temperature=temperature) if with_entropy else None
+    )
     return lp, ent
 
 
@@ -108,8 +110,16 @@ class _TrainedModel:
 class PolicyWorker(_TrainedModel):
     """Actor (trainable) or reference (frozen, ``cfg`` only for micro-batch sizes)."""
 
-    def __init__(self, model, cfg: ActorConfig, temperature: float, vocab_size: int, total_steps: int,
-                 response_len: int, trainable: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        cfg: ActorConfig,
+        temperature: float,
+        vocab_size: int,
+        total_steps: int,
+        response_len: int,
+        trainable: bool = True,
+    ):
         self.temperature = temperature
         self.vocab_size = vocab_size
         if trainable:
@@ -131,24 +141,39 @@ class PolicyWorker(_TrainedModel):
 
     def _loss(self, denom, mb: RolloutBatch, logits: torch.Tensor):
         cfg, (n_tok, n_seq) = self.cfg, denom
-        agg = dict(loss_agg_mode=cfg.loss_agg_mode, global_num_tokens=n_tok, global_num_seqs=n_seq,
-                   seq_len_norm=self.response_len)  # fmt: skip
+        agg = dict(
+            loss_agg_mode=cfg.loss_agg_mode,
+            global_num_tokens=n_tok,
+            global_num_seqs=n_seq,
+            seq_len_norm=self.response_len,
+        )
         lp, ent = response_log_probs(logits, mb, self.temperature, self.vocab_size, with_entropy=True)
         loss, metrics = compute_policy_loss(
-            cfg.policy_loss, old_log_prob=mb.old_log_probs, log_prob=lp, advantages=mb.advantages,
-            response_mask=mb.response_mask, clip_ratio_low=cfg.clip_ratio_low,
-            clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-            rollout_log_prob=mb.rollout_log_probs, tis_mode=cfg.tis_mode, tis_cap=cfg.tis_cap, **agg,
-        )  # fmt: skip
+            cfg.policy_loss,
+            old_log_prob=mb.old_log_probs,
+            log_prob=lp,
+            advantages=mb.advantages,
+            response_mask=mb.response_mask,
+            clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+            rollout_log_prob=mb.rollout_log_probs,
+            tis_mode=cfg.tis_mode,
+            tis_cap=cfg.tis_cap,
+            **agg,
+        )
         ent_loss, ent_metrics = compute_entropy_loss(entropy=ent, response_mask=mb.response_mask, **agg)
         metrics.update(ent_metrics)
         if cfg.entropy_coeff:
             loss = loss - cfg.entropy_coeff * ent_loss
         if cfg.use_kl_loss:
             kl_loss, kl_metrics = compute_kl_loss(
-                logprob=lp, ref_logprob=mb.ref_log_probs, response_mask=mb.response_mask,
-                kind=cfg.kl_loss_type, **agg,
-            )  # fmt: skip
+                logprob=lp,
+                ref_logprob=mb.ref_log_probs,
+                response_mask=mb.response_mask,
+                kind=cfg.kl_loss_type,
+                **agg,
+            )
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss.detach()
         metrics = {k: v.detach() for k, v in metrics.items()}
@@ -179,10 +204,16 @@ class CriticWorker(_TrainedModel):
         n_tok, n_seq = denom
         vpreds = _gather_positions(values, mb.score_pos).float()  # [B, R]
         loss, metrics = compute_value_loss(
-            vpreds=vpreds, values=mb.values, returns=mb.returns, response_mask=mb.response_mask,
-            cliprange_value=self.cfg.cliprange_value, loss_agg_mode=self.cfg.loss_agg_mode,
-            global_num_tokens=n_tok, global_num_seqs=n_seq, seq_len_norm=self.response_len,
-        )  # fmt: skip
+            vpreds=vpreds,
+            values=mb.values,
+            returns=mb.returns,
+            response_mask=mb.response_mask,
+            cliprange_value=self.cfg.cliprange_value,
+            loss_agg_mode=self.cfg.loss_agg_mode,
+            global_num_tokens=n_tok,
+            global_num_seqs=n_seq,
+            seq_len_norm=self.response_len,
+        )
         metrics = {k: v.detach() for k, v in metrics.items()}
         metrics["_tokens"] = mb.response_mask.sum()
         return loss, metrics

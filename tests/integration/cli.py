@@ -15,8 +15,12 @@ FAST = ["trainer.logger=[jsonl]", "trainer.log_generations_freq=-1"]
 
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", WANDB_MODE="offline",
-               PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}")  # fmt: skip
+    env.update(
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        WANDB_MODE="offline",
+        PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}",
+    )
     return env
 
 
@@ -25,8 +29,17 @@ def train(out: Path, *overrides: str, nproc: int = 1, timeout: float = 900) -> s
     if nproc == 1:
         cmd = [sys.executable, "-m", "megatron_rl.cli", "train", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "megatron_rl.train", *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+            "-m",
+            "megatron_rl.train",
+            *args,
+        ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=out.parent)
 
 

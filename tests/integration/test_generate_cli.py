@@ -16,9 +16,16 @@ def test_generate_cli_greedy_matches_transformers(tmp_path):
 
     tok = build_char_tokenizer("0123456789=+ abc")
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                      eos_token_id=tok.eos_token_id)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+    )
     model_dir = tmp_path / "m"
     Qwen2ForCausalLM(cfg).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
@@ -26,25 +33,47 @@ def test_generate_cli_greedy_matches_transformers(tmp_path):
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     out = tmp_path / "out.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.cli", "generate", f"model.path={model_dir}",
-         f"generate.prompts={tmp_path / 'p.jsonl'}", f"generate.output={out}", "rollout.temperature=0",
-         "rollout.max_new_tokens=6", "rollout.n=1", f"trainer.output_dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "megatron_rl.cli",
+            "generate",
+            f"model.path={model_dir}",
+            f"generate.prompts={tmp_path / 'p.jsonl'}",
+            f"generate.output={out}",
+            "rollout.temperature=0",
+            "rollout.max_new_tokens=6",
+            "rollout.n=1",
+            f"trainer.output_dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == prompts
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     for row in rows:
         ids = torch.tensor([tok(row["prompt"])["input_ids"]])
-        ref = hf.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_token_id)[0, ids.shape[1]:]
+        ref = hf.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_token_id)[
+            0, ids.shape[1] :
+        ]
         assert row["response_ids"] == ref.tolist()[: len(row["response_ids"])]
         assert set(row) >= {"prompt", "response", "response_ids", "logprobs", "finish_reason"}
         assert len(row["logprobs"]) == len(row["response_ids"])
 
 
 def test_generate_cli_names_missing_keys(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "generate"], capture_output=True, text=True,
-                          env=_env(), cwd=tmp_path, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "generate"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "model.path" in proc.stderr and "generate.prompts" in proc.stderr

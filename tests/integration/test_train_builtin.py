@@ -45,8 +45,13 @@ def test_same_seed_same_metrics(tmp_path):
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_tp2_pp2_learns(tmp_path, algorithm):
     rows = _run_ok(
-        tmp_path, algorithm, f"algorithm={algorithm}", "parallel.tensor_model_parallel_size=2",
-        "parallel.pipeline_model_parallel_size=2", "trainer.total_training_steps=40", "trainer.test_freq=40",
+        tmp_path,
+        algorithm,
+        f"algorithm={algorithm}",
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.pipeline_model_parallel_size=2",
+        "trainer.total_training_steps=40",
+        "trainer.test_freq=40",
         nproc=4,
-    )  # fmt: skip
+    )
     _assert_learns(rows, 0.2, 0.4)

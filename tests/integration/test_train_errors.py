@@ -14,12 +14,18 @@ def _parquet(path, **columns):
 
 def _rows(prompts, truth="1"):
     n = len(prompts)
-    return dict(prompt=prompts, data_source=["custom"] * n,
-                reward_model=[{"ground_truth": truth}] * n, extra_info=[{"index": i} for i in range(n)])  # fmt: skip
+    return dict(
+        prompt=prompts,
+        data_source=["custom"] * n,
+        reward_model=[{"ground_truth": truth}] * n,
+        extra_info=[{"index": i} for i in range(n)],
+    )
 
 
 def _fails(tmp_path, *overrides):
-    out = train(tmp_path / "run", "trainer.val_before_train=false", "trainer.total_training_steps=1", *overrides)
+    out = train(
+        tmp_path / "run", "trainer.val_before_train=false", "trainer.total_training_steps=1", *overrides
+    )
     assert out.returncode != 0, out.stdout[-2000:]
     err = out.stderr.strip().splitlines()[-1]
     assert err.startswith("megatron-rl: error:"), out.stderr[-3000:]
@@ -27,13 +33,17 @@ def _fails(tmp_path, *overrides):
 
 
 def test_missing_prompt_column(tmp_path):
-    f = _parquet(tmp_path / "p.parquet", question=["12="], data_source=["x"], reward_model=[{"ground_truth": "2"}])
+    f = _parquet(
+        tmp_path / "p.parquet", question=["12="], data_source=["x"], reward_model=[{"ground_truth": "2"}]
+    )
     err = _fails(tmp_path, f"data.train_files={f}")
     assert "p.parquet" in err and "question" in err and "data.prompt_key" in err
 
 
 def test_empty_parquet(tmp_path):
-    f = _parquet(tmp_path / "empty.parquet", **{k: pa.array([], pa.string()) for k in ("prompt", "data_source")})
+    f = _parquet(
+        tmp_path / "empty.parquet", **{k: pa.array([], pa.string()) for k in ("prompt", "data_source")}
+    )
     err = _fails(tmp_path, f"data.train_files={f}")
     assert "empty.parquet" in err
 
@@ -51,8 +61,14 @@ def test_overlong_prompt_with_truncation_error(tmp_path):
 def test_custom_reward_function_errors(tmp_path, body, needle):
     f = _parquet(tmp_path / "ok.parquet", **_rows(["12="] * 16))
     fn = tmp_path / "my_reward.py"
-    fn.write_text(f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    {body}\n")
-    err = _fails(tmp_path, f"data.train_files={f}", "reward.reward_fn=custom",
-                 f"reward.custom_reward_function.path={fn}")  # fmt: skip
+    fn.write_text(
+        f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    {body}\n"
+    )
+    err = _fails(
+        tmp_path,
+        f"data.train_files={f}",
+        "reward.reward_fn=custom",
+        f"reward.custom_reward_function.path={fn}",
+    )
     assert needle in err.lower() or needle in err
     assert "custom" in err

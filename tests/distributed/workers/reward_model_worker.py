@@ -16,8 +16,16 @@ def make_rm(path: Path) -> None:
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=50,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=0,
+    )
     Qwen2ForSequenceClassification(cfg).save_pretrained(path)
 
 
@@ -36,13 +44,22 @@ if __name__ == "__main__":
         make_rm(path)
     dist.barrier()
     g = torch.Generator().manual_seed(3)
-    comps = [Completion(i, 0, torch.randint(1, 50, (3 + i,), generator=g).tolist(),
-                        torch.randint(1, 50, (1 + 2 * i,), generator=g).tolist()) for i in range(4)]  # fmt: skip
+    comps = [
+        Completion(
+            i,
+            0,
+            torch.randint(1, 50, (3 + i,), generator=g).tolist(),
+            torch.randint(1, 50, (1 + 2 * i,), generator=g).tolist(),
+        )
+        for i in range(4)
+    ]
     batch = build_batch(comps, [None] * 4, 0, max_new_tokens=8, pad_id=0, device=torch.device("cpu"))
     expected = hf_scores(path, [c.prompt_ids + c.response_ids for c in comps])
     for tp, pp in ((2, 1), (1, 2)):
         init_distributed(tp, pp)
-        scores = RewardModelScorer(str(path), tp, torch.float32, micro_batch_size=2, actor_vocab_size=50)(batch)
+        scores = RewardModelScorer(str(path), tp, torch.float32, micro_batch_size=2, actor_vocab_size=50)(
+            batch
+        )
         assert torch.allclose(scores, expected, atol=1e-5), (tp, pp, scores, expected)
     if dist.get_rank() == 0:
         print("reward model checks passed")
