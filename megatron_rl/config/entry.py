@@ -50,6 +50,7 @@ def quiet_third_party() -> None:
 
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -76,7 +76,14 @@ def _build_models(cfg: JobConfig, args: ModelArgs, model_dir: str, total_steps: 
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         ref_model = _model(args, "ref", dtype, model_dir)
         ref = PolicyWorker(
-            ref_model, cfg.actor, cfg.rollout.temperature, args.vocab_size, total_steps, r, trainable=False
+            ref_model,
+            cfg.actor,
+            cfg.rollout.temperature,
+            args.vocab_size,
+            total_steps,
+            r,
+            trainable=False,
+            offload_to_cpu=cfg.ref.offload_to_cpu,
         )
     critic = None
     if cfg.algorithm.adv_estimator == "gae":

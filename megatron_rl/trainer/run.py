@@ -47,18 +47,24 @@ def _dp_rows(c: Components, rows):
 
 
 def validate(c: Components, step: int, timer: Timer) -> dict[str, float]:
-    """Greedy (rollout.val_temperature) generation on the validation prompts; mean score over DP."""
+    """Greedy (rollout.val_temperature) generation on the validation prompts, ``data.val_batch_size``
+    prompts (global) at a time; the mean score over all of them."""
     if c.val_dataset is None:
         return {}
-    rows = [c.val_dataset[i] for i in range(len(c.val_dataset))]
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    mine = rows[rank::dp]
     params = _sampling(c, c.cfg.rollout.val_temperature, 1, c.cfg.trainer.seed)
-    batch = rollout(c, mine, 0, params, timer) if mine else None
     total = torch.zeros(2, dtype=torch.float64, device=device())
-    if batch is not None:
-        scores = score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)["score"]
-        total += torch.stack([scores.double().sum(), torch.tensor(float(len(scores)), dtype=torch.float64)])
+    n, chunk = len(c.val_dataset), max(c.cfg.data.val_batch_size, dp)
+    for start in range(0, n, chunk):
+        mine = [c.val_dataset[i] for i in range(start + rank, min(start + chunk, n), dp)]
+        if not mine:  # every rank still joins the engine's collectives with an empty share
+            mine = [c.val_dataset[start]]
+            weight = 0.0
+        else:
+            weight = 1.0
+        batch = rollout(c, mine, 0, params, timer)
+        scores = score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)["score"].double() * weight
+        total += torch.stack([scores.sum(), torch.tensor(weight * len(scores), dtype=torch.float64)])
     torch.distributed.all_reduce(total, group=ps.get_data_parallel_group())
     return {"val/score/mean": float(total[0] / total[1].clamp(min=1))}
 

@@ -119,13 +119,17 @@ class PolicyWorker(_TrainedModel):
         total_steps: int,
         response_len: int,
         trainable: bool = True,
+        offload_to_cpu: bool = False,
     ):
         self.temperature = temperature
         self.vocab_size = vocab_size
+        self.offload = offload_to_cpu and torch.cuda.is_available()
         if trainable:
             super().__init__(model, cfg, total_steps, response_len)
         else:
             self.model, self.cfg, self.response_len = model, cfg, response_len
+        if self.offload:
+            self.model.to("cpu")
 
     def log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         """Log-probs [B, R] of the batch's responses under this model (temperature applied)."""
@@ -135,7 +139,11 @@ class PolicyWorker(_TrainedModel):
             lp, _ = response_log_probs(logits, mb, self.temperature, self.vocab_size, with_entropy=False)
             return logits.new_zeros(()), {"lp": lp}
 
+        if self.offload:  # the frozen reference lives on CPU between uses (ref.offload_to_cpu)
+            self.model.to(batch.input_ids.device)
         outs = self._forward_only(batch, loss_fn)
+        if self.offload:
+            self.model.to("cpu")
         lp = torch.cat([o["lp"] for o in outs]).cpu() if outs else None
         return broadcast_from_last_stage(lp).to(batch.response_mask.device)
 
