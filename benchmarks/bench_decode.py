@@ -5,9 +5,12 @@ embeddings, rope theta 1e6), random bf16 weights, 256 prompts x 128 tokens, 256 
 at temperature 1 (no top-k / top-p), EOS = 151645 (a random model practically never samples it; tokens
 are counted up to and including any EOS). Reports new tokens/s of both, the ratio, ms per decode step,
 the fraction of the HBM floor (weights + live KV read once per step at 4.8 TB/s), the train -> gen -> train
-switch time and peak memory; writes ``$OUT/bench_decode.json`` (or ``--out``).
+switch time and peak memory, for three engine calls: ``per_call`` (the trainer's default: cache and CUDA
+graphs built in every call), ``keep_cache_first`` and ``keep_cache_next`` (``EngineConfig.keep_cache``:
+the second call reuses cache and graphs after an in-place weight update). Writes
+``$OUT/bench_decode.json`` (or ``--out``); ``--profile`` adds torch.profiler kernel tables beside it.
 
-Run: ``python benchmarks/bench_decode.py`` (needs CUDA; megatron-core is not needed on one GPU).
+Run: ``python benchmarks/bench_decode.py --profile`` (needs CUDA; no megatron-core on one GPU).
 """
 
 from __future__ import annotations
@@ -117,10 +120,8 @@ def count_new(rows: list[list[int]]) -> int:
     return sum(r.index(EOS) + 1 if EOS in r else len(r) for r in rows)
 
 
-def run_ours(params, spec, prompts, new_tokens: int) -> dict:
-    engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=len(prompts), kv_cache_tokens=None))
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_token_ids=(EOS,), seed=0)
-    engine.generate(prompts[:8], SamplingParams(temperature=1.0, max_new_tokens=8, seed=1))  # warm-up
+def engine_numbers(engine, params, spec, prompts, sampling) -> dict:
+    """One timed generate call: throughput, ms per decode step, fraction of the HBM floor, switch time."""
     sync()
     t0 = time.perf_counter()
     out = engine.generate(prompts, sampling)
@@ -130,9 +131,10 @@ def run_ours(params, spec, prompts, new_tokens: int) -> dict:
     new = sum(len(c.response_ids) for c in out)
     kv_per_token = 2 * spec.num_layers * spec.num_query_groups * spec.head_dim * 2
     weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
-    mean_ctx = len(prompts[0]) + new_tokens / 2
+    mean_ctx = len(prompts[0]) + sampling.max_new_tokens / 2
     floor_s = (weight_bytes + len(prompts) * mean_ctx * kv_per_token) / HBM_BYTES_PER_S
     step_s = s.decode_s / max(s.decode_steps, 1)
+    switch = s.reshard_s + s.gather_back_s
     return {
         "new_tokens": new,
         "wall_s": wall,
@@ -141,15 +143,54 @@ def run_ours(params, spec, prompts, new_tokens: int) -> dict:
         "ms_per_decode_step": 1e3 * step_s,
         "hbm_floor_ms_per_step": 1e3 * floor_s,
         "fraction_of_hbm_floor": floor_s / step_s,
-        "switch_train_gen_train_s": s.reshard_s + s.gather_back_s,
+        "switch_train_gen_train_s": switch,
+        "switch_over_generation": switch / s.generate_s,
         "reshard_s": s.reshard_s,
+        "capture_s": s.capture_s,
         "gather_back_s": s.gather_back_s,
-        "prefill_and_other_s": s.generate_s - s.decode_s,
+        "generate_s": s.generate_s,
+        "prefill_s": s.prefill_s,
+        "decode_s": s.decode_s,
         "peak_memory_gib": s.peak_memory_bytes / 2**30,
         "kv_cache_gib": s.kv_cache_bytes / 2**30,
         "slots": s.slots,
         "weight_gib": weight_bytes / 2**30,
     }
+
+
+def run_ours(params, spec, prompts, new_tokens: int) -> dict:
+    """The trainer's default (cache and graphs built per call), then ``keep_cache`` (second call reuses)."""
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_token_ids=(EOS,), seed=0)
+    warm = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
+    RolloutEngine(params, spec, EngineConfig(max_num_seqs=8)).generate(prompts[:8], warm)  # library init
+    fresh = RolloutEngine(params, spec, EngineConfig(max_num_seqs=len(prompts)))
+    kept = RolloutEngine(params, spec, EngineConfig(max_num_seqs=len(prompts), keep_cache=True))
+    res = {"per_call": engine_numbers(fresh, params, spec, prompts, sampling)}
+    res["keep_cache_first"] = engine_numbers(kept, params, spec, prompts, sampling)
+    for p in params.values():  # an optimizer step: in place, same storage
+        p.data.mul_(1.0)
+    res["keep_cache_next"] = engine_numbers(kept, params, spec, prompts, sampling)
+    return res
+
+
+def profile_decode(params, spec, prompts, out_dir: str) -> None:
+    """Kernel table of a short generate call, with and without CUDA graphs (eager shows each op)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=32, stop_token_ids=(EOS,), seed=0)
+    for graphs in (True, False):
+        engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=len(prompts), cuda_graphs=graphs))
+        engine.generate(prompts, sampling)  # capture outside the profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, sampling)
+            sync()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60)
+        name = f"profile_{'graphs' if graphs else 'eager'}.txt"
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write(f"decode_s={engine.last_stats.decode_s:.4f} steps={engine.last_stats.decode_steps}\n")
+            f.write(table)
+        print(name, f"decode ms/step {1e3 * engine.last_stats.decode_s / engine.last_stats.decode_steps:.3f}")
+        print(table[:4000], flush=True)
 
 
 @torch.no_grad()
@@ -173,6 +214,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
+    ap.add_argument("--profile", action="store_true", help="also write torch.profiler kernel tables")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_decode.json"))
     a = ap.parse_args()
     import transformers
@@ -185,6 +227,8 @@ def main():
     graphs_ok = graphs_match_eager(params, spec, prompts)
     ours = run_ours(params, spec, prompts, a.new_tokens)
     print("ours", json.dumps(ours), flush=True)
+    if a.profile and a.device == "cuda":
+        profile_decode(params, spec, prompts, os.path.dirname(os.path.abspath(a.out)))
     ref = run_hf(hf, prompts, a.new_tokens)
     print("hf", json.dumps(ref), flush=True)
     result = {
@@ -197,12 +241,20 @@ def main():
         "ours": ours,
         "hf_generate": ref,
         "graph_decode_equals_eager_greedy": graphs_ok,
-        "speedup_new_tok_per_s": ours["new_tok_per_s"] / ref["new_tok_per_s"],
+        "speedup_new_tok_per_s": {k: v["new_tok_per_s"] / ref["new_tok_per_s"] for k, v in ours.items()},
     }
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))
+    print(f"{'run':18} {'tok/s':>9} {'x HF':>6} {'ms/step':>8} {'HBM frac':>8} {'switch s':>9} {'sw/gen':>7}")
+    for k, v in ours.items():
+        print(
+            f"{k:18} {v['new_tok_per_s']:9.0f} {result['speedup_new_tok_per_s'][k]:6.2f} "
+            f"{v['ms_per_decode_step']:8.3f} {v['fraction_of_hbm_floor']:8.3f} "
+            f"{v['switch_train_gen_train_s']:9.3f} {v['switch_over_generation']:7.3f}"
+        )
+    print(f"{'hf_generate':18} {ref['new_tok_per_s']:9.0f}")
 
 
 if __name__ == "__main__":

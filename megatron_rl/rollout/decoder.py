@@ -75,25 +75,30 @@ def _all_reduce(x: torch.Tensor, w: GenWeights) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """x [..., h] -> normalised [..., h]: fp32 statistics, one rounding after the weight (as megatron-core's
+    torch/TE RMSNorm computes it; one fused kernel on GPU)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """positions [B, T] -> cos, sin [B, 1, T, D] (HF convention: freqs repeated, not interleaved)."""
+    """positions [B, T] -> cos, signed sin [B, T, 1, 1, D] (HF convention: freqs repeated, not
+    interleaved). The sin's first half is negated so that rotate-half is a plain ``roll`` (``apply_rope``)."""
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
     )
     freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    sin = emb.sin()
+    sin[..., : head_dim // 2].neg_()
+    return emb.cos().to(dtype)[:, :, None, None], sin.to(dtype)[:, :, None, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos/sin [B, 1, T, D]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """x [B, T, ..., D]; cos / signed sin broadcastable to x (``rope_cos_sin``).
+
+    ``roll(x, D/2) * signed_sin`` equals HF's ``rotate_half(x) * sin`` bit for bit ((-a) * b == a * (-b)).
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 def embed(tokens: torch.Tensor, w: GenWeights) -> torch.Tensor:
@@ -119,19 +124,23 @@ def logits(h: torch.Tensor, w: GenWeights, spec: DecoderSpec) -> torch.Tensor:
 
 
 def _qkv(x: torch.Tensor, layer: dict, spec: DecoderSpec, cos, sin):
-    """x [B, T, h] -> q [B, Hl, T, D], k/v [B, Gl, T, D] with qk-norm and RoPE applied."""
+    """x [B, T, h] -> q [B, T, Gl, rep, D], k/v [B, T, Gl, D] with qk-norm and RoPE applied.
+
+    The megatron-core qkv layout is ``[G, (q_1..q_rep, k, v)]``, so the q heads and k of every group form
+    one ``[..., rep+1, D]`` block that takes RoPE in one pass.
+    """
     B, T, _ = x.shape
     D = spec.head_dim
     rep = spec.num_attention_heads // spec.num_query_groups
     qkv = F.linear(x, layer["qkv_w"], layer.get("qkv_b"))  # [B, T, Gl*(rep+2)*D]
     qkv = qkv.view(B, T, -1, rep + 2, D)  # [B, T, Gl, rep+2, D]
-    q = qkv[:, :, :, :rep].reshape(B, T, -1, D)  # [B, T, Hl, D]
-    k, v = qkv[:, :, :, rep], qkv[:, :, :, rep + 1]  # [B, T, Gl, D]
+    qk = qkv[:, :, :, : rep + 1]  # [B, T, Gl, rep+1, D]
     if spec.qk_norm:
-        q = rms_norm(q, layer["q_norm"], spec.norm_eps)
-        k = rms_norm(k, layer["k_norm"], spec.norm_eps)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q = rms_norm(qk[:, :, :, :rep], layer["q_norm"], spec.norm_eps)
+        k = rms_norm(qk[:, :, :, rep:], layer["k_norm"], spec.norm_eps)
+        qk = torch.cat((q, k), dim=3)
+    qk = apply_rope(qk, cos, sin)
+    return qk[:, :, :, :rep], qk[:, :, :, rep], qkv[:, :, :, rep + 1]
 
 
 def _mlp(x: torch.Tensor, layer: dict, w: GenWeights) -> torch.Tensor:
@@ -159,6 +168,8 @@ def prefill(
     x = embed(tokens, w)
     for i, layer in enumerate(w.layers):
         q, k, v = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps), layer, spec, cos, sin)
+        q = q.reshape(B, T, -1, spec.head_dim).transpose(1, 2)  # [B, Hl, T, D]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Gl, T, D]
         cache[i, 0, slots, :, :T] = k
         cache[i, 1, slots, :, :T] = v
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, Hl, T, D]
@@ -180,20 +191,20 @@ def decode(
     """
     B = tokens.shape[0]
     Tmax = cache.shape[4]
-    rep = spec.num_attention_heads // spec.num_query_groups
     batch = torch.arange(B, device=tokens.device)
     cos, sin = rope_cos_sin(positions[:, None], spec.head_dim, spec.rope_theta, w.embed.dtype)
     visible = torch.arange(Tmax, device=tokens.device)[None, :] <= positions[:, None]  # [B, Tmax]
-    mask = visible[:, None, None, :]  # [B, 1, 1, Tmax]
+    # one additive mask for all layers (a boolean mask would be converted again in every layer)
+    mask = torch.zeros(B, 1, 1, Tmax, dtype=w.embed.dtype, device=tokens.device)
+    mask.masked_fill_(~visible[:, None, None, :], float("-inf"))  # [B, 1, 1, Tmax]
     x = embed(tokens[:, None], w)  # [B, 1, h]
     for i, layer in enumerate(w.layers):
         q, k, v = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps), layer, spec, cos, sin)
         k_cache, v_cache = cache[i, 0, :B], cache[i, 1, :B]  # [B, Gl, Tmax, D]
-        k_cache[batch, :, positions] = k[:, :, 0]
-        v_cache[batch, :, positions] = v[:, :, 0]
-        # the rep query heads of a group share its K/V: fold them into the query-length axis (no K/V copy)
-        qg = q.reshape(B, k.shape[1], rep, spec.head_dim)  # [B, Gl, rep, D]
-        a = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=mask)  # [B, Gl, rep, D]
+        k_cache[batch, :, positions] = k[:, 0]
+        v_cache[batch, :, positions] = v[:, 0]
+        # the rep query heads of a group share its K/V: they are the query-length axis (no K/V copy)
+        a = F.scaled_dot_product_attention(q[:, 0], k_cache, v_cache, attn_mask=mask)  # [B, Gl, rep, D]
         a = a.reshape(B, 1, -1)  # [B, 1, Hl*D]
         x = x + _all_reduce(F.linear(a, layer["proj"]), w)
         x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps), layer, w)

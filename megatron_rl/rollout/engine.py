@@ -6,9 +6,11 @@ One ``generate`` call on every rank of the job (SPMD):
 2. build the generation layout and gather the missing weights (``reshard.py``);
 3. run this replica's share of the sequences through a fixed number of KV-cache slots: waiting sequences
    enter through a batched prefill whenever slots are free; one decode step advances every active slot
-   (on GPU it is replayed from a CUDA graph captured for a few batch-size buckets; eager on CPU);
-4. free the gathered weights, the cache and the graphs, and all-gather the completions over the
-   model-parallel group, so every TP/PP rank of a DP replica returns the same full list.
+   (on GPU it is replayed from a CUDA graph, captured on first use of its power-of-two batch bucket;
+   eager on CPU). Sampling and per-slot bookkeeping stay on the device; the host syncs every few steps
+   to retire finished sequences and admit waiting ones;
+4. free the gathered weights (and, unless ``keep_cache``, the cache and the graphs), and all-gather the
+   completions over the model-parallel group, so every TP/PP rank of a DP replica returns the same list.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5  # fraction of free GPU memory for the cache when tokens is None
     max_prefill_tokens: int = 16384  # padded tokens per prefill batch
     cuda_graphs: bool = True  # capture the decode step on GPU
+    # keep the KV cache and the captured decode graphs between generate calls: the next call skips the
+    # allocation and the capture (while the weights stay where they are), but the cache's memory stays
+    # taken during training
+    keep_cache: bool = False
 
     def __post_init__(self):
         if self.kv_cache_tokens == 0:  # the config's "sized from the batch"
@@ -73,9 +79,11 @@ class GenerationStats:
     kv_cache_bytes: int = 0
     gathered_weight_bytes: int = 0
     slots: int = 0
-    reshard_s: float = 0.0  # train -> generation layout (gather + graph capture)
-    generate_s: float = 0.0
+    reshard_s: float = 0.0  # train -> generation layout (gather + cache + graph capture)
+    generate_s: float = 0.0  # prefills + decode steps (capture excluded)
     gather_back_s: float = 0.0  # generation -> train: free + all-gather results
+    capture_s: float = 0.0  # CUDA-graph capture (part of reshard_s)
+    prefill_s: float = 0.0
     decode_steps: int = 0
     decode_s: float = 0.0  # time in decode steps (forward + sampling + bookkeeping), prefills excluded
     new_tokens: int = 0  # this replica's
@@ -98,6 +106,7 @@ class RolloutEngine:
         self.spec = spec
         self.config = config or EngineConfig()
         self.last_stats = GenerationStats()
+        self._state: _DecodeState | None = None  # kept between calls with config.keep_cache
 
     def _params(self) -> dict[str, torch.Tensor]:
         return dict(self.model) if isinstance(self.model, dict) else reshard.model_params(self.model)
@@ -123,6 +132,30 @@ class RolloutEngine:
             )
         return max_len
 
+    def _decode_state(self, w: GenWeights, lay, max_len: int, num_seqs: int) -> _DecodeState:
+        """The kept cache and graphs when they fit this call, else a new cache sized for it."""
+        slots = max(1, min(self.config.max_num_seqs, num_seqs))
+        kept, self._state = self._state, None
+        if kept is not None and kept.fits(max_len, slots, w.embed.dtype):
+            kept.bind(w)
+            return kept
+        del kept  # its memory is free for the new cache
+        spec, cfg, dev = self.spec, self.config, w.embed.device
+        groups = spec.num_query_groups // lay.tp_g
+        per_token = bytes_per_token(spec.num_layers, groups, spec.head_dim, w.embed.dtype)
+        plan = plan_cache(
+            max_len=max_len,
+            wanted_slots=num_seqs,
+            max_num_seqs=cfg.max_num_seqs,
+            per_token=per_token,
+            kv_cache_tokens=cfg.kv_cache_tokens,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            device=dev,
+        )
+        state = _DecodeState(spec, plan, groups, w.embed.dtype, dev, dev.type == "cuda" and cfg.cuda_graphs)
+        state.bind(w)
+        return state
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Sample ``params.n`` completions for each of this DP rank's prompts (token ids).
 
@@ -141,106 +174,153 @@ class RolloutEngine:
         try:
             weights = reshard.gather_weights(self._params(), self.spec, lay)
             stats.gathered_weight_bytes = weights.owned_bytes()
-            runner = _Runner(self, weights, lay, params, max_len, len(seqs), stats)
+            state = self._decode_state(weights, lay, max_len, len(seqs))
+            stats.kv_cache_bytes, stats.slots = state.cache.nbytes(), state.cache.plan.slots
+            runner = _Runner(state, lay, params, stats, self.config)
             stats.reshard_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             runner.run(seqs)
-            stats.generate_s = time.perf_counter() - t1
+            run_s = time.perf_counter() - t1
         except torch.OutOfMemoryError as exc:
             raise GenerationOOM(_oom_message(exc)) from exc
+        stats.capture_s = state.capture_s
+        stats.reshard_s += stats.capture_s
+        stats.generate_s = run_s - stats.capture_s
+        stats.decode_s = stats.generate_s - stats.prefill_s
         t2 = time.perf_counter()
         stats.peak_memory_bytes = (
             torch.cuda.max_memory_allocated()
             if on_gpu
             else stats.kv_cache_bytes + stats.gathered_weight_bytes
         )
-        del runner, weights
+        state.w = None  # gathered buffers go now; a kept state holds only the cache and graphs
+        self._state = state if self.config.keep_cache else None
+        del runner, weights, state
         stats.new_tokens = sum(len(c.response_ids) for c in seqs)
         out = reshard.gather_results(seqs, lay)
         stats.gather_back_s = time.perf_counter() - t2
         return out
 
 
-class _Runner:
-    """The continuous-batching loop for one generate call (owns the cache and the CUDA graphs)."""
+_SYNC_EVERY = 16  # decode steps between host syncs; a finished sequence is noticed at most this late
 
-    def __init__(self, engine, w: GenWeights, lay, params, max_len: int, num_seqs: int, stats):
-        spec, cfg = engine.spec, engine.config
-        self.spec, self.w, self.lay, self.params, self.stats = spec, w, lay, params, stats
-        self.cfg = cfg
-        dev = w.embed.device
-        groups = spec.num_query_groups // lay.tp_g
-        per_token = bytes_per_token(spec.num_layers, groups, spec.head_dim, w.embed.dtype)
-        plan = plan_cache(
-            max_len=max_len,
-            wanted_slots=num_seqs,
-            max_num_seqs=cfg.max_num_seqs,
-            per_token=per_token,
-            kv_cache_tokens=cfg.kv_cache_tokens,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            device=dev,
-        )
-        self.cache = KVCache(plan, spec.num_layers, groups, spec.head_dim, w.embed.dtype, dev)
-        stats.kv_cache_bytes, stats.slots = self.cache.nbytes(), plan.slots
-        self.tok = torch.zeros(plan.slots, dtype=torch.long, device=dev)  # [S] token fed at `pos`
-        self.pos = torch.zeros(plan.slots, dtype=torch.long, device=dev)  # [S]
-        self.stop = set(params.stop_token_ids)
-        stream = params.seed * 1_000_003 + _dp_rank() * lay.num_replicas + lay.replica
-        self.gen = torch.Generator(device=dev).manual_seed(stream)
-        self.graphs = self._capture() if dev.type == "cuda" and cfg.cuda_graphs else {}
 
-    def _buckets(self) -> list[int]:
-        s = self.cache.plan.slots
-        return sorted({min(2**i, s) for i in range(s.bit_length() + 1)})
+def _weights_key(w: GenWeights) -> tuple:
+    """Where the generation weights live: a captured graph stays valid while this is unchanged."""
+    tensors = [w.embed, w.final_norm, w.output, *(t for layer in w.layers for t in layer.values())]
+    return (id(w.group), *((t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors))
 
-    def _capture(self) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._eager(self.cache.plan.slots)
-        torch.cuda.current_stream().wait_stream(side)
-        graphs, pool = {}, None
-        for b in reversed(self._buckets()):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                out = self._eager(b)
-            pool = g.pool()
-            graphs[b] = (g, out)
-        return graphs
+
+class _DecodeState:
+    """The KV cache, the decode step's input buffers (``tok``, ``pos``) and its CUDA graphs.
+
+    A graph is captured the first time its batch bucket is needed (a full batch that runs to the end
+    captures one). Graphs read the weights by address, so ``bind`` drops them when the weights moved;
+    with ``EngineConfig.keep_cache`` the engine keeps this object between generate calls, and the actor's
+    tensors (updated in place by the optimizer) reuse the graphs with no new capture.
+    """
+
+    def __init__(self, spec: DecoderSpec, plan, local_groups: int, dtype, device, use_graphs: bool):
+        self.spec, self.use_graphs = spec, use_graphs
+        self.cache = KVCache(plan, spec.num_layers, local_groups, spec.head_dim, dtype, device)
+        self.tok = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S] token fed at `pos`
+        self.pos = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S]
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.w: GenWeights | None = None
+        self.key: tuple | None = None
+        self.capture_s = 0.0  # this generate call's
+
+    def fits(self, max_len: int, slots: int, dtype) -> bool:
+        plan = self.cache.plan
+        return plan.max_len >= max_len and plan.slots >= slots and self.cache.data.dtype == dtype
+
+    def bind(self, w: GenWeights) -> None:
+        key = _weights_key(w)
+        if key != self.key:
+            self.graphs, self.pool, self.key = {}, None, key
+        self.w, self.capture_s = w, 0.0
 
     def _eager(self, b: int) -> torch.Tensor:
         return decoder.decode(self.w, self.spec, self.cache.data, self.tok[:b], self.pos[:b])
 
-    def _decode(self, b: int) -> torch.Tensor:
-        """logits [b', V] for slots 0..b'-1, b' >= b (a captured bucket on GPU)."""
-        if not self.graphs:
+    def _capture(self, b: int) -> None:
+        t0 = time.perf_counter()
+        # warm-up outside the capture (library handles, kernel choice); it rewrites the keys/values the
+        # replay writes next, from the same inputs
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._eager(b)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._eager(b)
+        self.pool = graph.pool()
+        self.graphs[b] = (graph, out)
+        torch.cuda.synchronize()
+        self.capture_s += time.perf_counter() - t0
+
+    def decode(self, b: int) -> torch.Tensor:
+        """logits [b', V] for slots 0..b'-1, b' >= b (the power-of-two bucket on GPU)."""
+        if not self.use_graphs:
             return self._eager(b)
-        bucket = min(k for k in self.graphs if k >= b)
+        bucket = min(1 << (b - 1).bit_length(), self.cache.plan.slots)
+        if bucket not in self.graphs:
+            self._capture(bucket)
         graph, out = self.graphs[bucket]
         graph.replay()
         return out
 
-    def _sample(self, logits: torch.Tensor) -> list[tuple[int, float]]:
-        """logits [B, V] -> [(token, log-prob)] * B; identical on every rank of the generation TP group."""
+
+class _Runner:
+    """The continuous-batching loop of one generate call.
+
+    Per-slot progress lives on the device (``live``, ``count``, the response buffers), so a decode step
+    is a graph replay plus a few kernels with no host sync; the host looks every ``_SYNC_EVERY`` steps
+    (or when a sequence must have hit max_new_tokens) to retire finished sequences and admit waiting ones.
+    """
+
+    def __init__(self, state: _DecodeState, lay, params: SamplingParams, stats: GenerationStats, cfg):
+        self.state, self.lay, self.params, self.stats, self.cfg = state, lay, params, stats, cfg
+        self.cache, self.w = state.cache, state.w
+        slots, dev, n = state.cache.plan.slots, state.tok.device, params.max_new_tokens
+        self.rows = torch.arange(slots, device=dev)  # [S]
+        self.live = torch.zeros(slots, dtype=torch.bool, device=dev)  # [S] still generating
+        self.count = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] tokens generated
+        # column n takes the harmless writes of idle / finished slots
+        self.out_tok = torch.zeros(slots, n + 1, dtype=torch.long, device=dev)  # [S, N+1]
+        self.out_lp = torch.zeros(slots, n + 1, dtype=torch.float32, device=dev)  # [S, N+1]
+        self.stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=dev)
+        self.stop = set(params.stop_token_ids)
+        self.active: dict[int, Completion] = {}
+        self.left: dict[int, int] = {}  # slot -> decode steps it may still take (exact after a sync)
+        stream = params.seed * 1_000_003 + _dp_rank() * lay.num_replicas + lay.replica
+        self.gen = torch.Generator(device=dev).manual_seed(stream)
+
+    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, V] -> tokens [B], log-probs [B]; tokens identical on every rank of the TP group."""
         tokens = sample(logits, self.params, self.gen)
         if self.lay.tp_g > 1:
             dist.broadcast(tokens, src=self.lay.gen_src, group=self.lay.gen_group)
-        lps = token_logprobs(logits, tokens, self.params.temperature)
-        pairs = torch.stack([tokens.double(), lps.double()], dim=1).tolist()  # one host sync per step
-        return [(int(t), lp) for t, lp in pairs]
+        return tokens, token_logprobs(logits, tokens, self.params.temperature)
 
-    def _append(self, seq: Completion, token: int, lp: float) -> bool:
-        seq.response_ids.append(token)
-        seq.logprobs.append(lp)
-        if token in self.stop:
-            seq.finish_reason = "stop"
-        elif len(seq.response_ids) >= self.params.max_new_tokens:
-            seq.finish_reason = "length"
-        return seq.finish_reason is not None
+    def _record(self, rows, tokens, lps, live, next_pos) -> None:
+        """On the device: append one sampled token to each live row. rows [R] slot ids; tokens, lps,
+        live, next_pos [R] (next_pos: the position the new token is fed at)."""
+        n = self.count[rows]
+        self.out_tok[rows, n] = tokens
+        self.out_lp[rows, n] = lps
+        n = n + live
+        self.count[rows] = n
+        still = live & ~torch.isin(tokens, self.stop_ids) & (n < self.params.max_new_tokens)
+        self.live[rows] = still
+        self.state.tok[rows] = tokens
+        self.state.pos[rows] = torch.where(still, next_pos, 0)  # idle slots write harmlessly at 0
 
-    def _admit(self, waiting: deque, active: dict[int, Completion]) -> None:
+    def _admit(self, waiting: deque) -> None:
         """Prefill as many waiting sequences as free slots and the prefill token cap allow."""
+        t0 = time.perf_counter()
         batch: list[Completion] = []
         longest = 0
         while waiting and len(batch) < self.cache.num_free:
@@ -250,50 +330,63 @@ class _Runner:
             batch.append(waiting.popleft())
             longest = longest_next
         slots = [self.cache.allocate() for _ in batch]
-        dev = self.tok.device
+        dev = self.rows.device
         tokens = torch.zeros(len(batch), longest, dtype=torch.long)  # [B, T] right-padded
         for row, seq in enumerate(batch):
             tokens[row, : len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids)
         lengths = torch.tensor([len(s.prompt_ids) for s in batch], device=dev)
         slot_t = torch.tensor(slots, device=dev)
-        logits = decoder.prefill(self.w, self.spec, self.cache.data, tokens.to(dev), lengths, slot_t)
-        self._advance(list(zip(slots, batch)), self._sample(logits), active, first=True)
+        logits = decoder.prefill(self.w, self.state.spec, self.cache.data, tokens.to(dev), lengths, slot_t)
+        self.count[slot_t] = 0
+        live = torch.ones(len(batch), dtype=torch.bool, device=dev)
+        self._record(slot_t, *self._sample(logits), live, lengths)
+        for slot, seq in zip(slots, batch):
+            self.active[slot] = seq
+            self.left[slot] = self.params.max_new_tokens - 1
+        _sync(dev)
+        self.stats.prefill_s += time.perf_counter() - t0
 
-    def _advance(self, rows, sampled, active, first: bool = False) -> None:
-        """Record one sampled token per (slot, seq) row; free finished slots, feed the others."""
-        dev = self.tok.device
-        keep, done = [], []
-        for (slot, seq), (token, lp) in zip(rows, sampled):
-            (done if self._append(seq, token, lp) else keep).append(slot)
-            if slot in done:
-                active.pop(slot, None)
-                self.cache.release(slot)
-            else:
-                active[slot] = seq
-        if keep:
-            idx = torch.tensor(keep, device=dev)
-            self.tok[idx] = torch.tensor([active[s].response_ids[-1] for s in keep], device=dev)
-            if first:
-                self.pos[idx] = torch.tensor([len(active[s].prompt_ids) for s in keep], device=dev)
-            else:
-                self.pos[idx] += 1
+    def _retire(self) -> None:
+        """Host sync: hand finished sequences their tokens, free their slots, refresh the step bounds."""
+        live, count = torch.stack([self.live.long(), self.count]).tolist()  # [2, S]
+        done = [slot for slot in self.active if not live[slot]]
         if done:
-            self.pos[torch.tensor(done, device=dev)] = 0  # idle slots write harmlessly at position 0
+            idx = torch.tensor(done, device=self.rows.device)
+            for slot, toks, lps in zip(done, self.out_tok[idx].tolist(), self.out_lp[idx].tolist()):
+                seq, n = self.active.pop(slot), count[slot]
+                seq.response_ids, seq.logprobs = toks[:n], lps[:n]
+                seq.finish_reason = "stop" if toks[n - 1] in self.stop else "length"
+                del self.left[slot]
+                self.cache.release(slot)
+        for slot in self.active:
+            self.left[slot] = self.params.max_new_tokens - count[slot]
+
+    def _step(self) -> None:
+        logits = self.state.decode(max(self.active) + 1)  # [b, V], b a bucket >= max slot + 1
+        rows = self.rows[: logits.shape[0]]
+        live = self.live[rows]
+        self._record(rows, *self._sample(logits), live, self.state.pos[rows] + 1)
+        for slot in self.left:
+            self.left[slot] -= 1
 
     def run(self, seqs: list[Completion]) -> None:
         waiting = deque(seqs)
-        active: dict[int, Completion] = {}
-        while waiting or active:
+        since_sync = 0
+        while waiting or self.active:
             if waiting and self.cache.num_free:
-                self._admit(waiting, active)
-                continue
-            t0 = time.perf_counter()
-            rows = sorted(active.items())
-            logits = self._decode(rows[-1][0] + 1)  # [>= max slot + 1, V]
-            picked = logits[torch.tensor([slot for slot, _ in rows], device=logits.device)]
-            self._advance(rows, self._sample(picked), active)
-            self.stats.decode_steps += 1
-            self.stats.decode_s += time.perf_counter() - t0  # _sample synced with the host
+                self._admit(waiting)
+            elif since_sync >= _SYNC_EVERY or min(self.left.values()) <= 0:
+                self._retire()
+                since_sync = 0
+            else:
+                self._step()
+                since_sync += 1
+                self.stats.decode_steps += 1
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _dp_rank() -> int:

@@ -63,19 +63,27 @@ def truncate_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
     return scaled
 
 
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / T, without a pass over [B, V] when T is 1 or 0 (greedy scores with T = 1)."""
+    return logits if temperature in (0.0, 1.0) else logits / temperature
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """logits [B, V] (fp32) -> sampled tokens [B] int64 (argmax when greedy)."""
+    """logits [B, V] (fp32) -> sampled tokens [B] int64 (argmax when greedy).
+
+    Exponential race in the log domain: with E ~ Exp(1) per token, ``argmax(p / E)`` samples from p, and
+    ``argmax(log p - log E) = argmax(scaled - log E)`` needs no softmax (the normaliser is a per-row
+    constant). Without top-k / top-p nothing is sorted or masked.
+    """
     if params.greedy:
         return logits.argmax(dim=-1)
-    kept = truncate_logits(logits / params.temperature, params.top_k, params.top_p)
-    probs = torch.softmax(kept, dim=-1)
-    # exponential race (Gumbel-max in disguise): argmax p / E with E ~ Exp(1) samples from p
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+    kept = truncate_logits(_scaled(logits, params.temperature), params.top_k, params.top_p)
+    log_noise = torch.empty_like(kept).exponential_(generator=generator).log_()  # [B, V]
+    return torch.sub(kept, log_noise, out=log_noise).argmax(dim=-1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """logits [B, V], tokens [B] -> log-probs [B] under the temperature-scaled full softmax
-    (``temperature == 0`` scores with T = 1; see the module docstring)."""
-    scaled = logits if temperature == 0 else logits / temperature
-    return torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    (``temperature == 0`` scores with T = 1; see the module docstring). No [B, V] output is written."""
+    scaled = _scaled(logits, temperature)
+    return scaled.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)

@@ -111,3 +111,64 @@ def test_kv_cache_starts_finite_so_masked_positions_cannot_poison_attention():
     assert [cache.allocate() for _ in range(2)] == [0, 1]
     cache.release(0)
     assert cache.allocate() == 0 and cache.num_free == 1
+
+
+def test_rope_by_roll_equals_rotate_half_bitwise():
+    x = torch.randn(3, 5, 2, 4, 16, dtype=torch.bfloat16)  # [B, T, G, rep+1, D]
+    positions = torch.randint(0, 1000, (3, 5))
+    cos, sin = decoder.rope_cos_sin(positions, 16, 1e6, torch.bfloat16)  # signed sin
+    x1, x2 = x.chunk(2, dim=-1)
+    hf_sin = torch.cat((sin[..., 8:], sin[..., 8:]), dim=-1)  # HF's unsigned sin
+    plain = x * cos + torch.cat((-x2, x1), dim=-1) * hf_sin
+    assert torch.equal(decoder.apply_rope(x, cos, sin), plain)
+
+
+@pytest.mark.parametrize("sync_every", [1, 5])
+def test_device_side_bookkeeping_is_independent_of_the_sync_interval(monkeypatch, sync_every):
+    """Sequences stopping between host syncs, slots refilled later: same tokens and log-probs as HF."""
+    from megatron_rl.rollout import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "_SYNC_EVERY", sync_every)
+    hf = tiny_hf("qwen2")
+    spec = spec_of(hf)
+    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
+    prompts = random_prompts(7, seed=5)
+    full = [hf_greedy(hf, p, 24) for p in prompts]
+    stop = {full[1][2], full[4][9], full[6][17]}
+    sp = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=tuple(stop))
+    out = RolloutEngine(params, spec, EngineConfig(max_num_seqs=3)).generate(prompts, sp)
+    for p, c, ref in zip(prompts, out, full):
+        cut = next((i + 1 for i, t in enumerate(ref) if t in stop), len(ref))
+        assert c.response_ids == ref[:cut] and len(c.logprobs) == cut
+        assert c.finish_reason == ("stop" if ref[cut - 1] in stop else "length")
+        assert (torch.tensor(c.logprobs) - hf_logprobs(hf, p, c.response_ids, 1.0)).abs().max() < 1e-5
+
+
+def test_keep_cache_reuses_the_cache_and_matches_fresh_engines():
+    hf = tiny_hf("llama")
+    spec = spec_of(hf)
+    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
+    prompts = random_prompts(5, seed=6)
+    sp = SamplingParams(temperature=0.8, n=2, max_new_tokens=9, seed=4)
+
+    def ids(out):
+        return [c.response_ids for c in out]
+
+    kept = RolloutEngine(params, spec, EngineConfig(max_num_seqs=4, keep_cache=True))
+    kept.generate(prompts, sp)
+    state, key = kept._state, kept._state.key
+    with torch.no_grad():
+        for p in params.values():  # an optimizer step: new values in the same storage
+            p.mul_(0.9)
+    again = kept.generate(prompts[:3], sp)  # fewer sequences fit the kept cache (stale keys inside)
+    fresh = RolloutEngine(params, spec, EngineConfig(max_num_seqs=4)).generate(prompts[:3], sp)
+    assert kept._state is state and state.key == key and kept.last_stats.slots == 4
+    assert ids(again) == ids(fresh)
+    kept.model = {k: p.clone() for k, p in params.items()}  # same values in new storage: rebound
+    assert ids(kept.generate(prompts[:3], sp)) == ids(fresh)
+    assert kept._state is state and state.key != key
+    kept.generate(prompts, SamplingParams(max_new_tokens=40))  # longer than the kept cache: a new one
+    assert kept._state is not state and kept._state.cache.plan.max_len >= 40
+    plain = RolloutEngine(params, spec, EngineConfig(max_num_seqs=4))
+    plain.generate(prompts, sp)
+    assert plain._state is None  # default: cache and graphs are freed after every call

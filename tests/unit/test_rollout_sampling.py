@@ -66,3 +66,21 @@ def test_logprob_is_the_temperature_scaled_full_softmax():
 def test_bad_sampling_params_name_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("top_k,top_p,temperature", [(-1, 1.0, 1.0), (-1, 1.0, 0.7), (20, 0.9, 1.3)])
+def test_log_domain_race_equals_the_softmax_race_with_the_same_noise(top_k, top_p, temperature):
+    """The fast path (no softmax, no sort without top-k/top-p) draws what argmax(p / E) draws."""
+    logits = 3 * torch.randn(64, 1000)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    probs = torch.softmax(truncate_logits(logits / temperature, top_k, top_p), dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=torch.Generator().manual_seed(3))
+    plain = (probs / noise).argmax(dim=-1)
+    assert torch.equal(sample(logits, params, torch.Generator().manual_seed(3)), plain)
+
+
+def test_logprob_at_temperature_one_needs_no_scaled_copy():
+    logits = torch.randn(5, 40)
+    tokens = torch.randint(0, 40, (5,))
+    want = torch.log_softmax(logits, -1)[torch.arange(5), tokens]
+    assert torch.allclose(token_logprobs(logits, tokens, 1.0), want, atol=1e-6)
