@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One node: NPROC processes (default: one per visible GPU, or 1 without GPUs) running
+# `python -m megatron_rl.train`; every argument is passed through as a Hydra override.
+#   NPROC=8 launch/torchrun.sh model=qwen2_5_0_5b model.path=/models/Qwen2.5-0.5B-Instruct algorithm=grpo
+# LAUNCH_DRY=1 prints the command instead of running it.
+set -euo pipefail
+
+if [[ -z "${NPROC:-}" ]]; then
+  NPROC=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  [[ "${NPROC}" -ge 1 ]] || NPROC=1
+fi
+cmd=("${PYTHON:-python}" -m torch.distributed.run --standalone --nnodes=1 "--nproc-per-node=${NPROC}"
+     -m megatron_rl.train "$@")
+if [[ "${LAUNCH_DRY:-0}" == 1 ]]; then
+  printf '%q ' "${cmd[@]}"; echo
+else
+  exec "${cmd[@]}"
+fi
