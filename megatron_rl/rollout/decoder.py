@@ -101,6 +101,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
+def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """cos / signed sin [B, D] -> R [B, D, D] with ``x @ R == apply_rope(x, cos, sin)`` for x [B, n, D].
+
+    The decode step rotates all heads of a token with one batched matmul (one kernel instead of four
+    broadcasting elementwise ones): out[j] = x[j] cos[j] + x[(j + D/2) % D] sin[j].
+    """
+    rot = torch.diag_embed(sin)  # [B, D, D]
+    return torch.diag_embed(cos) + rot.roll(cos.shape[-1] // 2, dims=-2)
+
+
 def embed(tokens: torch.Tensor, w: GenWeights) -> torch.Tensor:
     """tokens [B, T] -> hidden [B, T, h]; vocab-parallel lookup + all-reduce over the generation TP group."""
     if w.tp == 1:
@@ -123,29 +133,25 @@ def logits(h: torch.Tensor, w: GenWeights, spec: DecoderSpec) -> torch.Tensor:
     return local[:, : spec.vocab_size]
 
 
-def _qkv(x: torch.Tensor, layer: dict, spec: DecoderSpec, cos, sin):
-    """x [B, T, h] -> q [B, T, Gl, rep, D], k/v [B, T, Gl, D] with qk-norm and RoPE applied.
-
-    The megatron-core qkv layout is ``[G, (q_1..q_rep, k, v)]``, so the q heads and k of every group form
-    one ``[..., rep+1, D]`` block that takes RoPE in one pass.
-    """
+def _qkv(x: torch.Tensor, layer: dict, spec: DecoderSpec) -> torch.Tensor:
+    """x [B, T, h] -> qkv [B, T, Gl, rep+2, D] (megatron-core layout: per group rep q heads, k, v) with
+    qk-norm applied, before RoPE."""
     B, T, _ = x.shape
-    D = spec.head_dim
     rep = spec.num_attention_heads // spec.num_query_groups
     qkv = F.linear(x, layer["qkv_w"], layer.get("qkv_b"))  # [B, T, Gl*(rep+2)*D]
-    qkv = qkv.view(B, T, -1, rep + 2, D)  # [B, T, Gl, rep+2, D]
-    qk = qkv[:, :, :, : rep + 1]  # [B, T, Gl, rep+1, D]
+    qkv = qkv.view(B, T, -1, rep + 2, spec.head_dim)  # [B, T, Gl, rep+2, D]
     if spec.qk_norm:
-        q = rms_norm(qk[:, :, :, :rep], layer["q_norm"], spec.norm_eps)
-        k = rms_norm(qk[:, :, :, rep:], layer["k_norm"], spec.norm_eps)
-        qk = torch.cat((q, k), dim=3)
-    qk = apply_rope(qk, cos, sin)
-    return qk[:, :, :, :rep], qk[:, :, :, rep], qkv[:, :, :, rep + 1]
+        q = rms_norm(qkv[:, :, :, :rep], layer["q_norm"], spec.norm_eps)
+        k = rms_norm(qkv[:, :, :, rep : rep + 1], layer["k_norm"], spec.norm_eps)
+        qkv = torch.cat((q, k, qkv[:, :, :, rep + 1 :]), dim=3)
+    return qkv
 
 
 def _mlp(x: torch.Tensor, layer: dict, w: GenWeights) -> torch.Tensor:
-    gate, up = F.linear(x, layer["fc1"]).chunk(2, dim=-1)  # [B, T, F/tp] each
-    return _all_reduce(F.linear(F.silu(gate) * up, layer["fc2"]), w)
+    # gate and up as two matmuls on the weight's (contiguous) row halves: contiguous outputs keep the
+    # SwiGLU elementwise kernels vectorised (a chunk of one output is strided)
+    gate_w, up_w = layer["fc1"].chunk(2, dim=0)  # [F/tp, h] each
+    return _all_reduce(F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), layer["fc2"]), w)
 
 
 def prefill(
@@ -165,11 +171,13 @@ def prefill(
     B, T = tokens.shape
     positions = torch.arange(T, device=tokens.device).expand(B, T)  # [B, T]
     cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta, w.embed.dtype)
+    rep = spec.num_attention_heads // spec.num_query_groups
     x = embed(tokens, w)
     for i, layer in enumerate(w.layers):
-        q, k, v = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps), layer, spec, cos, sin)
-        q = q.reshape(B, T, -1, spec.head_dim).transpose(1, 2)  # [B, Hl, T, D]
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Gl, T, D]
+        qkv = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps), layer, spec)  # [B, T, Gl, rep+2, D]
+        qk = apply_rope(qkv[:, :, :, : rep + 1], cos, sin)  # [B, T, Gl, rep+1, D]
+        q = qk[:, :, :, :rep].reshape(B, T, -1, spec.head_dim).transpose(1, 2)  # [B, Hl, T, D]
+        k, v = qk[:, :, :, rep].transpose(1, 2), qkv[:, :, :, rep + 1].transpose(1, 2)  # [B, Gl, T, D]
         cache[i, 0, slots, :, :T] = k
         cache[i, 1, slots, :, :T] = v
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, Hl, T, D]
@@ -191,20 +199,25 @@ def decode(
     """
     B = tokens.shape[0]
     Tmax = cache.shape[4]
+    rep = spec.num_attention_heads // spec.num_query_groups
     batch = torch.arange(B, device=tokens.device)
     cos, sin = rope_cos_sin(positions[:, None], spec.head_dim, spec.rope_theta, w.embed.dtype)
+    rope = rope_matrix(cos[:, 0, 0, 0], sin[:, 0, 0, 0])  # [B, D, D]
     visible = torch.arange(Tmax, device=tokens.device)[None, :] <= positions[:, None]  # [B, Tmax]
     # one additive mask for all layers (a boolean mask would be converted again in every layer)
     mask = torch.zeros(B, 1, 1, Tmax, dtype=w.embed.dtype, device=tokens.device)
     mask.masked_fill_(~visible[:, None, None, :], float("-inf"))  # [B, 1, 1, Tmax]
     x = embed(tokens[:, None], w)  # [B, 1, h]
     for i, layer in enumerate(w.layers):
-        q, k, v = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps), layer, spec, cos, sin)
+        qkv = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps), layer, spec)[:, 0]  # [B, Gl, rep+2, D]
+        # all rows rotated in one matmul; the rotated v row is not used
+        rot = torch.bmm(qkv.reshape(B, -1, spec.head_dim), rope).view(qkv.shape)  # [B, Gl, rep+2, D]
         k_cache, v_cache = cache[i, 0, :B], cache[i, 1, :B]  # [B, Gl, Tmax, D]
-        k_cache[batch, :, positions] = k[:, 0]
-        v_cache[batch, :, positions] = v[:, 0]
+        k_cache[batch, :, positions] = rot[:, :, rep]
+        v_cache[batch, :, positions] = qkv[:, :, rep + 1]
         # the rep query heads of a group share its K/V: they are the query-length axis (no K/V copy)
-        a = F.scaled_dot_product_attention(q[:, 0], k_cache, v_cache, attn_mask=mask)  # [B, Gl, rep, D]
+        q = rot[:, :, :rep]  # [B, Gl, rep, D]
+        a = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)  # [B, Gl, rep, D]
         a = a.reshape(B, 1, -1)  # [B, 1, Hl*D]
         x = x + _all_reduce(F.linear(a, layer["proj"]), w)
         x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps), layer, w)

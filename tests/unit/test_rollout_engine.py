@@ -123,6 +123,13 @@ def test_rope_by_roll_equals_rotate_half_bitwise():
     assert torch.equal(decoder.apply_rope(x, cos, sin), plain)
 
 
+def test_decode_rope_matrix_equals_elementwise_rope():
+    x = torch.randn(6, 9, 16, dtype=torch.float64)  # [B, n, D]
+    cos, sin = decoder.rope_cos_sin(torch.randint(0, 5000, (6, 1)), 16, 1e6, torch.float64)  # [B, 1, 1, 1, D]
+    want = decoder.apply_rope(x, cos[:, 0, 0], sin[:, 0, 0])
+    assert torch.allclose(x @ decoder.rope_matrix(cos[:, 0, 0, 0], sin[:, 0, 0, 0]), want, atol=1e-12)
+
+
 @pytest.mark.parametrize("sync_every", [1, 5])
 def test_device_side_bookkeeping_is_independent_of_the_sync_interval(monkeypatch, sync_every):
     """Sequences stopping between host syncs, slots refilled later: same tokens and log-probs as HF."""
