@@ -1,0 +1,360 @@
+"""End-to-end RL step of our trainer (issue 8, parts 1 and 3): throughput, time per phase, memory per phase.
+
+A Python driver over the trainer's own pieces (``build_components`` + ``train_step``, the loop of
+``megatron-rl train``), so it can read peak memory around each phase without changes to the trainer:
+the engine's ``generate``, the actor/reference ``log_probs``, the critic's ``values`` and both ``update``
+methods are wrapped on the instances and ``torch.cuda.max_memory_allocated`` is reset before and read
+after each call.
+
+Workload (the defaults): Qwen2.5-0.5B shape (vocab 151936, hidden 896, ffn 4864, 24 layers, 14 heads,
+2 KV groups, qkv bias, tied embeddings, rope theta 1e6), random bf16 weights; 64 prompts x 8 samples,
+prompts of exactly 256 tokens, responses of exactly 512 tokens (the tokenizer's EOS is dropped from the
+stop ids, so every run does the same work), one optimizer step per rollout, a random reward.
+``--algo ppo`` runs PPO with actor, critic and reference colocated (512 prompts x 1 sample by default).
+
+Tokens per second per GPU = (prompt + response tokens of the step) / step time / GPUs; the first step is
+warm-up and excluded from the medians. Writes ``--out`` (JSON, rank 0).
+
+    python benchmarks/bench_rl_step.py --algo grpo --out $OUT/rl_grpo.json                  # one GPU
+    torchrun --nproc-per-node=2 benchmarks/bench_rl_step.py --algo grpo --out $OUT/rl2.json  # two GPUs
+    python benchmarks/bench_rl_step.py --tiny --prompts 4 --n 2 --prompt-len 16 --response-len 8  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import string
+import sys
+import time
+from pathlib import Path
+
+QWEN2_5_0_5B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    rope_theta=1000000.0,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+)
+TINY = dict(QWEN2_5_0_5B, vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+TINY.update(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+PEAK_BF16_FLOPS = 790e12
+PROMPT_CHARS = string.ascii_letters + string.digits  # one token each with the char-level tokenizer
+
+
+def random_score(data_source, solution_str, ground_truth, extra_info=None, **_) -> float:
+    """The benchmark's reward (reward.reward_fn=custom): uniform in [0, 1), so advantages are non-zero."""
+    return random.random()
+
+
+def prompts(count: int, length: int, seed: int = 0) -> list[str]:
+    """``count`` strings of ``length`` characters, each one token for the synthetic tokenizer."""
+    rng = random.Random(seed)
+    return ["".join(rng.choice(PROMPT_CHARS) for _ in range(length)) for _ in range(count)]
+
+
+def prepare(model_dir: str, data_dir: str, tiny: bool, num_prompts: int, prompt_len: int) -> None:
+    """A random-weight Qwen2-shape model (bf16, HF format) with the synthetic 151936-id tokenizer (or the
+    tiny shape), and ``<data_dir>/train.parquet`` of plain-text prompts; skipped when already there."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from make_synthetic_gsm8k import tokenizer
+
+    shape = TINY if tiny else QWEN2_5_0_5B
+    if not (Path(model_dir) / "config.json").is_file():
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        cfg = Qwen2Config(**shape, eos_token_id=0, pad_token_id=0, bos_token_id=0)
+        Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(model_dir)
+        tokenizer(shape["vocab_size"]).save_pretrained(model_dir)
+    train = Path(data_dir) / "train.parquet"
+    if train.is_file() and pq.read_metadata(train).num_rows >= num_prompts:
+        return
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    texts = prompts(num_prompts, prompt_len)
+    table = pa.table(
+        {
+            "prompt": texts,
+            "data_source": ["bench/random"] * num_prompts,
+            "reward_model": [{"style": "rule", "ground_truth": "0"}] * num_prompts,
+            "extra_info": [{"index": i} for i in range(num_prompts)],
+        }
+    )
+    pq.write_table(table, train)
+
+
+def overrides(a: argparse.Namespace) -> list[str]:
+    """Hydra overrides of ``megatron-rl train`` for this workload (the same list works on the CLI)."""
+    seqs = a.prompts * a.n
+    common = [
+        f"algorithm={a.algo}",
+        "model=qwen2_5_0_5b",
+        f"model.path={a.model_dir}",
+        f"model.dtype={'float32' if a.tiny else 'bfloat16'}",
+        f"data.train_files={a.data_dir}/train.parquet",
+        "data.val_files=null",
+        "data.apply_chat_template=false",
+        f"data.max_prompt_length={a.prompt_len}",
+        f"data.train_batch_size={a.prompts}",
+        "data.shuffle=false",
+        f"rollout.n={a.n}",
+        f"rollout.max_new_tokens={a.response_len}",
+        "rollout.temperature=1.0",
+        f"actor.ppo_mini_batch_size={a.prompts}",  # the whole rollout: one optimizer step per step
+        f"actor.ppo_micro_batch_size_per_gpu={min(a.micro, seqs)}",
+        "reward.reward_fn=custom",
+        f"reward.custom_reward_function.path={Path(__file__).resolve()}",
+        "reward.custom_reward_function.name=random_score",
+        f"trainer.total_training_steps={a.steps}",
+        "trainer.total_epochs=1000",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.save_freq=-1",
+        "trainer.log_generations_freq=-1",
+        "trainer.logger=[jsonl]",
+        f"trainer.output_dir={a.output_dir}",
+    ]
+    if a.algo == "grpo":
+        common += [f"actor.use_kl_loss={a.kl_coef > 0}", f"actor.kl_loss_coef={a.kl_coef}"]
+    else:
+        common += [
+            f"critic.ppo_mini_batch_size={a.prompts}",
+            f"critic.ppo_micro_batch_size_per_gpu={min(a.micro, seqs)}",
+        ]
+    return common + list(a.override)
+
+
+class NoEosTokenizer:
+    """The tokenizer with ``eos_token_id`` hidden from the trainer's stop ids: every response runs to
+    ``rollout.max_new_tokens`` (a random model samples any id now and then, EOS included)."""
+
+    eos_token_id = None
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+class PhaseMemory:
+    """Peak allocated/reserved GPU memory per wrapped phase (GiB), the max over the steps seen."""
+
+    def __init__(self):
+        self.peak: dict[str, float] = {}
+        self.reserved: dict[str, float] = {}
+        self.before: dict[str, float] = {}
+
+    def wrap(self, phase: str, fn):
+        import torch
+
+        if not torch.cuda.is_available():
+            return fn
+
+        def wrapped(*args, **kwargs):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.before[phase] = torch.cuda.memory_allocated() / 2**30
+            out = fn(*args, **kwargs)
+            torch.cuda.synchronize()
+            gib = torch.cuda.max_memory_allocated() / 2**30
+            res = torch.cuda.max_memory_reserved() / 2**30
+            self.peak[phase] = max(self.peak.get(phase, 0.0), gib)
+            self.reserved[phase] = max(self.reserved.get(phase, 0.0), res)
+            return out
+
+        return wrapped
+
+
+def instrument(c, mem: PhaseMemory) -> None:
+    """Wrap the phase methods of the built components (instances only; the trainer is unchanged)."""
+    c.engine.generate = mem.wrap("generation", c.engine.generate)
+    c.actor.log_probs = mem.wrap("log_probs", c.actor.log_probs)
+    c.actor.update = mem.wrap("actor_update", c.actor.update)
+    if c.ref is not None:
+        c.ref.log_probs = mem.wrap("ref_log_probs", c.ref.log_probs)
+    if c.critic is not None:
+        c.critic.values = mem.wrap("values", c.critic.values)
+        c.critic.update = mem.wrap("critic_update", c.critic.update)
+
+
+def _global_max(values: dict[str, float]) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    if not values:
+        return {}
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, t.tolist()))
+
+
+def run(a: argparse.Namespace) -> dict:
+    import torch
+    import torch.distributed as dist
+    from hydra import compose, initialize_config_dir
+
+    from megatron_rl.config.entry import checked_layout, quiet_third_party
+    from megatron_rl.config.store import CONFIG_DIR, to_job_config
+    from megatron_rl.distributed import init_distributed
+    from megatron_rl.logging import Timer
+    from megatron_rl.trainer.build import build_components
+    from megatron_rl.trainer.run import _actor_params, train_step
+
+    quiet_third_party()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        cfg = to_job_config(compose("config", overrides=overrides(a)))
+    dims = checked_layout(cfg)
+    init_distributed(dims.tp, dims.pp, seed=cfg.trainer.seed, timeout_minutes=cfg.trainer.timeout_minutes)
+    t_build = time.perf_counter()
+    c = build_components(cfg, dims)
+    build_s = time.perf_counter() - t_build
+    if a.ignore_eos:
+        c.tokenizer = NoEosTokenizer(c.tokenizer)
+    mem = PhaseMemory()
+    instrument(c, mem)
+    cuda = torch.cuda.is_available()
+    n_params = _actor_params(c)
+    steps = []
+    for step in range(a.steps):
+        timer = Timer()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        metrics, batch = train_step(c, step, timer)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        counts = torch.tensor(
+            [float(batch.prompt_lens.sum()), float(batch.response_lens.sum()), float(len(batch))],
+            dtype=torch.float64,
+            device=batch.prompt_lens.device,
+        )
+        dist.all_reduce(counts)
+        tokens = float(counts[0] + counts[1])
+        phases = {k.split("/", 1)[1]: v for k, v in timer.metrics().items()}
+        update_s = phases.get("update_actor", 0.0)
+        row = {
+            "step": step,
+            "step_s": seconds,
+            "sequences": int(counts[2]),
+            "prompt_tokens": int(counts[0]),
+            "response_tokens": int(counts[1]),
+            "tok_per_s_per_gpu": tokens / seconds / dims.world_size,
+            "timing_s": phases,
+            "actor_update_mfu": 6
+            * n_params
+            * tokens
+            / dims.world_size
+            / max(update_s, 1e-9)
+            / PEAK_BF16_FLOPS,
+            "actor_grad_norm": metrics.get("actor/grad_norm"),
+        }
+        steps.append(row)
+        if dist.get_rank() == 0:
+            print(json.dumps(row), flush=True)
+    timed = steps[1:] or steps
+    med = {
+        "step_s": statistics.median(r["step_s"] for r in timed),
+        "tok_per_s_per_gpu": statistics.median(r["tok_per_s_per_gpu"] for r in timed),
+        "actor_update_mfu": statistics.median(r["actor_update_mfu"] for r in timed),
+        "timing_s": {
+            k: statistics.median(r["timing_s"].get(k, 0.0) for r in timed) for k in timed[0]["timing_s"]
+        },
+    }
+    result = {
+        "workload": {
+            "algo": a.algo,
+            "prompts": a.prompts,
+            "n": a.n,
+            "prompt_len": a.prompt_len,
+            "response_len": a.response_len,
+            "micro_batch_per_gpu": min(a.micro, a.prompts * a.n),
+            "kl_coef": a.kl_coef,
+            "ignore_eos": a.ignore_eos,
+            "model": "tiny" if a.tiny else "Qwen2.5-0.5B shape, random bf16",
+            "actor_params": n_params,
+        },
+        "world_size": dims.world_size,
+        "overrides": overrides(a),
+        "build_s": build_s,
+        "steps": steps,
+        "median_after_warmup": med,
+    }
+    if cuda:
+        result["peak_allocated_gib_by_phase"] = _global_max(mem.peak)
+        result["peak_reserved_gib_by_phase"] = _global_max(mem.reserved)
+        result["allocated_gib_before_phase"] = _global_max(mem.before)
+        result["peak_allocated_gib"] = max(result["peak_allocated_gib_by_phase"].values())
+    return result
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--algo", choices=["grpo", "ppo"], default="grpo")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (grpo 64, ppo 512)")
+    p.add_argument("--n", type=int, default=None, help="samples per prompt (grpo 8, ppo 1)")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--response-len", type=int, default=512)
+    p.add_argument("--micro", type=int, default=16, help="actor/critic micro-batch (sequences per GPU)")
+    p.add_argument("--steps", type=int, default=3, help="steps; the first is warm-up")
+    p.add_argument("--kl-coef", type=float, default=0.0, help="GRPO KL-loss coefficient (0: no reference)")
+    p.add_argument("--keep-eos", dest="ignore_eos", action="store_false", help="stop at the tokenizer's EOS")
+    p.add_argument(
+        "--tiny", action="store_true", help="tiny model (hidden 64, 2 layers, vocab 1000): CPU smoke"
+    )
+    p.add_argument("--model-dir", default=None)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--output-dir", default=None, help="trainer output (metrics.jsonl)")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_rl_step.json"))
+    p.add_argument(
+        "override", nargs="*", help="extra Hydra overrides, e.g. rollout.gpu_memory_utilization=0.6"
+    )
+    a = p.parse_args(argv)
+    a.prompts = a.prompts or (64 if a.algo == "grpo" else 512)
+    a.n = a.n or (8 if a.algo == "grpo" else 1)
+    tag = "tiny" if a.tiny else "qwen2_5_0_5b"
+    a.model_dir = a.model_dir or f"/tmp/bench_{tag}_random"
+    a.data_dir = a.data_dir or f"/tmp/bench_{tag}_prompts{a.prompt_len}"
+    a.output_dir = a.output_dir or f"/tmp/bench_rl_{a.algo}_{tag}"
+    return a
+
+
+def main(argv=None) -> dict:
+    a = parse(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        prepare(a.model_dir, a.data_dir, a.tiny, max(a.prompts, 512), a.prompt_len)
+    else:
+        while not (Path(a.data_dir) / "train.parquet").is_file():
+            time.sleep(1)
+    result = run(a)
+    if rank == 0:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=2))
+        m = result["median_after_warmup"]
+        print(
+            f"{a.algo}: {m['step_s']:.2f} s/step, {m['tok_per_s_per_gpu']:.0f} tok/s/GPU, "
+            f"update MFU {m['actor_update_mfu']:.3f}, phases {json.dumps(m['timing_s'])}",
+            flush=True,
+        )
+        if "peak_allocated_gib_by_phase" in result:
+            print("peak GiB by phase", json.dumps(result["peak_allocated_gib_by_phase"]), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

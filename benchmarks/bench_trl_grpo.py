@@ -1,0 +1,240 @@
+"""The TRL baseline of issue 8: ``trl.GRPOTrainer`` (``use_vllm=False``) on the workload of
+``bench_rl_step.py`` — same random-weight model directory, same 256-token prompts, 8 samples per prompt,
+64 prompts (512 completions) per optimizer step, 512 new tokens every time (``min_new_tokens`` keeps EOS
+from being sampled), bf16, a random reward, one optimizer step per rollout (``steps_per_generation`` =
+``gradient_accumulation_steps``, ``num_iterations=1``), no gradient checkpointing.
+
+Step time is measured between ``on_step_begin`` and ``on_step_end`` (device synchronised); the first
+step is warm-up and excluded from the median. Generation (``_generate``) and rollout
+(``_generate_and_score_completions``: generation, rewards, old/ref log-probs) are timed by wrapping the
+trainer's methods on the instance; the update is the rest of the step. Writes ``--out`` (JSON).
+
+Needs ``trl`` and ``datasets`` (carried as wheels to the GPU box, see run_all.sh).
+
+    python benchmarks/bench_trl_grpo.py --out $OUT/trl_grpo.json
+    accelerate launch --num_processes 2 benchmarks/bench_trl_grpo.py --out $OUT/trl2.json   # two GPUs
+    python benchmarks/bench_trl_grpo.py --tiny --prompts 4 --n 2 --prompt-len 16 --response-len 8  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rl_step import prepare, prompts  # noqa: E402
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def random_reward(completions, **_) -> list[float]:
+    return [random.random() for _ in completions]
+
+
+class Phases:
+    """Seconds spent in wrapped trainer methods since the last ``take()``."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, name: str, fn):
+        def wrapped(*args, **kwargs):
+            _sync()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _sync()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+            return out
+
+        return wrapped
+
+    def take(self) -> dict[str, float]:
+        out, self.seconds = self.seconds, {}
+        return out
+
+
+def step_timer(phases: Phases, rows: list[dict]):
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            _sync()
+            phases.take()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            _sync()
+            seconds = time.perf_counter() - self.t0
+            rows.append({"step": state.global_step, "step_s": seconds, "phases": phases.take()})
+
+    return StepTimer()
+
+
+def run(a: argparse.Namespace) -> dict:
+    import datasets
+    import torch
+    import transformers
+    import trl
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    seqs = a.prompts * a.n
+    if seqs % (a.micro * world):
+        raise SystemExit(f"--prompts x --n = {seqs} must be a multiple of --micro x GPUs = {a.micro * world}")
+    accum = seqs // (a.micro * world)
+    cuda = torch.cuda.is_available()
+    config = GRPOConfig(
+        output_dir=a.output_dir,
+        per_device_train_batch_size=a.micro,
+        gradient_accumulation_steps=accum,
+        steps_per_generation=accum,  # one generation of prompts x n completions per optimizer step
+        num_iterations=1,
+        num_generations=a.n,
+        max_completion_length=a.response_len,
+        generation_kwargs={"min_new_tokens": a.response_len},  # EOS never sampled: fixed work per step
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=a.kl_coef,
+        learning_rate=1e-6,
+        bf16=cuda,
+        use_cpu=not cuda,
+        gradient_checkpointing=False,
+        use_vllm=False,
+        max_steps=a.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        log_completions=False,
+        dataloader_num_workers=0,
+        seed=0,
+        model_init_kwargs={"dtype": torch.bfloat16 if cuda else torch.float32},
+    )
+    train = datasets.Dataset.from_dict({"prompt": prompts(a.prompts * (a.steps + 1), a.prompt_len, seed=1)})
+    tok = AutoTokenizer.from_pretrained(a.model_dir)
+    tok.padding_side = "left"
+    trainer = GRPOTrainer(
+        model=a.model_dir,
+        reward_funcs=random_reward,
+        args=config,
+        train_dataset=train,
+        processing_class=tok,
+    )
+    phases, rows, logs = Phases(), [], []
+    trainer._generate = phases.wrap("gen", trainer._generate)
+    trainer._generate_and_score_completions = phases.wrap("rollout", trainer._generate_and_score_completions)
+    trainer.add_callback(step_timer(phases, rows))
+    trainer.add_callback(_log_collector(logs))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    tokens = seqs * (a.prompt_len + a.response_len)
+    for r in rows:
+        gen, rollout = r["phases"].get("gen", 0.0), r["phases"].get("rollout", 0.0)
+        r["timing_s"] = {"gen": gen, "score_and_logprobs": rollout - gen, "update": r["step_s"] - rollout}
+        r["tok_per_s_per_gpu"] = tokens / r["step_s"] / world
+    timed = rows[1:] or rows
+    lengths = [entry[k] for entry in logs for k in entry if k.endswith("completions/mean_length")]
+    return {
+        "workload": {
+            "prompts": a.prompts,
+            "n": a.n,
+            "prompt_len": a.prompt_len,
+            "response_len": a.response_len,
+            "micro_batch_per_gpu": a.micro,
+            "gradient_accumulation_steps": accum,
+            "kl_coef": a.kl_coef,
+            "model": "tiny" if a.tiny else "Qwen2.5-0.5B shape, random bf16",
+        },
+        "versions": {
+            "trl": trl.__version__,
+            "datasets": datasets.__version__,
+            "transformers": transformers.__version__,
+        },
+        "world_size": world,
+        "tokens_per_step": tokens,
+        "completion_mean_length_logged": lengths,
+        "steps": rows,
+        "median_after_warmup": {
+            "step_s": statistics.median(r["step_s"] for r in timed),
+            "tok_per_s_per_gpu": statistics.median(r["tok_per_s_per_gpu"] for r in timed),
+            "timing_s": {k: statistics.median(r["timing_s"][k] for r in timed) for k in timed[0]["timing_s"]},
+        },
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+    }
+
+
+def _log_collector(logs: list[dict]):
+    from transformers import TrainerCallback
+
+    class Collect(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs:
+                store.append(dict(logs))
+
+    store = logs
+    return Collect()
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--response-len", type=int, default=512)
+    p.add_argument("--micro", type=int, default=16, help="per_device_train_batch_size (completions)")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps; the first is warm-up")
+    p.add_argument("--kl-coef", type=float, default=0.0, help="GRPOConfig.beta (0: no reference model)")
+    p.add_argument(
+        "--tiny", action="store_true", help="tiny model (hidden 64, 2 layers, vocab 1000): CPU smoke"
+    )
+    p.add_argument("--model-dir", default=None)
+    p.add_argument("--output-dir", default="/tmp/bench_trl_grpo")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_trl_grpo.json"))
+    a = p.parse_args(argv)
+    tag = "tiny" if a.tiny else "qwen2_5_0_5b"
+    a.model_dir = a.model_dir or f"/tmp/bench_{tag}_random"
+    return a
+
+
+def main(argv=None) -> dict:
+    a = parse(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        prepare(
+            a.model_dir,
+            f"/tmp/bench_{'tiny' if a.tiny else 'qwen2_5_0_5b'}_prompts{a.prompt_len}",
+            a.tiny,
+            512,
+            a.prompt_len,
+        )
+    else:
+        while not (Path(a.model_dir) / "tokenizer_config.json").is_file():
+            time.sleep(1)
+    result = run(a)
+    if rank == 0:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=2))
+        m = result["median_after_warmup"]
+        print(
+            f"trl grpo: {m['step_s']:.2f} s/step, {m['tok_per_s_per_gpu']:.0f} tok/s/GPU, "
+            f"phases {json.dumps(m['timing_s'])}, completion lengths {result['completion_mean_length_logged']}",
+            flush=True,
+        )
+    return result
+
+
+if __name__ == "__main__":
+    main()
