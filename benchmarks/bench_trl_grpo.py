@@ -25,6 +25,7 @@ import random
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,7 +65,7 @@ class Phases:
         return out
 
 
-def step_timer(phases: Phases, rows: list[dict]):
+def step_timer(phases: Phases, rows: list[dict], save=None):
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -77,6 +78,8 @@ def step_timer(phases: Phases, rows: list[dict]):
             _sync()
             seconds = time.perf_counter() - self.t0
             rows.append({"step": state.global_step, "step_s": seconds, "phases": phases.take()})
+            if save is not None:
+                save()
 
     return StepTimer()
 
@@ -135,19 +138,7 @@ def run(a: argparse.Namespace) -> dict:
     phases, rows, logs = Phases(), [], []
     trainer._generate = phases.wrap("gen", trainer._generate)
     trainer._generate_and_score_completions = phases.wrap("rollout", trainer._generate_and_score_completions)
-    trainer.add_callback(step_timer(phases, rows))
-    trainer.add_callback(_log_collector(logs))
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    tokens = seqs * (a.prompt_len + a.response_len)
-    for r in rows:
-        gen, rollout = r["phases"].get("gen", 0.0), r["phases"].get("rollout", 0.0)
-        r["timing_s"] = {"gen": gen, "score_and_logprobs": rollout - gen, "update": r["step_s"] - rollout}
-        r["tok_per_s_per_gpu"] = tokens / r["step_s"] / world
-    timed = rows[1:] or rows
-    lengths = [entry[k] for entry in logs for k in entry if k.endswith("completions/mean_length")]
-    return {
+    meta = {
         "workload": {
             "prompts": a.prompts,
             "n": a.n,
@@ -164,7 +155,28 @@ def run(a: argparse.Namespace) -> dict:
             "transformers": transformers.__version__,
         },
         "world_size": world,
-        "tokens_per_step": tokens,
+        "tokens_per_step": seqs * (a.prompt_len + a.response_len),
+    }
+    save = partial(write_report, a.out, meta, rows, logs) if int(os.environ.get("RANK", "0")) == 0 else None
+    trainer.add_callback(step_timer(phases, rows, save))  # a result after every step: a timeout keeps them
+    trainer.add_callback(_log_collector(logs))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    return report(meta, rows, logs)
+
+
+def report(meta: dict, rows: list[dict], logs: list[dict]) -> dict:
+    """Per-step rows with the phase split, and medians over the steps after the first."""
+    import torch
+
+    for r in rows:
+        gen, rollout = r["phases"].get("gen", 0.0), r["phases"].get("rollout", 0.0)
+        r["timing_s"] = {"gen": gen, "score_and_logprobs": rollout - gen, "update": r["step_s"] - rollout}
+        r["tok_per_s_per_gpu"] = meta["tokens_per_step"] / r["step_s"] / meta["world_size"]
+    timed = rows[1:] or rows
+    lengths = [entry[k] for entry in logs for k in entry if k.endswith("completions/mean_length")]
+    return meta | {
         "completion_mean_length_logged": lengths,
         "steps": rows,
         "median_after_warmup": {
@@ -172,8 +184,15 @@ def run(a: argparse.Namespace) -> dict:
             "tok_per_s_per_gpu": statistics.median(r["tok_per_s_per_gpu"] for r in timed),
             "timing_s": {k: statistics.median(r["timing_s"][k] for r in timed) for k in timed[0]["timing_s"]},
         },
-        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30
+        if torch.cuda.is_available()
+        else None,
     }
+
+
+def write_report(path: str, meta: dict, rows: list[dict], logs: list[dict]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report(meta, rows, logs), indent=2))
 
 
 def _log_collector(logs: list[dict]):
