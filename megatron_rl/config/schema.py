@@ -65,6 +65,9 @@ class RolloutConfig:
         0.5, "With kv_cache_tokens=0 on GPU: cap as a fraction of free memory."
     )
     cuda_graphs: bool = doc(True, "Capture the decode step in CUDA graphs (GPU only).")
+    keep_cache: bool = doc(
+        False, "Keep the KV cache and CUDA graphs between steps: near-zero switch time, memory stays taken."
+    )
     val_temperature: float = doc(0.0, "Temperature for validation generation (0 = greedy).")
 
 

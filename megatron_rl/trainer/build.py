@@ -130,6 +130,7 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
         kv_cache_tokens=cfg.rollout.kv_cache_tokens or None,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         cuda_graphs=cfg.rollout.cuda_graphs,
+        keep_cache=cfg.rollout.keep_cache,
     )
     reward_model = None
     if cfg.reward.reward_fn == "model":

@@ -49,7 +49,7 @@ def test_empty_parquet(tmp_path):
 
 
 def test_overlong_prompt_with_truncation_error(tmp_path):
-    f = _parquet(tmp_path / "long.parquet", **_rows(["1" * 50 + "="] * 16))
+    f = _parquet(tmp_path / "long.parquet", **_rows(["1" * 50 + "="] * 32))
     err = _fails(tmp_path, f"data.train_files={f}", "data.max_prompt_length=20", "data.truncation=error")
     assert "data.max_prompt_length" in err and "data.truncation" in err
 
@@ -59,7 +59,7 @@ def test_overlong_prompt_with_truncation_error(tmp_path):
     [("raise KeyError('boom')", "sample 0"), ("return float('nan')", "nan")],
 )
 def test_custom_reward_function_errors(tmp_path, body, needle):
-    f = _parquet(tmp_path / "ok.parquet", **_rows(["12="] * 16))
+    f = _parquet(tmp_path / "ok.parquet", **_rows(["12="] * 32))
     fn = tmp_path / "my_reward.py"
     fn.write_text(
         f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    {body}\n"
