@@ -26,6 +26,7 @@ setup(
         "tensorboard>=2.15,<3",
         "tqdm>=4.66",
         "rich>=13",
+        "psutil>=5.9",  # megatron-core dist_checkpointing writer processes need it (else save hangs)
     ],
     extras_require={
         "dev": ["pytest>=8", "ruff==0.17.6"],
