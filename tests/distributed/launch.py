@@ -22,26 +22,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_env(extra: dict | None = None) -> dict:
+    """The environment for test subprocesses: CPU only, one thread per rank, the repo importable, no
+    inherited launcher variables."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", WANDB_MODE="offline",
+               PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}")  # fmt: skip
+    return env | (extra or {})
+
+
+def torchrun_cmd(nproc: int, *target: str) -> list[str]:
+    """``python -m torch.distributed.run`` on a free local port, then ``target`` (a script or ``-m mod``)."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1", f"--master-port={free_port()}", *target]  # fmt: skip
+
+
 def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 600, env: dict | None = None):
     """Run ``workers/<worker>`` with ``nproc`` CPU processes; raise with the output on failure."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        str(WORKERS / worker),
-        *args,
-    ]
-    full_env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        **(env or {}),
-    }
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    cmd = torchrun_cmd(nproc, str(WORKERS / worker), *args)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cpu_env(env))
     if proc.returncode != 0:
         raise AssertionError(
             f"torchrun {worker} (nproc={nproc}) failed with {proc.returncode}\n"

@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.distributed.launch import REPO, free_port
+from tests.distributed.launch import cpu_env, torchrun_cmd
 
+_env = cpu_env  # older name, still used by test_checkpoint_resume.py
 FAST = ["trainer.logger=[jsonl]", "trainer.log_generations_freq=-1"]
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
-    env.update(
-        OMP_NUM_THREADS="1",
-        CUDA_VISIBLE_DEVICES="",
-        WANDB_MODE="offline",
-        PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}",
-    )
-    return env
 
 
 def train(out: Path, *overrides: str, nproc: int = 1, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -29,18 +18,8 @@ def train(out: Path, *overrides: str, nproc: int = 1, timeout: float = 900) -> s
     if nproc == 1:
         cmd = [sys.executable, "-m", "megatron_rl.cli", "train", *args]
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={nproc}",
-            "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}",
-            "-m",
-            "megatron_rl.train",
-            *args,
-        ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=out.parent)
+        cmd = torchrun_cmd(nproc, "-m", "megatron_rl.train", *args)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cpu_env(), cwd=out.parent)
 
 
 def metrics(out: Path) -> list[dict]:

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_rl.data import build_char_tokenizer
-from tests.integration.cli import _env
+from tests.distributed.launch import cpu_env as _env
 
 
 def test_generate_cli_greedy_matches_transformers(tmp_path):
