@@ -121,8 +121,16 @@ class ModelArgs:
     def from_dict(cls, d: dict) -> ModelArgs:
         return cls(**{**d, "architectures": tuple(d.get("architectures", ()))})
 
-    def transformer_config(self, dtype: torch.dtype = torch.float32, use_cpu_init: bool | None = None):
-        """megatron-core TransformerConfig matching HF numerics (no dropout, 1/sqrt(head_dim) scale)."""
+    def transformer_config(
+        self,
+        dtype: torch.dtype = torch.float32,
+        use_cpu_init: bool | None = None,
+        sequence_parallel: bool = False,
+    ):
+        """megatron-core TransformerConfig matching HF numerics (no dropout, 1/sqrt(head_dim) scale).
+
+        ``sequence_parallel`` (``parallel.sequence_parallel``, GPU only): activations outside the TP regions
+        are split along the sequence across TP ranks; sequence lengths must be multiples of TP."""
         from megatron.core import parallel_state
         from megatron.core.transformer import TransformerConfig
 
@@ -151,6 +159,7 @@ class ModelArgs:
             window_size=window,
             tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
             pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+            sequence_parallel=sequence_parallel,
             use_cpu_initialization=use_cpu_init,
             bias_dropout_fusion=False,
             apply_rope_fusion=False,

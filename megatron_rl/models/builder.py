@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_rl.distributed import device
@@ -30,9 +31,15 @@ class ValueHead(MegatronModule):
         gen = torch.Generator().manual_seed(VALUE_HEAD_SEED)
         weight = torch.randn(1, hidden_size, generator=gen) * config.init_method_std  # [1, h]
         self.weight = torch.nn.Parameter(weight.to(config.params_dtype))
-        self.sequence_parallel = False
+        self.sequence_parallel = False  # read by GPTModel's inference path; forward gathers itself
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.config.sequence_parallel:
+            # [T/tp, B, h] -> [T, B, h]; every TP rank then computes the same values, so the backward
+            # splits the gradient instead of summing it over TP.
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False
+            )
         return F.linear(hidden_states, self.weight), None  # [T, B, 1]
 
 
@@ -47,7 +54,11 @@ class ValueModel(GPTModel):
 
 
 def build_model(
-    args: ModelArgs, role: str = "actor", dtype: torch.dtype = torch.float32, backend: str = "auto"
+    args: ModelArgs,
+    role: str = "actor",
+    dtype: torch.dtype = torch.float32,
+    backend: str = "auto",
+    sequence_parallel: bool = False,
 ) -> GPTModel:
     """A GPTModel for this rank's pipeline stage (pre/post_process from parallel_state).
 
@@ -64,7 +75,7 @@ def build_model(
             f"padded_vocab_size={args.padded_vocab_size} is not divisible by TP={tp}; build ModelArgs "
             f"with ModelArgs.from_hf_config(..., tp={tp}) or args.with_tp({tp})"
         )
-    config = args.transformer_config(dtype)
+    config = args.transformer_config(dtype, sequence_parallel=sequence_parallel)
     is_value = role in VALUE_ROLES
     cls = ValueModel if is_value else GPTModel
     model = cls(

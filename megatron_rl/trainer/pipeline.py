@@ -35,13 +35,18 @@ def run_micro_batches(
     Returns the list of per-micro-batch dicts from ``loss_fn`` on the last stage, [] elsewhere.
     """
     n = len(micro_batches)
+    config = unwrap(model).config
+    if config.sequence_parallel:  # the sequence is split over TP ranks: lengths must divide evenly
+        tp = ps.get_tensor_model_parallel_world_size()
+        length = -(-micro_batches[0].seq_len // tp) * tp
+        micro_batches = [pad_to_length(mb, length, pad_id=0) for mb in micro_batches]
 
     def forward_step(data_iterator, model_chunk):
         mb = next(data_iterator)
         out = model_chunk(mb.input_ids, _positions(mb.input_ids), attention_mask=None)
         return out, partial(_scaled, loss_fn, mb, n)
 
-    unwrap(model).config.pipeline_dtype = next(model.parameters()).dtype
+    config.pipeline_dtype = next(model.parameters()).dtype
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iter(micro_batches),
@@ -70,7 +75,8 @@ def broadcast_from_last_stage(obj):
 
 
 def pad_to_length(batch: RolloutBatch, length: int, pad_id: int) -> RolloutBatch:
-    """Right-pad ``input_ids`` to ``length`` so every micro-batch of a pipeline shares one shape."""
+    """Right-pad ``input_ids`` to ``length`` (padding sits after every real token, so causal attention is
+    unchanged for them)."""
     extra = length - batch.seq_len
     if extra > 0:
         batch.input_ids = torch.nn.functional.pad(batch.input_ids, (0, extra), value=pad_id)

@@ -136,7 +136,13 @@ def _samples(c: Components, batch: RolloutBatch, k: int) -> list[dict]:
 def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
     """Entry from ``megatron_rl.train`` after validation: init distributed, build, loop, close."""
     os.makedirs(cfg.trainer.output_dir, exist_ok=True)
-    init_distributed(dims.tp, dims.pp, seed=cfg.trainer.seed, timeout_minutes=cfg.trainer.timeout_minutes)
+    init_distributed(
+        dims.tp,
+        dims.pp,
+        seed=cfg.trainer.seed,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        timeout_minutes=cfg.trainer.timeout_minutes,
+    )
     c = build_components(cfg, dims)
     tr = cfg.trainer
     with c.logger:
