@@ -36,9 +36,9 @@ def make_model(path: str) -> None:
     Qwen2ForCausalLM(Qwen2Config(**QWEN2_5_0_5B)).save_pretrained(path)  # fp32 master copy
 
 
-def ours(path: str, tp: int, dtype, ids) -> torch.Tensor:
+def ours(path: str, tp: int, dtype, ids, sequence_parallel: bool = False) -> torch.Tensor:
     args = ModelArgs.from_hf_config(path, tp=tp)
-    model = build_model(args, "actor", dtype)
+    model = build_model(args, "actor", dtype, sequence_parallel=sequence_parallel)
     load_hf_weights(model, path, args)
     model = model.to(dtype)  # megatron-core creates norm weights in fp32; cast all, as the trainer does
     with torch.no_grad():
@@ -86,6 +86,7 @@ def main() -> None:
         "batch": list(ids.shape),
     }
     mine = {n: ours(a.path, dims.tp, d, ids) for n, d in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
+    sp32 = ours(a.path, dims.tp, torch.float32, ids, sequence_parallel=True)
     if dist.get_rank() == 0:
         ref32, ref16 = reference(a.path, torch.float32, ids), reference(a.path, torch.bfloat16, ids)
         result["fp32_ours_vs_hf_fp32"] = compare(mine["fp32"], ref32)
@@ -93,8 +94,10 @@ def main() -> None:
         # bf16 tolerance = how far HF's own bf16 run is from fp32; ours must be no further
         result["bf16_ours_vs_hf_fp32"] = compare(mine["bf16"], ref32)
         result["bf16_hf_vs_hf_fp32"] = compare(ref16, ref32)
+        result["fp32_sequence_parallel_vs_hf_fp32"] = compare(sp32, ref32)
         result["pass"] = (
             result["fp32_ours_vs_hf_fp32"]["rel_err_fro"] < 1e-4
+            and result["fp32_sequence_parallel_vs_hf_fp32"]["rel_err_fro"] < 1e-4
             and result["bf16_ours_vs_hf_fp32"]["rel_err_fro"]
             <= 1.5 * result["bf16_hf_vs_hf_fp32"]["rel_err_fro"]
         )
