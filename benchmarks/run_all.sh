@@ -58,6 +58,7 @@ part update_mfu 120 python3 benchmarks/bench_update_mfu.py "${M[@]}" --out "$OUT
 part ppo_memory 150 python3 benchmarks/bench_rl_step.py --algo ppo --steps 2 "${P[@]}" --out "$OUT/rl_ppo.json"
 part decode 150 python3 benchmarks/bench_decode.py "${D[@]}" --out "$OUT/bench_decode.json"
 
+export RUN_ALL_COMMAND="NGPU=$NGPU STEPS=$STEPS TRL_STEPS=$TRL_STEPS BUDGET_S=$BUDGET_S bash benchmarks/run_all.sh"
 python3 - "$OUT" "$NGPU" <<'EOF' 2>&1 | tee -a "$LOG"
 import datetime, importlib.metadata as m, json, os, subprocess, sys
 out, ngpu = sys.argv[1], int(sys.argv[2])
@@ -112,7 +113,7 @@ if dec:
             f"{dec['speedup_new_tok_per_s'][k]:.2f}x HF, {v['fraction_of_hbm_floor']:.1%} of HBM floor")
 versions = {p: ver(p) for p in ("torch", "transformers", "megatron-core", "trl", "datasets", "accelerate")}
 result = {"date": date, "gpu": gpu, "ngpu": ngpu, "versions": versions,
-          "command": "bash benchmarks/run_all.sh", "git_commit": os.environ.get("GIT_COMMIT"),
+          "command": os.environ["RUN_ALL_COMMAND"], "git_commit": os.environ.get("GIT_COMMIT"),
           "summary": summary, "grpo_ours": ours, "grpo_trl": trl, "update_mfu": mfu, "ppo_memory": ppo, "decode": dec}
 json.dump(result, open(os.path.join(out, f"{date}-{tag}.json"), "w"), indent=2)
 table = [f"{gpu} x{ngpu}, {date}; " + ", ".join(f"{k} {v}" for k, v in versions.items()), "",

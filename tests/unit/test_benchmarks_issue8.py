@@ -1,0 +1,57 @@
+"""The issue-8 benchmark drivers' pure parts: the Hydra overrides compose into a valid job, prompts are one
+token per character, and the 6N parameter count matches the model's own count (tied embedding once)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import bench_rl_step  # noqa: E402
+import bench_update_mfu  # noqa: E402
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_overrides_compose_to_the_issue_8_workload(algo, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from megatron_rl.config.store import CONFIG_DIR, to_job_config
+
+    a = bench_rl_step.parse(["--algo", algo, "--model-dir", str(tmp_path / "m"), "--data-dir", str(tmp_path)])
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        cfg = to_job_config(compose("config", overrides=bench_rl_step.overrides(a)))
+    seqs = cfg.data.train_batch_size * cfg.rollout.n
+    assert seqs == 512 and cfg.rollout.max_new_tokens == 512 and cfg.data.max_prompt_length == 256
+    assert cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size  # one optimizer step per rollout
+    assert cfg.model.dtype == "bfloat16"
+    assert cfg.algorithm.adv_estimator == ("grpo" if algo == "grpo" else "gae")
+    assert not cfg.actor.use_kl_loss
+
+
+def test_prompts_are_one_token_per_character():
+    from make_synthetic_gsm8k import tokenizer
+
+    tok = tokenizer(1000)
+    texts = bench_rl_step.prompts(3, 40)
+    assert [len(tok(t, add_special_tokens=False).input_ids) for t in texts] == [40, 40, 40]
+
+
+def test_no_eos_tokenizer_hides_only_eos():
+    class Tok:
+        eos_token_id, pad_token_id = 7, 0
+
+    t = bench_rl_step.NoEosTokenizer(Tok())
+    assert t.eos_token_id is None and t.pad_token_id == 0
+
+
+def test_param_count_matches_the_model_with_the_tied_embedding_once():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**bench_rl_step.TINY)
+    model = Qwen2ForCausalLM(cfg)
+    unique = {p.data_ptr(): p.numel() for p in model.parameters()}
+    assert bench_update_mfu.param_count(cfg) == sum(unique.values())
