@@ -30,7 +30,11 @@ from megatron_rl.algos.policy_loss import (
     truncated_is_weights,
 )
 from megatron_rl.algos.value_loss import compute_value_loss
-from megatron_rl.algos.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+from megatron_rl.algos.vocab_parallel import (
+    vocab_parallel_entropy,
+    vocab_parallel_log_probs,
+    vocab_parallel_log_probs_and_entropy,
+)
 
 __all__ = [
     "LOSS_AGG_MODES",
@@ -59,4 +63,5 @@ __all__ = [
     "truncated_is_weights",
     "vocab_parallel_entropy",
     "vocab_parallel_log_probs",
+    "vocab_parallel_log_probs_and_entropy",
 ]

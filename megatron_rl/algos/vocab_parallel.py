@@ -97,3 +97,89 @@ def vocab_parallel_entropy(logits: Tensor, *, tp_group=None, temperature: float 
     Differentiable with respect to ``logits``.
     """
     return _VocabParallelEntropy.apply(_scaled(logits, temperature), tp_group)
+
+
+def _chunk_stats(z: Tensor, group, vocab_start: int, vocab_size: int | None):
+    """One chunk of scaled logits z [n, V/tp] (fp32): padding columns masked, then the global max [n],
+    sum of exps [n] and expected logit E_p[z] [n]."""
+    if vocab_size is not None and vocab_start + z.shape[-1] > vocab_size:
+        z[:, max(0, vocab_size - vocab_start) :] = _PAD_LOGIT
+    zmax = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
+    shifted = z - zmax[:, None]  # [n, V/tp]
+    exp = shifted.exp()
+    sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
+    expected = _all_reduce((exp * shifted).sum(-1), dist.ReduceOp.SUM, group) / sum_exp
+    return shifted, exp, sum_exp, expected
+
+
+_PAD_LOGIT = -1e30  # finite, so p * z stays 0 (not nan) in the entropy
+
+
+class _FusedLogProbEntropy(torch.autograd.Function):
+    """Log-probs and entropy of flattened logits [N, V/tp] in chunks of rows; backward recomputes the
+    softmax per chunk from the saved input instead of keeping [N, V/tp] fp32 temporaries."""
+
+    @staticmethod
+    def forward(ctx, logits, target, temperature, group, vocab_size, chunk):
+        v_local = logits.shape[-1]
+        start = 0 if group is None else dist.get_rank(group) * v_local
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        lp, ent = (logits.new_empty(logits.shape[0], dtype=dtype) for _ in range(2))
+        for s in range(0, logits.shape[0], chunk):
+            z = _scaled(logits[s : s + chunk], temperature)
+            shifted, _, sum_exp, expected = _chunk_stats(z, group, start, vocab_size)
+            local = target[s : s + chunk] - start
+            inside = (local >= 0) & (local < v_local)
+            picked = shifted.gather(-1, torch.where(inside, local, 0)[:, None])[:, 0]
+            picked = _all_reduce(torch.where(inside, picked, 0.0), dist.ReduceOp.SUM, group)
+            lp[s : s + chunk] = picked - sum_exp.log()
+            ent[s : s + chunk] = sum_exp.log() - expected
+        ctx.save_for_backward(logits, target)
+        ctx.cfg = (temperature, group, vocab_size, chunk, start)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        logits, target = ctx.saved_tensors
+        temperature, group, vocab_size, chunk, start = ctx.cfg
+        grad = torch.empty_like(logits)
+        v_local = logits.shape[-1]
+        for s in range(0, logits.shape[0], chunk):
+            z = _scaled(logits[s : s + chunk], temperature)
+            shifted, exp, sum_exp, expected = _chunk_stats(z, group, start, vocab_size)
+            p = exp / sum_exp[:, None]  # [n, V/tp]
+            g = torch.zeros_like(p)
+            if g_lp is not None:
+                local = target[s : s + chunk] - start
+                inside = (local >= 0) & (local < v_local)
+                g -= p * g_lp[s : s + chunk, None]
+                g.scatter_add_(
+                    -1, torch.where(inside, local, 0)[:, None], (inside * g_lp[s : s + chunk])[:, None]
+                )
+            if g_ent is not None:
+                g += p * (expected[:, None] - shifted) * g_ent[s : s + chunk, None]
+            grad[s : s + chunk] = (g / temperature).to(grad.dtype)
+        return grad, None, None, None, None, None
+
+
+def vocab_parallel_log_probs_and_entropy(
+    logits: Tensor,
+    target: Tensor,
+    *,
+    tp_group=None,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    chunk_tokens: int = 1024,
+) -> tuple[Tensor, Tensor]:
+    """Log-probs of ``target`` [B, T] and entropy [B, T] from the shard ``logits`` [B, T, V/tp] in one pass.
+
+    Memory-lean twin of ``vocab_parallel_log_probs`` + ``vocab_parallel_entropy``: works on
+    ``chunk_tokens`` rows at a time in fp32 and recomputes the softmax in backward, so the only
+    vocab-sized tensor kept for backward is ``logits`` itself (in its own dtype). Columns with a global id
+    >= ``vocab_size`` (padding to a multiple of 128 * TP) are excluded from the softmax.
+    """
+    b, t, v = logits.shape
+    lp, ent = _FusedLogProbEntropy.apply(
+        logits.reshape(b * t, v), target.reshape(b * t), temperature, tp_group, vocab_size, chunk_tokens
+    )
+    return lp.view(b, t), ent.view(b, t)  # [B, T] each

@@ -108,11 +108,14 @@ def batch_metrics(batch: RolloutBatch, max_new_tokens: int) -> dict[str, float]:
         "critic/returns/mean": masked_mean(batch.returns, mask),
         "response_length/mean": lens.mean(),
         "response_length/clip_ratio": (lens >= max_new_tokens).float().mean(),
-        "rollout/logprob_abs_diff": masked_mean((batch.rollout_log_probs - batch.old_log_probs).abs(), mask),
     }
+    if batch.old_log_probs is not None:
+        m["rollout/logprob_abs_diff"] = masked_mean(
+            (batch.rollout_log_probs - batch.old_log_probs).abs(), mask
+        )
     if batch.values is not None:
         m["critic/values/mean"] = masked_mean(batch.values, mask)
-    if batch.ref_log_probs is not None:
+    if batch.ref_log_probs is not None and batch.old_log_probs is not None:
         kl = kl_penalty(logprob=batch.old_log_probs, ref_logprob=batch.ref_log_probs, kind="k1")
         m["actor/reference_kl"] = masked_mean(kl, mask)
     ops = {"response_length/max": "max"}

@@ -69,6 +69,16 @@ def validate(c: Components, step: int, timer: Timer) -> dict[str, float]:
     return {"val/score/mean": float(total[0] / total[1].clamp(min=1))}
 
 
+def on_policy(cfg: JobConfig) -> bool:
+    """One epoch over one mini-batch and no KL in the reward: the old log-probs would equal the update's
+    own (detached) log-probs, so that forward pass is skipped."""
+    return (
+        cfg.actor.ppo_epochs == 1
+        and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+        and not cfg.algorithm.use_kl_in_reward
+    )
+
+
 def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float], RolloutBatch]:
     cfg = c.cfg
     global_rows = c.train_loader.global_batch(step)
@@ -77,8 +87,9 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     batch = rollout(
         c, rows, offset, _sampling(c, cfg.rollout.temperature, cfg.rollout.n, cfg.trainer.seed + step), timer
     )
-    with timer("old_log_prob"):
-        batch.old_log_probs = c.actor.log_probs(batch)
+    if not on_policy(cfg):
+        with timer("old_log_prob"):
+            batch.old_log_probs = c.actor.log_probs(batch)
     if c.ref is not None:
         with timer("ref"):
             batch.ref_log_probs = c.ref.log_probs(batch)
@@ -95,6 +106,9 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     if step >= cfg.trainer.critic_warmup:
         with timer("update_actor"):
             metrics |= c.actor.update(batch, cfg.actor.ppo_mini_batch_size * cfg.rollout.n // c.dims.dp)
+    diff = metrics.pop("actor/rollout_logprob_abs_diff", None)
+    if batch.old_log_probs is None and diff is not None:  # measured inside the (only) update pass
+        metrics["rollout/logprob_abs_diff"] = diff
     metrics |= batch_metrics(batch, cfg.rollout.max_new_tokens)
     return metrics, batch
 

@@ -19,8 +19,8 @@ from megatron_rl.algos import (
     compute_policy_loss,
     compute_value_loss,
     global_loss_denominators,
-    vocab_parallel_entropy,
-    vocab_parallel_log_probs,
+    masked_mean,
+    vocab_parallel_log_probs_and_entropy,
 )
 from megatron_rl.config.schema import ActorConfig, CriticConfig
 from megatron_rl.trainer.batch import RolloutBatch, split_micro_batches
@@ -35,26 +35,18 @@ def _gather_positions(out: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return out.gather(1, pos[..., None].expand(-1, -1, out.shape[-1]))  # [B, R, V/tp]
 
 
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """logits [..., V/tp] with the rows past the true vocab (padding to a multiple of 128*TP) pushed to a
-    large negative value, as the engine excludes them when sampling. Finite, so entropy stays finite."""
-    v_local = logits.shape[-1]
-    start = ps.get_tensor_model_parallel_rank() * v_local
-    if start + v_local <= vocab_size:
-        return logits
-    ids = torch.arange(start, start + v_local, device=logits.device)
-    return logits.masked_fill(ids >= vocab_size, -1e30)
-
-
 def response_log_probs(logits, mb: RolloutBatch, temperature: float, vocab_size: int, with_entropy: bool):
-    """logits [B, T, V/tp] -> log-probs [B, R] of the response tokens (and entropy [B, R] if asked)."""
-    scoring = mask_padded_vocab(_gather_positions(logits, mb.score_pos).float(), vocab_size)  # [B, R, V/tp]
-    tp_group = ps.get_tensor_model_parallel_group()
-    lp = vocab_parallel_log_probs(scoring, mb.responses, tp_group=tp_group, temperature=temperature)
-    ent = (
-        vocab_parallel_entropy(scoring, tp_group=tp_group, temperature=temperature) if with_entropy else None
-    )
-    return lp, ent
+    """logits [B, T, V/tp] -> log-probs [B, R] of the response tokens (and entropy [B, R] if asked).
+
+    Vocab rows past the true vocabulary (padding to a multiple of 128*TP) are excluded, as the engine
+    excludes them when sampling; the fused kernel works in fp32 chunks and keeps no fp32 [B, R, V/tp]
+    tensor for backward."""
+    scoring = _gather_positions(logits, mb.score_pos)  # [B, R, V/tp]
+    lp, ent = vocab_parallel_log_probs_and_entropy(
+        scoring, mb.responses, tp_group=ps.get_tensor_model_parallel_group(), temperature=temperature,
+        vocab_size=vocab_size,
+    )  # fmt: skip
+    return lp, (ent if with_entropy else None)
 
 
 def _reduce_update_metrics(per_micro: list[dict], num_optimizer_steps: int) -> dict[str, float]:
@@ -156,9 +148,12 @@ class PolicyWorker(_TrainedModel):
             seq_len_norm=self.response_len,
         )
         lp, ent = response_log_probs(logits, mb, self.temperature, self.vocab_size, with_entropy=True)
+        # On-policy (one epoch, one mini-batch, no KL in reward): the trainer skips the old-log-prob pass;
+        # the ratio is 1 by definition, so the current log-probs, detached, are the old ones.
+        old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()
         loss, metrics = compute_policy_loss(
             cfg.policy_loss,
-            old_log_prob=mb.old_log_probs,
+            old_log_prob=old,
             log_prob=lp,
             advantages=mb.advantages,
             response_mask=mb.response_mask,
@@ -185,6 +180,9 @@ class PolicyWorker(_TrainedModel):
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss.detach()
         metrics = {k: v.detach() for k, v in metrics.items()}
+        metrics["rollout_logprob_abs_diff"] = masked_mean(
+            (mb.rollout_log_probs - old).abs(), mb.response_mask
+        )
         metrics["_tokens"] = mb.response_mask.sum()
         return loss, metrics
 

@@ -52,3 +52,31 @@ def test_low_precision_logits_are_computed_in_fp32():
     assert logp.dtype == torch.float32
     want = torch.log_softmax(logits.float(), -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(logp, want, rtol=0, atol=1e-6)
+
+
+def test_fused_log_probs_and_entropy_equal_separate_functions_with_padding():
+    from megatron_rl.algos import vocab_parallel_log_probs_and_entropy
+
+    torch.manual_seed(0)
+    vocab, padded = 33, 40
+    for temperature in (1.0, 0.7):
+        logits = torch.randn(3, 5, padded, dtype=torch.float64)
+        targets = torch.randint(0, vocab, (3, 5))
+        ref_in = logits[..., :vocab].clone().requires_grad_(True)  # the true vocabulary only
+        want_lp = vocab_parallel_log_probs(ref_in, targets, temperature=temperature)
+        want_ent = vocab_parallel_entropy(ref_in, temperature=temperature)
+        (0.3 * want_lp.sum() + 0.7 * want_ent.sum()).backward()
+        x = logits.clone().requires_grad_(True)
+        lp, ent = vocab_parallel_log_probs_and_entropy(
+            x, targets, temperature=temperature, vocab_size=vocab, chunk_tokens=4
+        )
+        (0.3 * lp.sum() + 0.7 * ent.sum()).backward()
+        assert torch.allclose(lp, want_lp, atol=1e-12) and torch.allclose(ent, want_ent, atol=1e-12)
+        assert torch.allclose(x.grad[..., :vocab], ref_in.grad, atol=1e-12)
+        assert torch.all(x.grad[..., vocab:] == 0)  # padding columns get no gradient
+        x.grad = None
+        lp, _ = vocab_parallel_log_probs_and_entropy(x, targets, temperature=temperature, vocab_size=vocab)
+        lp.sum().backward()  # entropy unused: its gradient is skipped, the log-prob one is still exact
+        ref_in.grad = None
+        vocab_parallel_log_probs(ref_in, targets, temperature=temperature).sum().backward()
+        assert torch.allclose(x.grad[..., :vocab], ref_in.grad, atol=1e-12)

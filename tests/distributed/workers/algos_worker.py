@@ -26,6 +26,7 @@ from megatron_rl.algos import (
     global_loss_denominators,
     vocab_parallel_entropy,
     vocab_parallel_log_probs,
+    vocab_parallel_log_probs_and_entropy,
 )
 
 B, T, V, D = 16, 6, 13, 8
@@ -255,6 +256,15 @@ def check_vocab_parallel(tp_group, tp_rank: int, tp: int) -> None:
             assert_close(logp, want_logp, atol, f"{msg} logp")
             assert_close(ent, want_ent, atol, f"{msg} entropy")
             assert_close(shard.grad, full.grad.chunk(tp, -1)[tp_rank], atol, f"{msg} grad")
+
+            fused = logits.chunk(tp, -1)[tp_rank].clone().requires_grad_(True)
+            logp, ent = vocab_parallel_log_probs_and_entropy(
+                fused, targets, tp_group=tp_group, temperature=temperature, chunk_tokens=4
+            )
+            (weights[0] * logp + weights[1] * ent).sum().backward()
+            assert_close(logp, want_logp, atol, f"{msg} fused logp")
+            assert_close(ent, want_ent, atol, f"{msg} fused entropy")
+            assert_close(fused.grad, full.grad.chunk(tp, -1)[tp_rank], atol, f"{msg} fused grad")
 
 
 def check_metrics(rank: int, world: int) -> None:
