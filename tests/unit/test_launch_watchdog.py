@@ -1,0 +1,49 @@
+"""A collective that times out surfaces as an error naming the phase and the rank, not a silent hang."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megatron_rl.distributed.phase_watchdog import CollectiveTimeout, is_timeout, phase
+from tests.distributed.launch import REPO, free_port
+
+
+def test_phase_renames_timeouts_only():
+    with pytest.raises(
+        CollectiveTimeout, match=r"rank 0: a collective in phase 'update_actor' timed out after 2 min"
+    ):
+        with phase("update_actor", 2):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Timed out waiting 120000ms for recv")
+    with pytest.raises(ValueError, match="unrelated"):
+        with phase("gen"):
+            raise ValueError("unrelated")
+    assert not is_timeout(RuntimeError("shape mismatch"))
+
+
+WORKER = textwrap.dedent("""
+    import datetime, os, time
+    import torch, torch.distributed as dist
+    from megatron_rl.distributed.phase_watchdog import phase
+    if __name__ == "__main__":
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
+        if dist.get_rank() == 1:
+            time.sleep(8)  # never joins in time: a hung or crashed peer
+        else:
+            with phase("ref", timeout_minutes=0.05):
+                dist.all_reduce(torch.ones(1))
+""")
+
+
+def test_gloo_timeout_names_phase_and_rank(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", str(script)]  # fmt: skip
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0
+    assert "CollectiveTimeout: rank 0: a collective in phase 'ref' timed out after 0.05 min" in proc.stderr
