@@ -90,6 +90,7 @@ def test_sigkill_after_second_checkpoint_then_restart_matches_uninterrupted(tmp_
     _check(train(ref_out, *args, nproc=2))
     _run_and_kill_after_checkpoint(out, 2, *args)
     killed_at = _pointer(out)
+    assert killed_at < STEPS, "the run finished before it was killed"
     restarted = train(out, *args, nproc=2)  # the same command
     _check(restarted)
     assert (
