@@ -54,6 +54,19 @@ def train(
         return subprocess.CompletedProcess(cmd, rc, so.read(), se.read())
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL torchrun and every process below it (its workers run in sessions of their own)."""
+    import psutil
+
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def _kill_session(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -75,7 +88,7 @@ def _run_and_kill_after_checkpoint(out: Path, step: int, *overrides: str) -> Non
     deadline = time.monotonic() + 300
     while (_pointer(out) or 0) < step and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    _kill_session(proc.pid)
+    _kill_tree(proc.pid)
     _, err = proc.communicate(timeout=60)
     assert (_pointer(out) or 0) >= step, f"the run never wrote checkpoint {step}:\n{err[-4000:]}"
 
@@ -85,7 +98,12 @@ def _check(proc: subprocess.CompletedProcess) -> None:
 
 
 def test_sigkill_after_second_checkpoint_then_restart_matches_uninterrupted(tmp_path):
-    args = [*SMALL, f"trainer.total_training_steps={STEPS}"]
+    """8 prompts, 4 per step: checkpoint 2 sits on the epoch boundary and the restart trains epoch 2."""
+    from megatron_rl.trainer.builtin_task import _write_split
+
+    _write_split(tmp_path / "train8.parquet", 8, seed=3)
+    data = [f"data.train_files={tmp_path / 'train8.parquet'}", "trainer.total_epochs=2"]
+    args = [*SMALL, *data, f"trainer.total_training_steps={STEPS + 2}"]  # the epochs end the run at STEPS
     ref_out, out = tmp_path / "ref", tmp_path / "killed"
     _check(train(ref_out, *args, nproc=2))
     _run_and_kill_after_checkpoint(out, 2, *args)
@@ -107,7 +125,7 @@ def test_sigkill_after_second_checkpoint_then_restart_matches_uninterrupted(tmp_
 
 def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path):
     out = tmp_path / "run"
-    args = [*SMALL, "trainer.total_training_steps=3"]
+    args = [*SMALL, "trainer.total_training_steps=3", "model.dtype=bfloat16"]  # fp32 main params saved too
     killed = train(out, *args, extra_env={"MEGATRON_RL_TEST_KILL_IN_SAVE": "2"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     ckpts = out / "checkpoints"
