@@ -74,3 +74,23 @@ def test_missing_config_names_the_key(tmp_path):
     cfg.model.path = str(tmp_path)
     with pytest.raises(FileNotFoundError, match="model.path="):
         dry_run(cfg, ParallelDims.build(1, 1, 1))
+
+
+def test_cli_dry_run_exits_without_training(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.integration.cli import _env
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_rl.cli",
+        "train",
+        "trainer.dry_run=true",
+        f"trainer.output_dir={tmp_path}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "megatron-rl dry run: world=1" in proc.stdout and "peak during training" in proc.stdout
+    assert (tmp_path / "dry_run.json").is_file() and not (tmp_path / "metrics.jsonl").exists()
