@@ -6,13 +6,21 @@ lives in ``convert.py``.
 """
 
 from megatron_rl.checkpoint.layout import CheckpointError, check_complete, newest_complete, truncate_metrics
-from megatron_rl.checkpoint.manager import find_checkpoint, load_checkpoint, resume, save_checkpoint, save_hf
+from megatron_rl.checkpoint.manager import (
+    find_checkpoint,
+    load_checkpoint,
+    load_model_weights,
+    resume,
+    save_checkpoint,
+    save_hf,
+)
 
 __all__ = [
     "CheckpointError",
     "check_complete",
     "find_checkpoint",
     "load_checkpoint",
+    "load_model_weights",
     "newest_complete",
     "resume",
     "save_checkpoint",

@@ -269,3 +269,14 @@ def resume(c) -> int:
                   "continue", flush=True)  # fmt: skip
     _barrier()
     return step
+
+
+def load_model_weights(model, path: str | Path, role: str = "actor") -> None:
+    """Load one model's weights from a ``global_step_<N>`` checkpoint at this run's TP/PP (resharded by
+    dist_checkpointing). Collective; for evaluation and generation from a training checkpoint."""
+    core = _unwrap(model)
+    loaded = dist_checkpointing.load(
+        {role: {"model": core.sharded_state_dict(prefix=f"{role}.")}}, str(Path(path) / DIST)
+    )
+    prefix = f"{role}."
+    core.load_state_dict({k[len(prefix) :]: v for k, v in loaded[role]["model"].items()})
