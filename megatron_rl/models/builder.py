@@ -11,7 +11,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron_rl.distributed import device
 from megatron_rl.models.args import ModelArgs
-from megatron_rl.models.spec import layer_spec
+from megatron_rl.models.spec import block_spec
 
 ROLES = ("actor", "critic", "reward", "ref")
 VALUE_ROLES = ("critic", "reward")
@@ -80,7 +80,7 @@ def build_model(
     cls = ValueModel if is_value else GPTModel
     model = cls(
         config=config,
-        transformer_layer_spec=layer_spec(args.qk_norm, backend),
+        transformer_layer_spec=block_spec(config, args.qk_norm, backend),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

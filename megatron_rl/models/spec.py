@@ -83,6 +83,16 @@ class SDPACoreAttention(MegatronModule):
         return keep
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """RMSNorm taking megatron-core's norm constructor arguments. Unlike megatron-core's ``WrappedTorchNorm``
+    it allows sequence parallelism: it marks its weight ``sequence_parallel`` so the optimizer sums that
+    weight's gradient over TP ranks (each saw a different part of the sequence)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
 def layer_spec(qk_norm: bool, backend: str = "auto") -> ModuleSpec:
     """The GPT layer ModuleSpec. ``backend``: "local" (megatron-core modules + SDPA), "te" (Transformer
     Engine; fuses the pre-attention/pre-MLP norms into linear_qkv/linear_fc1) or "auto" (TE if importable).
@@ -94,5 +104,25 @@ def layer_spec(qk_norm: bool, backend: str = "auto") -> ModuleSpec:
     if backend == "te" or (backend == "auto" and HAVE_TE):
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
     spec = copy.deepcopy(get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm"))
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    layer, attn = spec.submodules, spec.submodules.self_attention.submodules
+    attn.core_attention = SDPACoreAttention
+    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    if qk_norm:
+        attn.q_layernorm = attn.k_layernorm = RMSNorm
     return spec
+
+
+def block_spec(config, qk_norm: bool, backend: str = "auto"):
+    """This pipeline stage's decoder block: its layers, and (local backend) our RMSNorm as the final norm
+    so that sequence parallelism works without TE/apex."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layer = layer_spec(qk_norm, backend)
+    if backend == "te" or (backend == "auto" and HAVE_TE):
+        return layer
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm
+    )

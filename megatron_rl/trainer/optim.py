@@ -105,17 +105,28 @@ def _shared_embedding(model: torch.nn.Module) -> torch.nn.Parameter | None:
     return None
 
 
+def _tp_partial(name: str, p: torch.nn.Parameter) -> bool:
+    """TP-replicated weights whose gradient each TP rank sees only part of: norms under sequence
+    parallelism (each rank holds part of the sequence) and q/k norms (each rank holds some heads).
+    megatron-core's finalize_model_grads sums the same set over TP."""
+    return getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name
+
+
 def reduce_gradients(model: torch.nn.Module) -> None:
-    """Sum grads over DP; sum the tied embedding's grad between the first and last PP stage."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
+    """Sum grads over DP; sum partial grads of replicated weights over TP; sum the tied embedding's grad
+    between the first and last PP stage."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for _, p in named:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
+    for _, p in named:
         by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for grads in by_dtype.values():
         _all_reduce_coalesced(grads, ps.get_data_parallel_group())
+    _all_reduce_coalesced(
+        [p.grad for n, p in named if _tp_partial(n, p)], ps.get_tensor_model_parallel_group()
+    )
     shared = _shared_embedding(model)
     if shared is not None:
         dist.all_reduce(shared.grad, group=ps.get_embedding_group())
