@@ -8,6 +8,7 @@ import time
 import torch
 from megatron.core import parallel_state as ps
 
+from megatron_rl.checkpoint import resume, save_checkpoint
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.data import dp_share
 from megatron_rl.distributed import ParallelDims, device, init_distributed
@@ -149,6 +150,11 @@ def _samples(c: Components, batch: RolloutBatch, k: int) -> list[dict]:
 
 def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
     """Entry from ``megatron_rl.train`` after validation: init distributed, build, loop, close."""
+    if cfg.trainer.dry_run:
+        from megatron_rl.trainer.dry_run import dry_run
+
+        dry_run(cfg, dims)
+        return
     os.makedirs(cfg.trainer.output_dir, exist_ok=True)
     init_distributed(
         dims.tp,
@@ -159,10 +165,11 @@ def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
     )
     c = build_components(cfg, dims)
     tr = cfg.trainer
+    start = resume(c)
     with c.logger:
-        if tr.val_before_train:
+        if tr.val_before_train and start == 0:
             c.logger.log(validate(c, 0, Timer()), step=0)
-        for step in range(c.total_steps):
+        for step in range(start, c.total_steps):
             timer, t0 = Timer(), time.perf_counter()
             metrics, batch = train_step(c, step, timer)
             done = step + 1
@@ -175,3 +182,5 @@ def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
             c.logger.log(metrics, step=done)
             if tr.log_generations_freq > 0 and done % tr.log_generations_freq == 0:
                 c.logger.log_generations(_samples(c, batch, c.cfg.logger.num_generations_to_log), step=done)
+            if tr.save_freq > 0 and (done % tr.save_freq == 0 or done == c.total_steps):
+                save_checkpoint(c, done)
