@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -12,11 +13,26 @@ from megatron_rl.checkpoint import resume, save_checkpoint
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.data import dp_share
 from megatron_rl.distributed import ParallelDims, device, init_distributed
+from megatron_rl.distributed.phase_watchdog import phase
 from megatron_rl.logging import Timer
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.advantage import batch_metrics, compute_advantages, score_responses
 from megatron_rl.trainer.batch import RolloutBatch, build_batch
 from megatron_rl.trainer.build import Components, build_components
+
+
+class PhaseTimer(Timer):
+    """Times each phase (``timing_s/<phase>``) and names it, so that a collective timeout inside becomes an
+    error naming the phase and the rank instead of a silent hang."""
+
+    def __init__(self, timeout_minutes: float):
+        super().__init__()
+        self.timeout_minutes = timeout_minutes
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        with super().__call__(name), phase(name, self.timeout_minutes):
+            yield
 
 
 def _sampling(c: Components, temperature: float, n: int, seed: int) -> SamplingParams:
@@ -148,39 +164,40 @@ def _samples(c: Components, batch: RolloutBatch, k: int) -> list[dict]:
     ]
 
 
+def _finish_step(c: Components, done: int, metrics: dict, batch: RolloutBatch, timer: Timer, t0: float):
+    """Validation (every trainer.test_freq), timing/perf metrics, logging, sample prints, checkpoint."""
+    tr = c.cfg.trainer
+    if tr.test_freq > 0 and (done % tr.test_freq == 0 or done == c.total_steps):
+        metrics |= validate(c, done, timer)
+    seconds = time.perf_counter() - t0
+    metrics |= timer.metrics() | {"timing_s/step": seconds}
+    metrics |= _perf(c, batch, seconds, metrics.get("timing_s/update_actor", 0.0))
+    metrics["timing_s/reshard"] = c.engine.last_stats.reshard_s + c.engine.last_stats.gather_back_s
+    c.logger.log(metrics, step=done)
+    if tr.log_generations_freq > 0 and done % tr.log_generations_freq == 0:
+        c.logger.log_generations(_samples(c, batch, c.cfg.logger.num_generations_to_log), step=done)
+    if tr.save_freq > 0 and (done % tr.save_freq == 0 or done == c.total_steps):
+        with phase("save_checkpoint", tr.timeout_minutes):
+            save_checkpoint(c, done)
+
+
 def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
-    """Entry from ``megatron_rl.train`` after validation: init distributed, build, loop, close."""
-    if cfg.trainer.dry_run:
+    """Entry from ``megatron_rl.train`` after validation: init distributed, build, resume, loop, close."""
+    tr = cfg.trainer
+    if tr.dry_run:
         from megatron_rl.trainer.dry_run import dry_run
 
         dry_run(cfg, dims)
         return
-    os.makedirs(cfg.trainer.output_dir, exist_ok=True)
-    init_distributed(
-        dims.tp,
-        dims.pp,
-        seed=cfg.trainer.seed,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        timeout_minutes=cfg.trainer.timeout_minutes,
-    )
+    os.makedirs(tr.output_dir, exist_ok=True)
+    init_distributed(dims.tp, dims.pp, seed=tr.seed, sequence_parallel=cfg.parallel.sequence_parallel,
+                     timeout_minutes=tr.timeout_minutes)  # fmt: skip
     c = build_components(cfg, dims)
-    tr = cfg.trainer
     start = resume(c)
     with c.logger:
         if tr.val_before_train and start == 0:
-            c.logger.log(validate(c, 0, Timer()), step=0)
+            c.logger.log(validate(c, 0, PhaseTimer(tr.timeout_minutes)), step=0)
         for step in range(start, c.total_steps):
-            timer, t0 = Timer(), time.perf_counter()
+            timer, t0 = PhaseTimer(tr.timeout_minutes), time.perf_counter()
             metrics, batch = train_step(c, step, timer)
-            done = step + 1
-            if tr.test_freq > 0 and (done % tr.test_freq == 0 or done == c.total_steps):
-                metrics |= validate(c, done, timer)
-            seconds = time.perf_counter() - t0
-            metrics |= timer.metrics() | {"timing_s/step": seconds}
-            metrics |= _perf(c, batch, seconds, metrics.get("timing_s/update_actor", 0.0))
-            metrics["timing_s/reshard"] = c.engine.last_stats.reshard_s + c.engine.last_stats.gather_back_s
-            c.logger.log(metrics, step=done)
-            if tr.log_generations_freq > 0 and done % tr.log_generations_freq == 0:
-                c.logger.log_generations(_samples(c, batch, c.cfg.logger.num_generations_to_log), step=done)
-            if tr.save_freq > 0 and (done % tr.save_freq == 0 or done == c.total_steps):
-                save_checkpoint(c, done)
+            _finish_step(c, step + 1, metrics, batch, timer, t0)

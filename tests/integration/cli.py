@@ -9,7 +9,6 @@ from pathlib import Path
 
 from tests.distributed.launch import cpu_env, torchrun_cmd
 
-_env = cpu_env  # older name, still used by test_checkpoint_resume.py
 FAST = ["trainer.logger=[jsonl]", "trainer.log_generations_freq=-1"]
 
 

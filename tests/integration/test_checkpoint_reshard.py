@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.integration.cli import _env, metrics
+from tests.distributed.launch import cpu_env
+from tests.integration.cli import metrics
 from tests.integration.test_checkpoint_resume import SMALL, train
 
 TP2_PP2 = ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"]
@@ -31,7 +32,7 @@ def test_tp2_pp2_checkpoint_resumes_at_tp1_pp1(tmp_path):
     ckpt = out / "checkpoints" / "global_step_1"
     model_dir = out / "builtin_task" / "model"
     check = subprocess.run([sys.executable, __file__, str(ckpt), str(model_dir)], capture_output=True, text=True,
-                           timeout=300, env=_env())  # fmt: skip
+                           timeout=300, env=cpu_env())  # fmt: skip
     assert "WEIGHTS_IDENTICAL" in _check(check)
 
     log = _check(train(out, *SMALL, MOVE, "trainer.total_training_steps=2"))

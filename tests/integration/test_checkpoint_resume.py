@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.distributed.launch import free_port
-from tests.integration.cli import FAST, _env, metrics
+from tests.distributed.launch import cpu_env, free_port
+from tests.integration.cli import FAST, metrics
 
 SMALL = [
     "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4",
@@ -44,7 +44,7 @@ def train(
         open(out.parent / f"{out.name}.stdout", "w+") as so,
         open(out.parent / f"{out.name}.stderr", "w+") as se,
     ):
-        proc = subprocess.Popen(cmd, env={**_env(), **(extra_env or {})}, cwd=out.parent, stdout=so, stderr=se,
+        proc = subprocess.Popen(cmd, env={**cpu_env(), **(extra_env or {})}, cwd=out.parent, stdout=so, stderr=se,
                                 start_new_session=True, text=True)  # fmt: skip
         try:
             rc = proc.wait(timeout=600)
@@ -83,7 +83,7 @@ def _pointer(out: Path) -> int | None:
 
 def _run_and_kill_after_checkpoint(out: Path, step: int, *overrides: str) -> None:
     """Start a world-2 run, SIGKILL every process as soon as checkpoint ``step`` is published."""
-    proc = subprocess.Popen(_torchrun_cmd(out, 2, *overrides), env=_env(), cwd=out.parent, start_new_session=True,
+    proc = subprocess.Popen(_torchrun_cmd(out, 2, *overrides), env=cpu_env(), cwd=out.parent, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.monotonic() + 300
     while (_pointer(out) or 0) < step and proc.poll() is None and time.monotonic() < deadline:

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_rl.data import build_char_tokenizer
-from tests.distributed.launch import cpu_env as _env
+from tests.distributed.launch import cpu_env
 
 
 def test_generate_cli_greedy_matches_transformers(tmp_path):
@@ -48,7 +48,7 @@ def test_generate_cli_greedy_matches_transformers(tmp_path):
         ],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=cpu_env(),
         cwd=tmp_path,
         timeout=300,
     )
@@ -71,7 +71,7 @@ def test_generate_cli_names_missing_keys(tmp_path):
         [sys.executable, "-m", "megatron_rl.cli", "generate"],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=cpu_env(),
         cwd=tmp_path,
         timeout=120,
     )

@@ -80,7 +80,7 @@ def test_cli_dry_run_exits_without_training(tmp_path):
     import subprocess
     import sys
 
-    from tests.integration.cli import _env
+    from tests.distributed.launch import cpu_env
 
     cmd = [
         sys.executable,
@@ -90,7 +90,7 @@ def test_cli_dry_run_exits_without_training(tmp_path):
         "trainer.dry_run=true",
         f"trainer.output_dir={tmp_path}",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cpu_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "megatron-rl dry run: world=1" in proc.stdout and "peak during training" in proc.stdout
     assert (tmp_path / "dry_run.json").is_file() and not (tmp_path / "metrics.jsonl").exists()

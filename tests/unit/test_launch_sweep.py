@@ -6,14 +6,14 @@ import json
 import subprocess
 import sys
 
-from tests.integration.cli import _env
+from tests.distributed.launch import cpu_env
 
 
 def test_two_value_sweep_gives_two_output_dirs(tmp_path):
-    # Few overrides: configs/config.yaml names each run's dir after all of them (hydra.job.override_dirname).
+    # configs/config.yaml numbers each run's dir (hydra.sweep.subdir); its overrides are in .hydra/overrides.yaml.
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "-m", "trainer.total_training_steps=1",
            "actor.optim.lr=1e-3,2e-3", "trainer.test_freq=-1", "trainer.val_before_train=false"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(), cwd=tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=cpu_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-5000:]
     runs = sorted(p.parent for p in tmp_path.glob("multirun/*/*/*/metrics.jsonl"))
     assert len(runs) == 2 and runs[0] != runs[1], runs
