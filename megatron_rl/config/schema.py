@@ -69,6 +69,11 @@ class RolloutConfig:
         False, "Keep the KV cache and CUDA graphs between steps: near-zero switch time, memory stays taken."
     )
     val_temperature: float = doc(0.0, "Temperature for validation generation (0 = greedy).")
+    layout_invariant_sampling: bool = doc(
+        False,
+        "Draw each sequence's sampling noise from (seed, prompt id, sample index, step): the same samples at "
+        "any TP/PP/DP layout and batching (a counter hash instead of a generator; slower sampling).",
+    )
 
 
 @dataclass

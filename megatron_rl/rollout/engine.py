@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron_rl.rollout import decoder, reshard
 from megatron_rl.rollout.decoder import DecoderSpec, GenWeights
 from megatron_rl.rollout.kv_cache import KV_KEYS, KVCache, bytes_per_token, plan_cache
-from megatron_rl.rollout.sampling import SamplingParams, sample, token_logprobs
+from megatron_rl.rollout.sampling import SamplingParams, sample, sample_row_keys, token_logprobs
 
 
 class GenerationOOM(RuntimeError):
@@ -71,6 +71,7 @@ class Completion:
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length"
+    key: int = 0  # sampling-noise key with SamplingParams.layout_invariant: (prompt key, sample index)
 
 
 @dataclass
@@ -156,11 +157,14 @@ class RolloutEngine:
         state.bind(w)
         return state
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, prompt_keys: list[int] | None = None
+    ) -> list[Completion]:
         """Sample ``params.n`` completions for each of this DP rank's prompts (token ids).
 
         Every rank of the model-parallel group passes the same prompts and gets the same list back,
-        ordered by (prompt, sample). Statistics land in ``self.last_stats``.
+        ordered by (prompt, sample). Statistics land in ``self.last_stats``. ``prompt_keys`` (e.g. global
+        prompt ids; default: the local index) key each sequence's noise when ``params.layout_invariant``.
         """
         max_len = self.validate(prompts, params)
         stats = self.last_stats = GenerationStats()
@@ -170,7 +174,12 @@ class RolloutEngine:
         t0 = time.perf_counter()
         lay = reshard.build_layout(self.config.tensor_model_parallel_size)
         share = reshard.split_range(len(prompts), lay.num_replicas, lay.replica)
-        seqs = [Completion(i, s, list(prompts[i])) for i in share for s in range(params.n)]
+        keys = list(range(len(prompts))) if prompt_keys is None else prompt_keys
+        seqs = [
+            Completion(i, s, list(prompts[i]), key=keys[i] * 65537 + s)
+            for i in share
+            for s in range(params.n)
+        ]
         try:
             weights = reshard.gather_weights(self._params(), self.spec, lay)
             stats.gathered_weight_bytes = weights.owned_bytes()
@@ -297,10 +306,15 @@ class _Runner:
         self.left: dict[int, int] = {}  # slot -> decode steps it may still take (exact after a sync)
         stream = params.seed * 1_000_003 + _dp_rank() * lay.num_replicas + lay.replica
         self.gen = torch.Generator(device=dev).manual_seed(stream)
+        self.keys = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] sequence noise keys
 
-    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [B, V] -> tokens [B], log-probs [B]; tokens identical on every rank of the TP group."""
-        tokens = sample(logits, self.params, self.gen)
+    def _sample(self, logits: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, V] of slots ``rows`` [B] -> tokens [B], log-probs [B]; tokens identical on every
+        rank of the TP group."""
+        row_keys = None
+        if self.params.layout_invariant:
+            row_keys = sample_row_keys(self.keys[rows], self.count[rows], self.params.seed)
+        tokens = sample(logits, self.params, self.gen, row_keys)
         if self.lay.tp_g > 1:
             dist.broadcast(tokens, src=self.lay.gen_src, group=self.lay.gen_group)
         return tokens, token_logprobs(logits, tokens, self.params.temperature)
@@ -338,8 +352,9 @@ class _Runner:
         slot_t = torch.tensor(slots, device=dev)
         logits = decoder.prefill(self.w, self.state.spec, self.cache.data, tokens.to(dev), lengths, slot_t)
         self.count[slot_t] = 0
+        self.keys[slot_t] = torch.tensor([seq.key for seq in batch], device=dev)
         live = torch.ones(len(batch), dtype=torch.bool, device=dev)
-        self._record(slot_t, *self._sample(logits), live, lengths)
+        self._record(slot_t, *self._sample(logits, slot_t), live, lengths)
         for slot, seq in zip(slots, batch):
             self.active[slot] = seq
             self.left[slot] = self.params.max_new_tokens - 1
@@ -365,7 +380,7 @@ class _Runner:
         logits = self.state.decode(max(self.active) + 1)  # [b, V], b a bucket >= max slot + 1
         rows = self.rows[: logits.shape[0]]
         live = self.live[rows]
-        self._record(rows, *self._sample(logits), live, self.state.pos[rows] + 1)
+        self._record(rows, *self._sample(logits, rows), live, self.state.pos[rows] + 1)
         for slot in self.left:
             self.left[slot] -= 1
 

@@ -25,6 +25,8 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # EOS plus any configured stop ids
     seed: int = 0
+    # noise from (seed, prompt key, sample index, step): samples independent of layout and batching
+    layout_invariant: bool = False
 
     def __post_init__(self):
         checks = [
@@ -68,16 +70,52 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature in (0.0, 1.0) else logits / temperature
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+_MASK = {30: (1 << 34) - 1, 27: (1 << 37) - 1, 31: (1 << 33) - 1}  # logical >> on int64
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (multiplication wraps), a counter-based hash."""
+    x = x ^ ((x >> 30) & _MASK[30])
+    x = x * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    x = x ^ ((x >> 27) & _MASK[27])
+    x = x * -7723592293110705685  # 0x94D049BB133111EB
+    return x ^ ((x >> 31) & _MASK[31])
+
+
+def counter_log_exponential(row_keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """log of Exp(1) noise [B, V] that is a pure function of (row key, token id): row_keys [B] int64."""
+    ids = torch.arange(vocab, device=row_keys.device)
+    golden = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+    bits = (mix64(row_keys[:, None] * golden + ids) >> 40) & 0xFFFFFF  # [B, V] 24 uniform bits
+    u = (bits.float() + 0.5) * (1.0 / (1 << 24))  # (0, 1)
+    return torch.log(-torch.log(u))
+
+
+def sample_row_keys(seq_keys: torch.Tensor, steps: torch.Tensor, seed: int) -> torch.Tensor:
+    """Key [B] of one sampling step: (seed, sequence key, index of the token in the response)."""
+    seeded = mix64(torch.full_like(seq_keys, seed)) ^ seq_keys
+    return mix64(mix64(seeded) + steps)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    row_keys: torch.Tensor | None = None,
+) -> torch.Tensor:
     """logits [B, V] (fp32) -> sampled tokens [B] int64 (argmax when greedy).
 
     Exponential race in the log domain: with E ~ Exp(1) per token, ``argmax(p / E)`` samples from p, and
     ``argmax(log p - log E) = argmax(scaled - log E)`` needs no softmax (the normaliser is a per-row
-    constant). Without top-k / top-p nothing is sorted or masked.
+    constant). Without top-k / top-p nothing is sorted or masked. With ``row_keys`` [B] the noise is a
+    hash of (key, token id) instead of ``generator`` draws, so a sequence's samples do not depend on the
+    rows it shares a batch with (layout- and batching-invariant sampling; slower).
     """
     if params.greedy:
         return logits.argmax(dim=-1)
     kept = truncate_logits(_scaled(logits, params.temperature), params.top_k, params.top_p)
+    if row_keys is not None:
+        return (kept - counter_log_exponential(row_keys, kept.shape[-1])).argmax(dim=-1)
     log_noise = torch.empty_like(kept).exponential_(generator=generator).log_()  # [B, V]
     return torch.sub(kept, log_noise, out=log_noise).argmax(dim=-1)
 

@@ -46,13 +46,15 @@ def _sampling(c: Components, temperature: float, n: int, seed: int) -> SamplingP
         max_new_tokens=r.max_new_tokens,
         stop_token_ids=[s for s in stops if s is not None],
         seed=seed,
+        layout_invariant=r.layout_invariant_sampling,
     )
 
 
 def rollout(c: Components, rows, group_offset: int, params: SamplingParams, timer: Timer) -> RolloutBatch:
     """This DP rank's prompts -> completions (engine, in place) -> batch tensors; scores attached."""
     with timer("gen"):
-        completions = c.engine.generate([r.prompt_ids for r in rows], params)
+        keys = [group_offset + i for i in range(len(rows))]  # global prompt ids: layout-invariant noise
+        completions = c.engine.generate([r.prompt_ids for r in rows], params, keys)
     batch = build_batch(
         completions, rows, group_offset, params.max_new_tokens, c.tokenizer.pad_token_id or 0, device()
     )

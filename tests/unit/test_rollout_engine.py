@@ -179,3 +179,27 @@ def test_keep_cache_reuses_the_cache_and_matches_fresh_engines():
     plain = RolloutEngine(params, spec, EngineConfig(max_num_seqs=4))
     plain.generate(prompts, sp)
     assert plain._state is None  # default: cache and graphs are freed after every call
+
+
+def test_layout_invariant_sampling_does_not_depend_on_batching(model):
+    """With SamplingParams.layout_invariant a sequence's samples depend only on (seed, prompt key, sample
+    index): the slot count, the batch it shares and the prompt's position in the call do not matter."""
+    hf, spec, params = model
+    sp = SamplingParams(temperature=1.0, n=2, max_new_tokens=8, seed=4, layout_invariant=True)
+    prompts = random_prompts(5, seed=3)
+    keys = [100 + i for i in range(5)]
+    together = RolloutEngine(params, spec, EngineConfig(max_num_seqs=6)).generate(prompts, sp, keys)
+    alone = [
+        RolloutEngine(params, spec, EngineConfig(max_num_seqs=1)).generate([p], sp, [k])
+        for p, k in zip(prompts, keys)
+    ]
+    assert [c.response_ids for c in together] == [c.response_ids for one in alone for c in one]
+    assert len({tuple(c.response_ids) for c in together}) > 1  # it does sample
+    reordered = RolloutEngine(params, spec, EngineConfig(max_num_seqs=3)).generate(
+        prompts[::-1], sp, keys[::-1]
+    )
+    back = {(c.key, tuple(c.response_ids)) for c in reordered}
+    assert back == {(c.key, tuple(c.response_ids)) for c in together}
+    other_seed = SamplingParams(temperature=1.0, n=2, max_new_tokens=8, seed=5, layout_invariant=True)
+    moved = RolloutEngine(params, spec, EngineConfig(max_num_seqs=6)).generate(prompts, other_seed, keys)
+    assert [c.response_ids for c in moved] != [c.response_ids for c in together]
