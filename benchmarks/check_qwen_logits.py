@@ -11,22 +11,10 @@ import json
 
 import torch
 import torch.distributed as dist
+from bench_rl_step import QWEN2_5_0_5B  # noqa: E402  (the shape, defined once for the benchmarks)
 
 from megatron_rl.distributed import init_distributed
 from megatron_rl.models import ModelArgs, build_model, forward_logits, load_hf_weights
-
-QWEN2_5_0_5B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-    rope_theta=1000000.0,
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-)
 
 
 def make_model(path: str) -> None:
