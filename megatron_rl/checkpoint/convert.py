@@ -208,6 +208,8 @@ def find_checkpoint(path: str | Path, hf_config: str | Path | None = None) -> Ch
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist; pass --checkpoint DIR")
+    if (path / TRAINER_DIST / "metadata.json").is_file() and (path / META_FILE).is_file():
+        return _trainer_checkpoint(path, hf_config)  # a trainer's global_step_<N>
     if (path / LATEST_FILE).is_file():
         root, iter_dir = path, path / iter_dir_name(int((path / LATEST_FILE).read_text().strip()))
     else:
@@ -246,6 +248,31 @@ def find_checkpoint(path: str | Path, hf_config: str | Path | None = None) -> Ch
         meta.get("role", role_of_hf(args)),
         side,
     )
+
+
+TRAINER_DIST, TRAINER_SIDE = "dist", "hf_config"  # inside a trainer checkpoint's global_step_<N>/
+
+
+def _trainer_checkpoint(step_dir: Path, hf_config: str | Path | None) -> CheckpointInfo:
+    """A training checkpoint: torch_dist under ``dist/`` (keys prefixed by role), ModelArgs in META_FILE,
+    config + tokenizer in ``hf_config/``."""
+    meta = json.loads((step_dir / META_FILE).read_text())
+    args = ModelArgs.from_dict(meta["model_args"])
+    side = step_dir / TRAINER_SIDE
+    if hf_config is not None:
+        side = Path(hf_config) if Path(hf_config).is_dir() else Path(hf_config).parent
+    return CheckpointInfo(step_dir, step_dir, "trainer", args, meta["tp"], meta["pp"], meta["role"], side)
+
+
+def load_checkpoint_weights(model: torch.nn.Module, info: CheckpointInfo) -> None:
+    """Fill ``model`` (built at this run's TP/PP) from any checkpoint ``find_checkpoint`` recognised
+    except legacy (read whole by ``read_legacy``)."""
+    if info.format == "trainer":
+        from megatron_rl.checkpoint.manager import load_model_weights
+
+        load_model_weights(model, info.iter_dir, info.role)
+    else:
+        load_torch_dist(model, info.iter_dir)
 
 
 def _with_padding(args: ModelArgs, padded: int) -> ModelArgs:
@@ -357,7 +384,7 @@ def megatron_to_hf(
                 f"TP={tp_read}; read it with a TP that divides it"
             )
         model = build_model(args, role=info.role)
-        load_torch_dist(model, info.iter_dir)
+        load_checkpoint_weights(model, info)
         state = export_hf_state_dict(model, args)
         if rank != 0:
             return None

@@ -44,6 +44,7 @@ from megatron_rl.checkpoint.state import (
     restore_rng,
     role_sharded_state,
 )
+from megatron_rl.models.hf_io import copy_hf_side_files
 
 FORMAT_VERSION = 1
 # Test hook: SIGKILL rank 0 in the middle of writing the checkpoint of this step (after the tensors are
@@ -111,7 +112,7 @@ def _hf_source_dir(c) -> Path | None:
 def save_hf(c, out_dir: Path) -> None:
     """HF export of the actor (safetensors + config.json + tokenizer) on rank 0. Collective."""
     from megatron_rl.models import export_hf_state_dict
-    from megatron_rl.models.hf_io import copy_hf_side_files, write_safetensors
+    from megatron_rl.models.hf_io import write_safetensors
 
     state = export_hf_state_dict(c.actor.model, c.args)
     if _rank() != 0:
@@ -119,6 +120,23 @@ def save_hf(c, out_dir: Path) -> None:
     write_safetensors({k: v.contiguous() for k, v in state.items()}, out_dir)
     copy_hf_side_files(_hf_source_dir(c), out_dir)
     c.tokenizer.save_pretrained(str(out_dir))
+
+
+MODEL_SIDE = "hf_config"  # config.json + tokenizer, so a checkpoint alone can be converted or sampled
+
+
+def _write_model_side(c, step_dir: Path, step: int) -> None:
+    """The actor's HF config + tokenizer and its ModelArgs next to the weights (rank 0): what
+    ``megatron_to_hf`` and ``megatron-rl generate model.path=<global_step_N>`` need to read it at any TP/PP."""
+    from megatron_rl.checkpoint.convert import META_FILE
+
+    side = step_dir / MODEL_SIDE
+    side.mkdir(parents=True, exist_ok=True)
+    copy_hf_side_files(_hf_source_dir(c), side)
+    c.tokenizer.save_pretrained(str(side))
+    meta = {"format": "trainer", "tp": c.dims.tp, "pp": c.dims.pp, "role": "actor", "iteration": step,
+            "model_args": c.args.to_dict()}  # fmt: skip
+    write_json_atomic(step_dir / META_FILE, meta)
 
 
 def _maybe_test_kill(step: int) -> None:
@@ -157,6 +175,7 @@ def save_checkpoint(c, step: int) -> Path:
         save_hf(c, tmp / HF)
     if rank == 0:
         write_json_atomic(tmp / STATE, _host_state(c, step))
+        _write_model_side(c, tmp, step)
     _barrier()
     _maybe_test_kill(step)
     if rank == 0:

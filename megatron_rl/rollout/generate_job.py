@@ -51,12 +51,27 @@ def _load_actor(model_path: str, dtype: torch.dtype, tp: int, pp: int):
     from megatron_rl.distributed import init_distributed
     from megatron_rl.models import ModelArgs, build_model, load_hf_weights
 
-    args = ModelArgs.from_hf_config(model_path, tp=tp)
+    info = _trainer_checkpoint(model_path)
+    args = info.args.with_tp(tp) if info else ModelArgs.from_hf_config(model_path, tp=tp)
     if not ps.model_parallel_is_initialized():
         init_distributed(tp, pp, num_layers=args.num_layers)
     model = build_model(args, role="actor", dtype=dtype)
-    load_hf_weights(model, model_path, args)
+    if info:
+        from megatron_rl.checkpoint.convert import load_checkpoint_weights
+
+        load_checkpoint_weights(model, info)
+    else:
+        load_hf_weights(model, model_path, args)
     return model, DecoderSpec.from_args(args)
+
+
+def _trainer_checkpoint(model_path: str):
+    """The ``CheckpointInfo`` when ``model_path`` is a trainer checkpoint (``global_step_<N>``), else None."""
+    from megatron_rl.checkpoint.convert import TRAINER_DIST, find_checkpoint
+
+    if not (Path(model_path) / TRAINER_DIST).is_dir():
+        return None
+    return find_checkpoint(model_path)
 
 
 def generate_from_config(
@@ -83,7 +98,8 @@ def generate_from_config(
     if tokenizer is None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        info = _trainer_checkpoint(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(info.hf_side if info else model_path)
     model, spec = _load_actor(model_path, dtype, tp, pp)
     from megatron.core import parallel_state as ps
 
