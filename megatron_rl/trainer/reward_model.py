@@ -35,14 +35,12 @@ class RewardModelScorer:
 
     def __call__(self, batch: RolloutBatch) -> torch.Tensor:
         """Scores [B] of the batch's sequences (every rank of the pipeline gets them)."""
-        last = (batch.prompt_lens + batch.response_lens - 1)[:, None]  # [B, 1]
 
         def loss_fn(mb, values):
-            return values.new_zeros(()), {"score": values.float().gather(1, mb.score_pos[:, :1])[:, 0]}
+            last = (mb.prompt_lens + mb.response_lens - 1)[:, None]  # [b, 1] the last real token
+            return values.new_zeros(()), {"score": values.float().gather(1, last)[:, 0]}
 
-        marked = batch.select(range(len(batch)))
-        marked.score_pos = last  # reuse the per-row position field: the last real token
         with torch.no_grad():
-            outs = run_micro_batches(self.model, split_micro_batches(marked, self.micro), loss_fn, True)
+            outs = run_micro_batches(self.model, split_micro_batches(batch, self.micro), loss_fn, True)
         scores = torch.cat([o["score"] for o in outs]).cpu() if outs else None
         return broadcast_from_last_stage(scores).to(batch.response_mask.device)
