@@ -81,6 +81,23 @@ def synthetic_batch(n: int, seq_len: int, prompt_len: int, vocab: int, device):
     )
 
 
+def profile_step(fn, path: str | None, label: str) -> None:
+    """One call of ``fn`` under torch.profiler; the top kernels/ops by device time go to ``path``."""
+    if not path:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        fn()
+        sync()
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=70)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(f"==== {label}\n{table}\n")
+
+
 def run_ours(a, model_dir: str, dtype) -> dict:
     from megatron_rl.config.schema import ActorConfig, OptimConfig
     from megatron_rl.distributed import device, init_distributed
@@ -97,6 +114,7 @@ def run_ours(a, model_dir: str, dtype) -> dict:
     batch = synthetic_batch(a.mini, a.seq_len, a.prompt_len, args.vocab_size, device())
     batch.old_log_probs = worker.log_probs(batch)
     times = timed(lambda: worker.update(batch, a.mini), a.warmup, a.iters)
+    profile_step(lambda: worker.update(batch, a.mini), a.profile, f"ours, {a.mini} seqs per optimizer step")
     return {"seconds": times, "tokens_per_step": a.mini * a.seq_len}
 
 
@@ -117,6 +135,7 @@ def run_hf(a, model_dir: str, dtype) -> dict:
         opt.zero_grad(set_to_none=True)
 
     times = timed(step, a.warmup, a.iters)
+    profile_step(step, a.profile, "hf_plain, one micro-batch per step")
     n = param_count(model.config)
     return {"seconds": times, "tokens_per_step": a.micro * a.seq_len, "params": n}
 
@@ -142,6 +161,7 @@ def main(argv=None) -> dict:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--model-dir", default=None)
+    p.add_argument("--profile", default=None, help="write torch.profiler tables of one step of each here")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_update_mfu.json"))
     a = p.parse_args(argv)
     tag = "tiny" if a.tiny else "qwen2_5_0_5b"

@@ -10,6 +10,8 @@ gradient (an autograd all-reduce would multiply it by tp). Logits are computed i
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -99,66 +101,114 @@ def vocab_parallel_entropy(logits: Tensor, *, tp_group=None, temperature: float 
     return _VocabParallelEntropy.apply(_scaled(logits, temperature), tp_group)
 
 
-def _chunk_stats(z: Tensor, group, vocab_start: int, vocab_size: int | None):
-    """One chunk of scaled logits z [n, V/tp] (fp32): padding columns masked, then the global max [n],
-    sum of exps [n] and expected logit E_p[z] [n]."""
-    if vocab_size is not None and vocab_start + z.shape[-1] > vocab_size:
-        z[:, max(0, vocab_size - vocab_start) :] = _PAD_LOGIT
-    zmax = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
-    shifted = z - zmax[:, None]  # [n, V/tp]
-    exp = shifted.exp()
-    sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
-    expected = _all_reduce((exp * shifted).sum(-1), dist.ReduceOp.SUM, group) / sum_exp
-    return shifted, exp, sum_exp, expected
-
-
 _PAD_LOGIT = -1e30  # finite, so p * z stays 0 (not nan) in the entropy
 
 
+# The three passes of the fused kernel over one chunk of logits x [n, V/tp] (any float dtype). Each reads
+# x once; between them only [n] statistics cross TP ranks. Eager, each is a few fp32 [n, V/tp] temporaries;
+# under torch.compile (CUDA) each is one fused kernel with no vocab-sized temporary.
+def _scaled_masked(x: Tensor, temperature: float, valid: int) -> Tensor:
+    """fp32 x / temperature with the padding columns (local index >= valid) set to _PAD_LOGIT."""
+    z = x.to(torch.promote_types(x.dtype, torch.float32)) / temperature
+    if valid < x.shape[-1]:
+        col = torch.arange(x.shape[-1], device=x.device)
+        z = torch.where(col < valid, z, _PAD_LOGIT)
+    return z
+
+
+def _pass_max(x: Tensor, temperature: float, valid: int) -> Tensor:
+    """Row max [n] of the scaled, padding-masked logits."""
+    return _scaled_masked(x, temperature, valid).amax(dim=-1)
+
+
+def _pass_sums(x: Tensor, zmax: Tensor, local: Tensor, inside: Tensor, temperature: float, valid: int):
+    """With the global max: local sum of exps [n], local sum of exp * shifted [n] and the shifted target
+    logit [n] (0 where the target is in another rank's shard)."""
+    shifted = _scaled_masked(x, temperature, valid) - zmax[:, None]
+    exp = shifted.exp()
+    picked = shifted.gather(-1, local[:, None])[:, 0]
+    return exp.sum(-1), (exp * shifted).sum(-1), torch.where(inside, picked, 0.0)
+
+
+def _pass_grad(x, zmax, log_sum_exp, expected, local, inside, g_lp, g_ent, temperature: float, valid: int):
+    """d(lp.g_lp + ent.g_ent)/dx in x's dtype: ((onehot - p) g_lp + p (E_p[z] - z) g_ent) / temperature."""
+    shifted = _scaled_masked(x, temperature, valid) - zmax[:, None]
+    p = (shifted - log_sum_exp[:, None]).exp()
+    g = p * ((expected[:, None] - shifted) * g_ent[:, None] - g_lp[:, None])
+    col = torch.arange(x.shape[-1], device=x.device)
+    g = g + torch.where((col[None, :] == local[:, None]) & inside[:, None], g_lp[:, None], 0.0)
+    return (g / temperature).to(x.dtype)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _use_compile(device: torch.device) -> bool:
+    """torch.compile the passes on CUDA (fused Triton kernels) unless MEGATRON_RL_COMPILE=0; eager
+    elsewhere. MEGATRON_RL_COMPILE=1 compiles on CPU too (tests)."""
+    flag = os.environ.get("MEGATRON_RL_COMPILE", "auto")
+    return flag == "1" or (flag == "auto" and device.type == "cuda")
+
+
+def _kernels(device: torch.device):
+    if not _use_compile(device):
+        return _pass_max, _pass_sums, _pass_grad
+    if not _COMPILED:
+        for name, fn in (("max", _pass_max), ("sums", _pass_sums), ("grad", _pass_grad)):
+            _COMPILED[name] = torch.compile(fn, dynamic=True)
+    return _COMPILED["max"], _COMPILED["sums"], _COMPILED["grad"]
+
+
 class _FusedLogProbEntropy(torch.autograd.Function):
-    """Log-probs and entropy of flattened logits [N, V/tp] in chunks of rows; backward recomputes the
-    softmax per chunk from the saved input instead of keeping [N, V/tp] fp32 temporaries."""
+    """Log-probs and entropy of flattened logits [N, V/tp] in chunks of rows. Forward keeps three [N]
+    statistics per row (global max, log-sum-exp, expected shifted logit); backward reads the saved logits
+    once more and writes the gradient, so no fp32 [N, V/tp] tensor lives across forward and backward."""
 
     @staticmethod
     def forward(ctx, logits, target, temperature, group, vocab_size, chunk):
-        v_local = logits.shape[-1]
+        n_rows, v_local = logits.shape
+        if _use_compile(logits.device):  # fused kernels keep no temporaries: one chunk, no copies
+            chunk = max(n_rows, 1)
         start = 0 if group is None else dist.get_rank(group) * v_local
+        valid = v_local if vocab_size is None else max(0, min(v_local, vocab_size - start))
+        local = target - start
+        inside = (local >= 0) & (local < v_local)
+        local = torch.where(inside, local, 0)
+        k_max, k_sums, _ = _kernels(logits.device)
         dtype = torch.promote_types(logits.dtype, torch.float32)
-        lp, ent = (logits.new_empty(logits.shape[0], dtype=dtype) for _ in range(2))
-        for s in range(0, logits.shape[0], chunk):
-            z = _scaled(logits[s : s + chunk], temperature)
-            shifted, _, sum_exp, expected = _chunk_stats(z, group, start, vocab_size)
-            local = target[s : s + chunk] - start
-            inside = (local >= 0) & (local < v_local)
-            picked = shifted.gather(-1, torch.where(inside, local, 0)[:, None])[:, 0]
-            picked = _all_reduce(torch.where(inside, picked, 0.0), dist.ReduceOp.SUM, group)
-            lp[s : s + chunk] = picked - sum_exp.log()
-            ent[s : s + chunk] = sum_exp.log() - expected
-        ctx.save_for_backward(logits, target)
-        ctx.cfg = (temperature, group, vocab_size, chunk, start)
-        return lp, ent
+        zmax = torch.empty(n_rows, dtype=dtype, device=logits.device)
+        sums = torch.empty(3, n_rows, dtype=dtype, device=logits.device)
+        for s in range(0, n_rows, chunk):
+            zmax[s : s + chunk] = k_max(logits[s : s + chunk], temperature, valid)
+        _all_reduce(zmax, dist.ReduceOp.MAX, group)
+        for s in range(0, n_rows, chunk):
+            e = slice(s, s + chunk)
+            out = k_sums(logits[e], zmax[e], local[e], inside[e], temperature, valid)
+            for i, o in enumerate(out):
+                sums[i, e] = o
+        _all_reduce(sums, dist.ReduceOp.SUM, group)  # sum of exps, sum of exp * shifted, target logit
+        log_sum_exp = sums[0].log()
+        expected = sums[1] / sums[0]
+        ctx.save_for_backward(logits, local, inside, zmax, log_sum_exp, expected)
+        ctx.cfg = (temperature, valid, chunk)
+        return (sums[2] - log_sum_exp).to(dtype), (log_sum_exp - expected).to(dtype)
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        logits, target = ctx.saved_tensors
-        temperature, group, vocab_size, chunk, start = ctx.cfg
+        logits, local, inside, zmax, log_sum_exp, expected = ctx.saved_tensors
+        temperature, valid, chunk = ctx.cfg
+        zeros = torch.zeros_like(zmax)
+        g_lp = zeros if g_lp is None else g_lp.to(zeros.dtype)
+        g_ent = zeros if g_ent is None else g_ent.to(zeros.dtype)
+        _, _, k_grad = _kernels(logits.device)
+        if chunk >= logits.shape[0]:
+            args = (zmax, log_sum_exp, expected, local, inside, g_lp, g_ent, temperature, valid)
+            return k_grad(logits, *args), None, None, None, None, None
         grad = torch.empty_like(logits)
-        v_local = logits.shape[-1]
         for s in range(0, logits.shape[0], chunk):
-            z = _scaled(logits[s : s + chunk], temperature)
-            shifted, exp, sum_exp, expected = _chunk_stats(z, group, start, vocab_size)
-            p = exp / sum_exp[:, None]  # [n, V/tp]
-            g = torch.zeros_like(p)
-            if g_lp is not None:
-                local = target[s : s + chunk] - start
-                inside = (local >= 0) & (local < v_local)
-                g -= p * g_lp[s : s + chunk, None]
-                g.scatter_add_(
-                    -1, torch.where(inside, local, 0)[:, None], (inside * g_lp[s : s + chunk])[:, None]
-                )
-            if g_ent is not None:
-                g += p * (expected[:, None] - shifted) * g_ent[s : s + chunk, None]
-            grad[s : s + chunk] = (g / temperature).to(grad.dtype)
+            e = slice(s, s + chunk)
+            grad[e] = k_grad(logits[e], zmax[e], log_sum_exp[e], expected[e], local[e], inside[e],
+                             g_lp[e], g_ent[e], temperature, valid)  # fmt: skip
         return grad, None, None, None, None, None
 
 

@@ -17,7 +17,12 @@ from megatron_rl.models.args import (
     padded_vocab,
 )
 from megatron_rl.models.builder import ROLES, ValueHead, ValueModel, build_model
-from megatron_rl.models.forward import forward_logits, forward_pipeline, megatron_attention_mask
+from megatron_rl.models.forward import (
+    forward_logits,
+    forward_pipeline,
+    megatron_attention_mask,
+    set_head_positions,
+)
 from megatron_rl.models.spec import SDPACoreAttention, layer_spec
 from megatron_rl.models.weights import export_hf_state_dict, gather_shards, load_hf_weights, unwrap
 
@@ -34,6 +39,7 @@ __all__ = [
     "export_hf_state_dict",
     "forward_logits",
     "forward_pipeline",
+    "set_head_positions",
     "gather_shards",
     "layer_spec",
     "load_hf_weights",

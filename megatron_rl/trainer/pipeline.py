@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_rl.models import unwrap
+from megatron_rl.models import set_head_positions, unwrap
 from megatron_rl.trainer.batch import RolloutBatch
 
 LossFn = Callable[[RolloutBatch, torch.Tensor], tuple[torch.Tensor, dict]]
@@ -27,11 +27,23 @@ def _positions(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)  # [B, T]
 
 
+def head_on_response(model: torch.nn.Module, mb: RolloutBatch) -> bool:
+    """Whether the LM head runs only at ``mb.score_pos`` (logits [B, R, V/tp] in response order) instead of
+    every position: yes unless sequence parallelism is on or R >= T (short responses: nothing to save)."""
+    return not unwrap(model).config.sequence_parallel and mb.score_pos.shape[1] < mb.seq_len
+
+
 def run_micro_batches(
-    model: torch.nn.Module, micro_batches: list[RolloutBatch], loss_fn: LossFn, forward_only: bool
+    model: torch.nn.Module,
+    micro_batches: list[RolloutBatch],
+    loss_fn: LossFn,
+    forward_only: bool,
+    response_logits: bool = False,
 ) -> list[dict]:
     """Run ``micro_batches`` (same T on every pipeline stage) through the schedule.
 
+    ``response_logits``: the LM head computes logits only where ``head_on_response`` allows, and the loss
+    function then receives them as [B, R, V/tp] aligned with ``score_pos``.
     Returns the list of per-micro-batch dicts from ``loss_fn`` on the last stage, [] elsewhere.
     """
     n = len(micro_batches)
@@ -43,7 +55,12 @@ def run_micro_batches(
 
     def forward_step(data_iterator, model_chunk):
         mb = next(data_iterator)
+        at_response = response_logits and head_on_response(model_chunk, mb)
+        if at_response:
+            set_head_positions(model_chunk, mb.score_pos)
         out = model_chunk(mb.input_ids, _positions(mb.input_ids), attention_mask=None)
+        if at_response and out is not None and unwrap(model_chunk).post_process:
+            out = out.view(len(mb), mb.score_pos.shape[1], -1)  # [1, B*R, V/tp] -> [B, R, V/tp]
         return out, partial(_scaled, loss_fn, mb, n)
 
     config.pipeline_dtype = next(model.parameters()).dtype

@@ -25,7 +25,7 @@ from megatron_rl.algos import (
 from megatron_rl.config.schema import ActorConfig, CriticConfig
 from megatron_rl.trainer.batch import RolloutBatch, split_micro_batches
 from megatron_rl.trainer.optim import build_optimizer, optimizer_step
-from megatron_rl.trainer.pipeline import broadcast_from_last_stage, run_micro_batches
+from megatron_rl.trainer.pipeline import broadcast_from_last_stage, head_on_response, run_micro_batches
 
 
 def _gather_positions(out: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -35,13 +35,16 @@ def _gather_positions(out: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return out.gather(1, pos[..., None].expand(-1, -1, out.shape[-1]))  # [B, R, V/tp]
 
 
-def response_log_probs(logits, mb: RolloutBatch, temperature: float, vocab_size: int, with_entropy: bool):
-    """logits [B, T, V/tp] -> log-probs [B, R] of the response tokens (and entropy [B, R] if asked).
+def response_log_probs(
+    logits, mb: RolloutBatch, temperature: float, vocab_size: int, with_entropy: bool, at_response: bool
+):
+    """logits [B, T, V/tp] (or [B, R, V/tp] already at ``score_pos`` when ``at_response``) -> log-probs
+    [B, R] of the response tokens (and entropy [B, R] if asked).
 
     Vocab rows past the true vocabulary (padding to a multiple of 128*TP) are excluded, as the engine
     excludes them when sampling; the fused kernel works in fp32 chunks and keeps no fp32 [B, R, V/tp]
     tensor for backward."""
-    scoring = _gather_positions(logits, mb.score_pos)  # [B, R, V/tp]
+    scoring = logits if at_response else _gather_positions(logits, mb.score_pos)  # [B, R, V/tp]
     lp, ent = vocab_parallel_log_probs_and_entropy(
         scoring, mb.responses, tp_group=ps.get_tensor_model_parallel_group(), temperature=temperature,
         vocab_size=vocab_size,
@@ -76,10 +79,12 @@ class _TrainedModel:
         self.response_len = response_len
         self.opt, self.sched = build_optimizer(model, cfg.optim, total_steps)
 
+    response_logits = False  # the LM head only at the response-scoring positions (policies)
+
     def _forward_only(self, batch: RolloutBatch, loss_fn) -> list[dict]:
         mbs = split_micro_batches(batch, self.cfg.ppo_micro_batch_size_per_gpu)
         with torch.no_grad():
-            return run_micro_batches(self.model, mbs, loss_fn, forward_only=True)
+            return run_micro_batches(self.model, mbs, loss_fn, True, self.response_logits)
 
     def _update(self, batch: RolloutBatch, loss_fn, mini_seqs: int, prefix: str) -> dict[str, float]:
         self.model.train()
@@ -89,7 +94,8 @@ class _TrainedModel:
                 mini = batch.select(range(start, start + mini_seqs))
                 mbs = split_micro_batches(mini, self.cfg.ppo_micro_batch_size_per_gpu)
                 denom = global_loss_denominators([m.response_mask for m in mbs], ps.get_data_parallel_group())
-                per_micro += run_micro_batches(self.model, mbs, partial(loss_fn, denom), forward_only=False)
+                loss = partial(loss_fn, denom)
+                per_micro += run_micro_batches(self.model, mbs, loss, False, self.response_logits)
                 step_info.append(optimizer_step(self.model, self.opt, self.sched, self.cfg.optim.clip_grad))
                 steps += 1
         metrics = broadcast_from_last_stage(_reduce_update_metrics(per_micro, steps))
@@ -101,6 +107,8 @@ class _TrainedModel:
 
 class PolicyWorker(_TrainedModel):
     """Actor (trainable) or reference (frozen, ``cfg`` only for micro-batch sizes)."""
+
+    response_logits = True
 
     def __init__(
         self,
@@ -128,7 +136,8 @@ class PolicyWorker(_TrainedModel):
         self.model.eval()
 
         def loss_fn(mb, logits):
-            lp, _ = response_log_probs(logits, mb, self.temperature, self.vocab_size, with_entropy=False)
+            at = self.response_logits and head_on_response(self.model, mb)
+            lp, _ = response_log_probs(logits, mb, self.temperature, self.vocab_size, False, at)
             return logits.new_zeros(()), {"lp": lp}
 
         if self.offload:  # the frozen reference lives on CPU between uses (ref.offload_to_cpu)
@@ -147,7 +156,8 @@ class PolicyWorker(_TrainedModel):
             global_num_seqs=n_seq,
             seq_len_norm=self.response_len,
         )
-        lp, ent = response_log_probs(logits, mb, self.temperature, self.vocab_size, with_entropy=True)
+        at = self.response_logits and head_on_response(self.model, mb)
+        lp, ent = response_log_probs(logits, mb, self.temperature, self.vocab_size, True, at)
         # On-policy (one epoch, one mini-batch, no KL in reward): the trainer skips the old-log-prob pass;
         # the ratio is 1 by definition, so the current log-probs, detached, are the old ones.
         old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()

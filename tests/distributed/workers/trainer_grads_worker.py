@@ -1,7 +1,10 @@
 """World 2: the trainer's gradient reduction gives TP=2 the same gradients as TP=1 (x DP=2), including the
-q/k norms of Qwen3 (each TP rank holds only some heads) and the tied embedding of Qwen2 at PP=2."""
+q/k norms of Qwen3 (each TP rank holds only some heads) and the tied embedding of Qwen2 at PP=2; and the
+policy worker's LM head on response positions only gives the same log-probs, losses and gradients as the
+full head (TP=1 and TP=2)."""
 
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -9,9 +12,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_rl.algos import vocab_parallel_log_probs_and_entropy
+from megatron_rl.config.schema import ActorConfig
 from megatron_rl.distributed import init_distributed
 from megatron_rl.models import ModelArgs, build_model, forward_logits, load_hf_weights
+from megatron_rl.trainer.batch import RolloutBatch
 from megatron_rl.trainer.optim import reduce_gradients
+from megatron_rl.trainer.pipeline import head_on_response, run_micro_batches
+from megatron_rl.trainer.workers import PolicyWorker
 from tests.distributed.workers.models_tiny import make_tiny_hf
 
 REPLICATED = ("layernorm", "final_layernorm")
@@ -30,6 +37,50 @@ def grads(path: Path, tp: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     (-(lp.sum()) + 0.1 * ent.sum()).backward()
     reduce_gradients(model)
     return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def ragged_batch(vocab: int) -> RolloutBatch:
+    """Three right-padded prompt+response rows of different prompt and response lengths (R=4 < T=8)."""
+    g = torch.Generator().manual_seed(1)
+    prompt_lens, response_lens, r = torch.tensor([3, 5, 2]), torch.tensor([4, 2, 4]), 4
+    t = int((prompt_lens + response_lens).max()) + 1  # one column of padding
+    ids = torch.randint(1, vocab, (3, t), generator=g)
+    j = torch.arange(r)
+    score_pos = (prompt_lens[:, None] - 1 + j).clamp(max=t - 1)  # [B, R]
+    responses = ids.gather(1, (score_pos + 1).clamp(max=t - 1))
+    return RolloutBatch(
+        input_ids=ids, responses=responses, response_mask=(j < response_lens[:, None]).double(),
+        score_pos=score_pos, prompt_lens=prompt_lens, response_lens=response_lens,
+        group_index=torch.arange(3), rollout_log_probs=torch.zeros(3, r, dtype=torch.float64),
+        finish_reasons=["length"] * 3, rows=[None] * 3,
+        advantages=torch.randn(3, r, generator=g, dtype=torch.float64),
+    )  # fmt: skip
+
+
+def head_parity(path: Path, tp: int) -> None:
+    """Response-only LM head == full head: log-probs, loss metrics and every gradient (float64)."""
+    init_distributed(tp, 1, seed=0)
+    args = ModelArgs.from_hf_config(path, tp=tp)
+    model = build_model(args, "actor", torch.float64)
+    load_hf_weights(model, path, args)
+    model = model.double()
+    cfg = ActorConfig(ppo_micro_batch_size_per_gpu=3, entropy_coeff=0.01)
+    worker = PolicyWorker(model, cfg, 0.7, args.vocab_size, 10, 4, trainable=False)
+    batch = ragged_batch(args.vocab_size)
+    assert head_on_response(model, batch)
+    results = []
+    for at_response in (False, True):
+        worker.response_logits = at_response
+        lp = worker.log_probs(batch)
+        model.zero_grad(set_to_none=True)
+        outs = run_micro_batches(model, [batch], partial(worker._loss, (10, 3)), False, at_response)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((lp, outs[0]["pg_loss"], grads))
+    (lp0, loss0, g0), (lp1, loss1, g1) = results
+    assert torch.allclose(lp0, lp1, atol=1e-12), (lp0 - lp1).abs().max()
+    assert torch.allclose(loss0, loss1, atol=1e-12) and loss0 != 0
+    for name in g0:
+        assert torch.allclose(g0[name], g1[name], atol=1e-12), (tp, name, (g0[name] - g1[name]).abs().max())
 
 
 if __name__ == "__main__":
@@ -53,5 +104,7 @@ if __name__ == "__main__":
                 continue
             assert torch.allclose(g, want, atol=1e-10), (kind, name, (g - want).abs().max())
         assert any("q_layernorm" in n for n in got) == (kind == "qwen3")
+    for tp in (1, 2):
+        head_parity(root / "qwen2", tp)
     if dist.get_rank() == 0:
         print("trainer gradient checks passed")
