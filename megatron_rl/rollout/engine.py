@@ -37,7 +37,7 @@ class EngineConfig:
     """Engine settings (the ``rollout.*`` keys of the same names)."""
 
     tensor_model_parallel_size: int | None = None  # TP_g; must divide the training TP; None = training TP
-    max_num_seqs: int = 256  # KV-cache slots (sequences decoded together)
+    max_num_seqs: int = 1024  # KV-cache slots (sequences decoded together)
     kv_cache_tokens: int | None = None  # cache size in tokens; None = gpu_memory_utilization of free memory
     gpu_memory_utilization: float = 0.5  # fraction of free GPU memory for the cache when tokens is None
     max_prefill_tokens: int = 16384  # padded tokens per prefill batch

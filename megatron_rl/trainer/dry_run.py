@@ -119,32 +119,61 @@ def rank_table(dims: ParallelDims, layers: int, limit: int = 16) -> list[dict]:
 
 
 def _activation_bytes(cfg: JobConfig, a: Arch, dims: ParallelDims, n_micro: int, dtype_b: int) -> float:
-    """1F1B training activations on the first stage: per layer s*b*h*(10 + 24/tp + 5*a*s/(h*tp)) half-precision
-    bytes (Korthikanti et al. 2022, no recompute, no sequence parallel), min(pp, micro-batches) in flight, plus
-    fp32 logits and their gradient for one micro-batch on the last stage."""
+    """Tensors the local-spec layers keep for backward in one training micro-batch, on the first stage,
+    times min(pp, micro-batches) in flight (1F1B). Per token and layer (bytes): the two norm inputs and
+    outputs and attention-out's input (5h), the SDPA inputs and output (q, k, v, out: 2q + kv; flash/cuDNN
+    keep no [T, T] scores), fc1's output, SiLU's output and fc2's input (4f); the h terms are split over
+    TP only with sequence parallelism."""
     s = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    b, h, tp = cfg.actor.ppo_micro_batch_size_per_gpu, a.hidden, dims.tp
-    per_layer = s * b * h * (10 + 24 / tp + 5 * a.heads * s / (h * tp)) * dtype_b / 2
+    b, tp, h = cfg.actor.ppo_micro_batch_size_per_gpu, dims.tp, a.hidden
+    q, kv = a.heads * a.head_dim, 2 * a.kv_heads * a.head_dim
+    sp = tp if cfg.parallel.sequence_parallel else 1
+    per_token_layer = (5 * h / sp + (2 * q + kv + 4 * a.ffn) / tp) * dtype_b
     in_flight = min(dims.pp, max(1, n_micro))
-    logits = 3 * b * s * padded_vocab(a.vocab, tp) / tp * 4
-    return per_layer * a.layers / dims.pp * in_flight + logits
+    return s * b * per_token_layer * a.layers / dims.pp * in_flight
+
+
+def _logit_bytes(cfg: JobConfig, a: Arch, dims: ParallelDims, dtype_b: int) -> float:
+    """The LM head's logits of one micro-batch kept for the fused log-prob kernel's backward, plus their
+    gradient: at the response positions only (the trainer's default), at every position with sequence
+    parallelism."""
+    b = cfg.actor.ppo_micro_batch_size_per_gpu
+    rows = b * cfg.rollout.max_new_tokens
+    if cfg.parallel.sequence_parallel:
+        rows = b * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+    return 2 * rows * padded_vocab(a.vocab, dims.tp) / dims.tp * dtype_b
+
+
+def _gen_slots(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int]:
+    """(sequences per generation rank, KV-cache slots = sequences decoded together)."""
+    r = cfg.rollout
+    tp_g = r.tensor_model_parallel_size or dims.tp
+    gen_ranks = dims.dp * dims.pp * (dims.tp // tp_g)  # PP folded into DP, micro-DP of size TP/TP_g
+    seqs = math.ceil(cfg.data.train_batch_size * r.n / gen_ranks)
+    return seqs, max(1, min(seqs, r.max_num_seqs))
 
 
 def _kv_cache(cfg: JobConfig, a: Arch, dims: ParallelDims, dtype_b: int) -> tuple[float, str]:
     r = cfg.rollout
     tp_g = r.tensor_model_parallel_size or dims.tp
-    gen_ranks = dims.dp * dims.pp * (dims.tp // tp_g)  # PP folded into DP, micro-DP of size TP/TP_g
-    if r.kv_cache_tokens:
-        tokens, how = r.kv_cache_tokens, "rollout.kv_cache_tokens"
-    else:
-        seqs = math.ceil(cfg.data.train_batch_size * r.n / gen_ranks)
-        tokens = seqs * (cfg.data.max_prompt_length + r.max_new_tokens)
-        how = (
-            f"sized from the batch: {seqs} sequences x {cfg.data.max_prompt_length + r.max_new_tokens} tokens"
-        )
-        how += f"; on GPU capped at rollout.gpu_memory_utilization={r.gpu_memory_utilization} of free memory"
     per_token = a.layers * 2 * max(1, a.kv_heads // tp_g) * a.head_dim * dtype_b
-    return tokens * per_token, how
+    max_len = cfg.data.max_prompt_length + r.max_new_tokens
+    if r.kv_cache_tokens:
+        return r.kv_cache_tokens * per_token, "rollout.kv_cache_tokens"
+    seqs, slots = _gen_slots(cfg, dims)
+    how = f"sized from the batch: {slots} slots ({seqs} sequences, rollout.max_num_seqs={r.max_num_seqs})"
+    how += f" x {max_len} tokens; on GPU capped at rollout.gpu_memory_utilization={r.gpu_memory_utilization}"
+    return slots * max_len * per_token, how + " of free memory"
+
+
+def _decode_temporaries(cfg: JobConfig, a: Arch, dims: ParallelDims, dtype_b: int) -> float:
+    """Generation scratch: fp32 logits of every slot with the sampling noise and log-softmax beside them
+    (3 x [slots, V] fp32), or one prefill batch's largest layer temporaries, whichever is larger."""
+    _, slots = _gen_slots(cfg, dims)
+    tp_g = cfg.rollout.tensor_model_parallel_size or dims.tp
+    sampling = 3 * slots * a.vocab * 4
+    prefill = cfg.rollout.max_prefill_tokens * (4 * a.ffn / tp_g + 4 * a.hidden) * dtype_b
+    return max(sampling, prefill)
 
 
 def estimate(cfg: JobConfig, dims: ParallelDims, a: Arch) -> dict:
@@ -170,17 +199,26 @@ def estimate(cfg: JobConfig, dims: ParallelDims, a: Arch) -> dict:
         "optimizer": n_trained * (8 + main_b),
         "generation_gathered_weights": max(0.0, gathered) * dtype_b,
         "kv_cache": kv,
+        "generation_temporaries": _decode_temporaries(cfg, a, dims, dtype_b),
         "activations": _activation_bytes(cfg, a, dims, n_micro, dtype_b),
+        "logits": _logit_bytes(cfg, a, dims, dtype_b),
     }
     notes = {
         "stage": f"{worst} pipeline stage (the larger one)", "models": ", ".join(roles),
+        "grads": "training only (freed after each optimizer step)",
         "optimizer": "AdamW exp_avg + exp_avg_sq in fp32" + (" + fp32 main params" if main_b else ""),
         "kv_cache": kv_how,
         "generation_gathered_weights": f"other PP stages' layers at TP_g={tp_g}, held during generation only",
+        "activations": "one micro-batch of max_prompt_length + max_new_tokens tokens, kept for backward",
+        "logits": "response-position logits kept by the log-prob kernel + their gradient, one micro-batch",
     }  # fmt: skip
+    resident = mem["params"] + mem["optimizer"]
+    step_temp = n_trained * 4 if main_b else 0  # fp32 copies of the grads inside the optimizer step
+    peak_train = resident + mem["grads"] + max(mem["activations"] + mem["logits"], step_temp)
+    peak_generate = resident + mem["generation_gathered_weights"] + kv + mem["generation_temporaries"]
     return {"bytes": mem, "params_per_gpu": n_all, "notes": notes,
-            "peak_train": mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"],
-            "peak_generate": mem["params"] + mem["grads"] + mem["optimizer"] + mem["generation_gathered_weights"] + kv}  # fmt: skip
+            "peak_train": peak_train, "peak_generate": peak_generate,
+            "peak": max(peak_train, peak_generate)}  # fmt: skip
 
 
 def report(cfg: JobConfig, dims: ParallelDims) -> dict:
@@ -224,6 +262,8 @@ def format_report(r: dict) -> str:
         lines.append(f"  {k:<28} {_size(v):>12}" + (f"  ({note})" if note else ""))
     lines.append(f"  {'peak during training':<28} {_size(mem['peak_train']):>12}")
     lines.append(f"  {'peak during generation':<28} {_size(mem['peak_generate']):>12}")
+    lines.append("  (allocated tensors as torch.cuda.max_memory_allocated counts them; the CUDA context and the "
+                 "allocator's cache come on top)")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -23,16 +23,37 @@ from megatron_rl.trainer.build import Components, build_components
 
 class PhaseTimer(Timer):
     """Times each phase (``timing_s/<phase>``) and names it, so that a collective timeout inside becomes an
-    error naming the phase and the rank instead of a silent hang."""
+    error naming the phase and the rank instead of a silent hang. On GPU it also records each phase's peak
+    allocated memory (``perf/max_memory_allocated_gb/<phase>``, GiB, this rank)."""
 
     def __init__(self, timeout_minutes: float):
         super().__init__()
         self.timeout_minutes = timeout_minutes
+        self.peak_gib: dict[str, float] = {}
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
+            before = torch.cuda.max_memory_allocated()  # the peak so far survives in the step's overall max
+            self.peak_gib["_before"] = max(self.peak_gib.get("_before", 0.0), before / 2**30)
+            torch.cuda.reset_peak_memory_stats()
         with super().__call__(name), phase(name, self.timeout_minutes):
             yield
+        if cuda:
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            self.peak_gib[name] = max(self.peak_gib.get(name, 0.0), peak)
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        out = super().metrics(reset)
+        peaks = {k: v for k, v in self.peak_gib.items() if k != "_before"}
+        out |= {f"perf/max_memory_allocated_gb/{k}": v for k, v in peaks.items()}
+        if self.peak_gib and torch.cuda.is_available():
+            overall = max([torch.cuda.max_memory_allocated() / 2**30, *self.peak_gib.values()])
+            out["perf/max_memory_allocated_gb"] = overall
+        if reset:
+            self.peak_gib = {}
+        return out
 
 
 def _sampling(c: Components, temperature: float, n: int, seed: int) -> SamplingParams:
@@ -152,7 +173,6 @@ def _perf(c: Components, batch: RolloutBatch, seconds: float, update_s: float) -
     per_gpu = float(tokens) / max(seconds, 1e-9) / c.dims.world_size
     out = {"perf/throughput": per_gpu}
     if torch.cuda.is_available():
-        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         flops = 6 * _actor_params(c) * float(tokens) * c.cfg.actor.ppo_epochs / c.dims.world_size
         out["perf/mfu"] = flops / max(update_s, 1e-9) / PEAK_BF16_FLOPS
     return out
