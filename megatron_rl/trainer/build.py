@@ -125,13 +125,7 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
     total = min(cfg.trainer.total_training_steps, loader.steps_per_epoch * cfg.trainer.total_epochs)
     args = ModelArgs.from_hf_config(model_dir, tp=dims.tp)
     actor, ref, critic = _build_models(cfg, args, model_dir, total)
-    engine_cfg = EngineConfig(
-        tensor_model_parallel_size=cfg.rollout.tensor_model_parallel_size,
-        kv_cache_tokens=cfg.rollout.kv_cache_tokens or None,
-        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-        cuda_graphs=cfg.rollout.cuda_graphs,
-        keep_cache=cfg.rollout.keep_cache,
-    )
+    engine_cfg = EngineConfig.from_config(cfg.rollout)  # the rollout.* keys of the same names
     reward_model = None
     if cfg.reward.reward_fn == "model":
         reward_model = RewardModelScorer(

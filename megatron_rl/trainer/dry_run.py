@@ -118,13 +118,15 @@ def rank_table(dims: ParallelDims, layers: int, limit: int = 16) -> list[dict]:
     return rows
 
 
-def _activation_bytes(cfg: JobConfig, a: Arch, dims: ParallelDims, n_micro: int, dtype_b: int) -> float:
+def _activation_bytes(
+    cfg: JobConfig, a: Arch, dims: ParallelDims, n_micro: int, dtype_b: int, p: int
+) -> float:
     """Tensors the local-spec layers keep for backward in one training micro-batch, on the first stage,
     times min(pp, micro-batches) in flight (1F1B). Per token and layer (bytes): the two norm inputs and
     outputs and attention-out's input (5h), the SDPA inputs and output (q, k, v, out: 2q + kv; flash/cuDNN
     keep no [T, T] scores), fc1's output, SiLU's output and fc2's input (4f); the h terms are split over
-    TP only with sequence parallelism."""
-    s = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    TP only with sequence parallelism. ``p``: the prompt length assumed."""
+    s = p + cfg.rollout.max_new_tokens
     b, tp, h = cfg.actor.ppo_micro_batch_size_per_gpu, dims.tp, a.hidden
     q, kv = a.heads * a.head_dim, 2 * a.kv_heads * a.head_dim
     sp = tp if cfg.parallel.sequence_parallel else 1
@@ -133,14 +135,14 @@ def _activation_bytes(cfg: JobConfig, a: Arch, dims: ParallelDims, n_micro: int,
     return s * b * per_token_layer * a.layers / dims.pp * in_flight
 
 
-def _logit_bytes(cfg: JobConfig, a: Arch, dims: ParallelDims, dtype_b: int) -> float:
+def _logit_bytes(cfg: JobConfig, a: Arch, dims: ParallelDims, dtype_b: int, p: int) -> float:
     """The LM head's logits of one micro-batch kept for the fused log-prob kernel's backward, plus their
     gradient: at the response positions only (the trainer's default), at every position with sequence
     parallelism."""
     b = cfg.actor.ppo_micro_batch_size_per_gpu
     rows = b * cfg.rollout.max_new_tokens
     if cfg.parallel.sequence_parallel:
-        rows = b * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+        rows = b * (p + cfg.rollout.max_new_tokens)
     return 2 * rows * padded_vocab(a.vocab, dims.tp) / dims.tp * dtype_b
 
 
@@ -153,11 +155,11 @@ def _gen_slots(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int]:
     return seqs, max(1, min(seqs, r.max_num_seqs))
 
 
-def _kv_cache(cfg: JobConfig, a: Arch, dims: ParallelDims, dtype_b: int) -> tuple[float, str]:
+def _kv_cache(cfg: JobConfig, a: Arch, dims: ParallelDims, dtype_b: int, p: int) -> tuple[float, str]:
     r = cfg.rollout
     tp_g = r.tensor_model_parallel_size or dims.tp
     per_token = a.layers * 2 * max(1, a.kv_heads // tp_g) * a.head_dim * dtype_b
-    max_len = cfg.data.max_prompt_length + r.max_new_tokens
+    max_len = p + r.max_new_tokens
     if r.kv_cache_tokens:
         return r.kv_cache_tokens * per_token, "rollout.kv_cache_tokens"
     seqs, slots = _gen_slots(cfg, dims)
@@ -176,8 +178,35 @@ def _decode_temporaries(cfg: JobConfig, a: Arch, dims: ParallelDims, dtype_b: in
     return max(sampling, prefill)
 
 
-def estimate(cfg: JobConfig, dims: ParallelDims, a: Arch) -> dict:
-    """Memory per GPU in bytes by category (the largest stage), plus the assumptions."""
+def prompt_length(cfg: JobConfig) -> tuple[int, str]:
+    """The prompt length the estimate assumes: the longest prompt of ``data.train_files`` after the chat
+    template and ``data.max_prompt_length`` when the files and the tokenizer can be read, else
+    ``data.max_prompt_length`` (the worst case)."""
+    limit = cfg.data.max_prompt_length
+    if cfg.model.path is None or not cfg.data.train_files:
+        return limit, f"data.max_prompt_length={limit}"
+    try:
+        from transformers import AutoTokenizer
+
+        from megatron_rl.data import PromptDataset
+
+        tok_dir = Path(cfg.model.path)
+        tok_dir = (
+            tok_dir / "hf_config" if (tok_dir / "hf_config" / "tokenizer_config.json").is_file() else tok_dir
+        )
+        ds = PromptDataset(cfg.data.train_files, AutoTokenizer.from_pretrained(tok_dir), cfg.data.prompt_key,
+                           limit, "left" if cfg.data.truncation == "error" else cfg.data.truncation,
+                           cfg.data.apply_chat_template)  # fmt: skip
+        longest = max(len(r.prompt_ids) for r in ds.rows)
+        return longest, f"the longest of {len(ds.rows)} prompts in data.train_files (limit {limit})"
+    except Exception as exc:  # noqa: BLE001 - a planning aid: fall back to the configured limit
+        return limit, f"data.max_prompt_length={limit} (could not read the prompts: {type(exc).__name__})"
+
+
+def estimate(cfg: JobConfig, dims: ParallelDims, a: Arch, p: int | None = None) -> dict:
+    """Memory per GPU in bytes by category (the largest stage), plus the assumptions. ``p``: prompt
+    length (default ``data.max_prompt_length``)."""
+    p = cfg.data.max_prompt_length if p is None else p
     dtype_b = BYTES[cfg.model.dtype]
     roles = {"actor": "lm"}
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
@@ -191,7 +220,7 @@ def estimate(cfg: JobConfig, dims: ParallelDims, a: Arch) -> dict:
     main_b = 4 if dtype_b != 4 else 0  # fp32 main copies of bf16 params
     tp_g = cfg.rollout.tensor_model_parallel_size or dims.tp
     gathered = stage_params(a, tp_g, 1, "lm")["first"] - counts["actor"][worst]
-    kv, kv_how = _kv_cache(cfg, a, dims, dtype_b)
+    kv, kv_how = _kv_cache(cfg, a, dims, dtype_b, p)
     n_micro = micro_batches(cfg, dims, "actor")["micro_batches_per_optimizer_step"]
     mem = {
         "params": n_all * dtype_b,
@@ -200,8 +229,8 @@ def estimate(cfg: JobConfig, dims: ParallelDims, a: Arch) -> dict:
         "generation_gathered_weights": max(0.0, gathered) * dtype_b,
         "kv_cache": kv,
         "generation_temporaries": _decode_temporaries(cfg, a, dims, dtype_b),
-        "activations": _activation_bytes(cfg, a, dims, n_micro, dtype_b),
-        "logits": _logit_bytes(cfg, a, dims, dtype_b),
+        "activations": _activation_bytes(cfg, a, dims, n_micro, dtype_b, p),
+        "logits": _logit_bytes(cfg, a, dims, dtype_b, p),
     }
     notes = {
         "stage": f"{worst} pipeline stage (the larger one)", "models": ", ".join(roles),
@@ -209,7 +238,7 @@ def estimate(cfg: JobConfig, dims: ParallelDims, a: Arch) -> dict:
         "optimizer": "AdamW exp_avg + exp_avg_sq in fp32" + (" + fp32 main params" if main_b else ""),
         "kv_cache": kv_how,
         "generation_gathered_weights": f"other PP stages' layers at TP_g={tp_g}, held during generation only",
-        "activations": "one micro-batch of max_prompt_length + max_new_tokens tokens, kept for backward",
+        "activations": f"one micro-batch of {p} + {cfg.rollout.max_new_tokens} tokens, kept for backward",
         "logits": "response-position logits kept by the log-prob kernel + their gradient, one micro-batch",
     }  # fmt: skip
     resident = mem["params"] + mem["optimizer"]
@@ -224,13 +253,15 @@ def estimate(cfg: JobConfig, dims: ParallelDims, a: Arch) -> dict:
 def report(cfg: JobConfig, dims: ParallelDims) -> dict:
     """Everything ``dry_run`` prints, as a dict."""
     arch, source = read_arch(cfg)
+    p, p_how = prompt_length(cfg)
     out = {
         "layout": {"world_size": dims.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp,
                    "generation_tp": cfg.rollout.tensor_model_parallel_size or dims.tp},
         "model": {"source": source, **arch.__dict__, "padded_vocab": padded_vocab(arch.vocab, dims.tp), "dtype": cfg.model.dtype},
         "ranks": rank_table(dims, arch.layers),
         "batches": {"actor": micro_batches(cfg, dims, "actor")},
-        "memory": estimate(cfg, dims, arch),
+        "memory": estimate(cfg, dims, arch, p),
+        "prompt_length": {"tokens": p, "from": p_how},
     }  # fmt: skip
     if cfg.algorithm.adv_estimator == "gae":
         out["batches"]["critic"] = micro_batches(cfg, dims, "critic")
@@ -256,7 +287,9 @@ def format_report(r: dict) -> str:
         lines.append(f"{role} per training step: {b['optimizer_steps']} optimizer steps x "
                      f"{b['micro_batches_per_optimizer_step']} micro-batches of {b['sequences_per_micro_batch']} "
                      f"sequences per rank = {b['micro_batches']} micro-batches")  # fmt: skip
-    lines.append(f"memory per GPU (estimate, {mem['notes']['stage']}; models: {mem['notes']['models']}):")
+    pl = r["prompt_length"]
+    lines.append(f"memory per GPU (estimate, {mem['notes']['stage']}; models: {mem['notes']['models']}; "
+                 f"prompts of {pl['tokens']} tokens: {pl['from']}):")  # fmt: skip
     for k, v in mem["bytes"].items():
         note = mem["notes"].get(k)
         lines.append(f"  {k:<28} {_size(v):>12}" + (f"  ({note})" if note else ""))
