@@ -1,4 +1,4 @@
-"""Decode throughput of the rollout engine vs HF transformers ``generate`` on one GPU, same run.
+"""Decode throughput of the rollout engine vs HF transformers ``generate``, same run: one GPU, or TP=2.
 
 Qwen2.5-0.5B shape (vocab 151936, hidden 896, ffn 4864, 24 layers, 14 heads / 2 KV groups, qkv bias, tied
 embeddings, rope theta 1e6), random bf16 weights, 256 prompts x 128 tokens, 256 new tokens each, sampling
@@ -12,6 +12,24 @@ the second call reuses cache and graphs after an in-place weight update). Writes
 ``$OUT/bench_decode.json`` (or ``--out``); ``--profile`` adds torch.profiler kernel tables beside it.
 
 Run: ``python benchmarks/bench_decode.py --profile`` (needs CUDA; no megatron-core on one GPU).
+
+Tensor-parallel mode (``WORLD_SIZE`` > 1, megatron-core needed): on two GPUs of one host,
+
+    torchrun --nproc-per-node=2 benchmarks/bench_decode.py --out $OUT/bench_decode_tp2.json
+
+rank 0 saves the random HF model (same shape, same seed) to a temporary directory; every rank builds the
+actor through ``megatron_rl.models`` at TP = WORLD_SIZE, PP = 1 (``ModelArgs.from_hf_config``,
+``build_model``, ``load_hf_weights``, cast to bf16, as the trainer does; the vocab is padded to a multiple
+of 128 x TP and the engine samples only the real ids) and runs the same four engine calls on the actor's
+own shards (TP_g = TP_t). HF ``generate`` runs on rank 0 alone (one GPU) while the other ranks wait at a
+barrier; ``speedup_new_tok_per_s`` is ours (WORLD_SIZE GPUs) over HF (one GPU), ``speedup_per_gpu`` divides
+ours by WORLD_SIZE. The HBM floor per step is per GPU: this rank's weight shard (qkv / proj / fc1 / fc2
+split by TP, the tied vocab-parallel embedding-output split by TP with its padded rows, norms replicated)
+plus the live KV of its num_query_groups / TP groups, once per step at 4.8 TB/s; the two all-reduces per
+layer, the logits all-gather and the token broadcast are not in it. ``peak_memory_gib_per_gpu`` lists
+every rank's peak. CPU smoke of this mode (gloo):
+``torchrun --nproc-per-node=2 benchmarks/bench_decode.py --device cpu --layers 2 --prompts 4 --prompt-len 8
+--new-tokens 4 --out /tmp/bd2.json``.
 """
 
 from __future__ import annotations
@@ -121,8 +139,11 @@ def count_new(rows: list[list[int]]) -> int:
     return sum(r.index(EOS) + 1 if EOS in r else len(r) for r in rows)
 
 
-def engine_numbers(engine, params, spec, prompts, sampling) -> dict:
-    """One timed generate call: throughput, ms per decode step, fraction of the HBM floor, switch time."""
+def engine_numbers(engine, params, spec, prompts, sampling, tp: int = 1) -> dict:
+    """One timed generate call: throughput, ms per decode step, fraction of the HBM floor, switch time.
+
+    ``params``: this rank's weights (all of them on one GPU, its TP shard at ``tp`` > 1); the floor is
+    per GPU (the KV of ``num_query_groups / tp`` groups)."""
     sync()
     t0 = time.perf_counter()
     out = engine.generate(prompts, sampling)
@@ -130,7 +151,8 @@ def engine_numbers(engine, params, spec, prompts, sampling) -> dict:
     wall = time.perf_counter() - t0
     s = engine.last_stats
     new = sum(len(c.response_ids) for c in out)
-    kv_per_token = 2 * spec.num_layers * spec.num_query_groups * spec.head_dim * 2
+    assert all(t < spec.vocab_size for c in out for t in c.response_ids), "sampled a padded vocab id"
+    kv_per_token = 2 * spec.num_layers * (spec.num_query_groups // tp) * spec.head_dim * 2
     weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
     mean_ctx = len(prompts[0]) + sampling.max_new_tokens / 2
     floor_s = (weight_bytes + len(prompts) * mean_ctx * kv_per_token) / HBM_BYTES_PER_S
@@ -159,25 +181,29 @@ def engine_numbers(engine, params, spec, prompts, sampling) -> dict:
     }
 
 
-def run_ours(params, spec, prompts, new_tokens: int) -> dict:
-    """The trainer's default (cache and graphs built per call), then ``keep_cache`` (second call reuses)."""
+def run_ours(params, spec, prompts, new_tokens: int, actor=None, tp: int = 1) -> dict:
+    """The trainer's default (cache and graphs built per call), then ``keep_cache`` (second call reuses).
+
+    ``actor``: what the engine reads (the GPTModel at TP > 1, as in the trainer; default ``params``)."""
+    actor = params if actor is None else actor
     sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_token_ids=(EOS,), seed=0)
     warm = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
-    RolloutEngine(params, spec, EngineConfig(max_num_seqs=8)).generate(prompts[:8], warm)  # library init
-    fresh = RolloutEngine(params, spec, EngineConfig(max_num_seqs=len(prompts)))
-    kept = RolloutEngine(params, spec, EngineConfig(max_num_seqs=len(prompts), keep_cache=True))
+    RolloutEngine(actor, spec, EngineConfig(max_num_seqs=8)).generate(prompts[:8], warm)  # library init
+    fresh = RolloutEngine(actor, spec, EngineConfig(max_num_seqs=len(prompts)))
+    kept = RolloutEngine(actor, spec, EngineConfig(max_num_seqs=len(prompts), keep_cache=True))
     # the process's first call at this shape also pays one-time library setup (cuDNN plans, cuBLAS)
-    res = {"per_call_first": engine_numbers(fresh, params, spec, prompts, sampling)}
-    res["per_call"] = engine_numbers(fresh, params, spec, prompts, sampling)
-    res["keep_cache_first"] = engine_numbers(kept, params, spec, prompts, sampling)
+    res = {"per_call_first": engine_numbers(fresh, params, spec, prompts, sampling, tp)}
+    res["per_call"] = engine_numbers(fresh, params, spec, prompts, sampling, tp)
+    res["keep_cache_first"] = engine_numbers(kept, params, spec, prompts, sampling, tp)
     for p in params.values():  # an optimizer step: in place, same storage
         p.data.mul_(1.0)
-    res["keep_cache_next"] = engine_numbers(kept, params, spec, prompts, sampling)
+    res["keep_cache_next"] = engine_numbers(kept, params, spec, prompts, sampling, tp)
     return res
 
 
-def profile_decode(params, spec, prompts, out_dir: str) -> None:
-    """Kernel table of a short generate call, with and without CUDA graphs (eager shows each op)."""
+def profile_decode(params, spec, prompts, out_dir: str, write: bool = True, prefix: str = "") -> None:
+    """Kernel table of a short generate call, with and without CUDA graphs (eager shows each op).
+    Under TP every rank runs it (collectives); ``write`` on rank 0 only."""
     from torch.profiler import ProfilerActivity, profile
 
     sampling = SamplingParams(temperature=1.0, max_new_tokens=32, stop_token_ids=(EOS,), seed=0)
@@ -187,8 +213,10 @@ def profile_decode(params, spec, prompts, out_dir: str) -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             engine.generate(prompts, sampling)
             sync()
+        if not write:
+            continue
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60)
-        name = f"profile_{'graphs' if graphs else 'eager'}.txt"
+        name = f"profile_{prefix}{'graphs' if graphs else 'eager'}.txt"
         with open(os.path.join(out_dir, name), "w") as f:
             f.write(f"decode_s={engine.last_stats.decode_s:.4f} steps={engine.last_stats.decode_steps}\n")
             f.write(table)
@@ -210,23 +238,34 @@ def run_hf(hf, prompts, new_tokens: int) -> dict:
     return {"new_tokens": new, "wall_s": wall, "new_tok_per_s": new / wall}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=256)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
-    ap.add_argument("--profile", action="store_true", help="also write torch.profiler kernel tables")
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_decode.json"))
-    a = ap.parse_args()
+def write_and_print(a, result: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+    ours, ref = result["ours"], result["hf_generate"]
+    print(f"{'run':18} {'tok/s':>9} {'x HF':>6} {'ms/step':>8} {'HBM frac':>8} {'switch s':>9} {'sw/gen':>7}")
+    for k, v in ours.items():
+        print(
+            f"{k:18} {v['new_tok_per_s']:9.0f} {result['speedup_new_tok_per_s'][k]:6.2f} "
+            f"{v['ms_per_decode_step']:8.3f} {v['fraction_of_hbm_floor']:8.3f} "
+            f"{v['switch_train_gen_train_s']:9.3f} {v['switch_over_generation']:7.3f}"
+        )
+    print(f"{'hf_generate':18} {ref['new_tok_per_s']:9.0f}")
+
+
+def make_prompts(a) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(1, 150000, (a.prompts, a.prompt_len), generator=g).tolist()
+
+
+def main_single(a) -> None:
     import transformers
 
     hf = build_hf(a.layers, a.device)
     spec = spec_of(hf.config)
     params = mcore_params(hf, spec)
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, 150000, (a.prompts, a.prompt_len), generator=g).tolist()
+    prompts = make_prompts(a)
     graphs_ok = graphs_match_eager(params, spec, prompts)
     ours = run_ours(params, spec, prompts, a.new_tokens)
     print("ours", json.dumps(ours), flush=True)
@@ -246,18 +285,118 @@ def main():
         "graph_decode_equals_eager_greedy": graphs_ok,
         "speedup_new_tok_per_s": {k: v["new_tok_per_s"] / ref["new_tok_per_s"] for k, v in ours.items()},
     }
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result, indent=2))
-    print(f"{'run':18} {'tok/s':>9} {'x HF':>6} {'ms/step':>8} {'HBM frac':>8} {'switch s':>9} {'sw/gen':>7}")
-    for k, v in ours.items():
-        print(
-            f"{k:18} {v['new_tok_per_s']:9.0f} {result['speedup_new_tok_per_s'][k]:6.2f} "
-            f"{v['ms_per_decode_step']:8.3f} {v['fraction_of_hbm_floor']:8.3f} "
-            f"{v['switch_train_gen_train_s']:9.3f} {v['switch_over_generation']:7.3f}"
+    write_and_print(a, result)
+
+
+def main_tp(a, world: int) -> None:
+    """TP = ``world`` on one host: the actor built and loaded by ``megatron_rl.models``; HF on rank 0."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    import transformers
+
+    from megatron_rl.distributed import destroy_distributed, init_distributed
+    from megatron_rl.models import ModelArgs, build_model, load_hf_weights
+    from megatron_rl.rollout.reshard import model_params
+
+    if (a.device == "cuda") != torch.cuda.is_available():
+        raise SystemExit(
+            f"--device {a.device} but CUDA is {'' if torch.cuda.is_available() else 'not '}available; "
+            f"the TP mode runs on the GPUs when there are any (CPU smoke: CUDA_VISIBLE_DEVICES='')."
         )
-    print(f"{'hf_generate':18} {ref['new_tok_per_s']:9.0f}")
+    init_distributed(tp=world, pp=1, seed=0, num_layers=a.layers)  # nccl on GPU, gloo on CPU
+    rank = dist.get_rank()
+    where = [tempfile.mkdtemp(prefix="bench_decode_tp_") if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    hf = None
+    if rank == 0:
+        hf = build_hf(a.layers, a.device)  # the one-GPU mode's model: same shape, same seed
+        hf.save_pretrained(where[0])
+        hf = hf.to("cpu")  # parked off the GPU until the HF baseline
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
+    dist.barrier()
+    args = ModelArgs.from_hf_config(where[0], tp=world)  # padded_vocab_size: a multiple of 128 * TP
+    model = build_model(args, "actor", torch.bfloat16)
+    load_hf_weights(model, where[0], args)
+    model = model.to(torch.bfloat16)  # the trainer's cast (megatron-core makes its norms in fp32)
+    spec = DecoderSpec.from_args(args)
+    params = model_params(model)  # this rank's TP shard, what the engine reads from the actor
+    prompts = make_prompts(a)
+    graphs_ok = graphs_match_eager(model, spec, prompts)
+    ours = run_ours(params, spec, prompts, a.new_tokens, actor=model, tp=world)
+    peaks: list = [None] * world
+    dist.all_gather_object(peaks, {k: v["peak_memory_gib"] for k, v in ours.items()})
+    shards: list = [None] * world
+    dist.all_gather_object(shards, ours["per_call"]["weight_gib"])
+    for k, v in ours.items():
+        v["peak_memory_gib_per_gpu"] = [p[k] for p in peaks]
+    if rank == 0:
+        print("ours", json.dumps(ours), flush=True)
+    if a.profile and a.device == "cuda":
+        profile_decode(
+            params, spec, prompts, os.path.dirname(os.path.abspath(a.out)), rank == 0, f"tp{world}_"
+        )
+    dist.barrier()
+    ref = None
+    if rank == 0:  # HF on one GPU while the other ranks wait
+        ref = run_hf(hf.to(a.device), prompts, a.new_tokens)
+        print("hf", json.dumps(ref), flush=True)
+        del hf
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(where[0], ignore_errors=True)
+        result = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "gpu": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
+            "gpus": world,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "command": " ".join(["torchrun", f"--nproc-per-node={world}", *sys.argv]),
+            "config": vars(a)
+            | {
+                "model": "Qwen2.5-0.5B shape, random bf16, megatron-core actor loaded from HF safetensors",
+                "tensor_model_parallel_size": world,
+                "generation_tp": world,
+                "padded_vocab_size": spec.padded_vocab_size,
+                "temperature": 1.0,
+                "eos": EOS,
+            },
+            "hbm_floor": (
+                "per GPU and step: this rank's weight shard (weight_gib: qkv/proj/fc1/fc2 and the tied "
+                "vocab-parallel embedding split by TP, padded rows included, norms replicated) + the live KV "
+                "of num_query_groups/TP groups (mean context prompt + new/2) at 4.8 TB/s; collectives excluded"
+            ),
+            "weight_gib_per_gpu": shards,
+            "ours": ours,
+            "hf_generate": ref,
+            "hf_generate_gpus": 1,
+            "graph_decode_equals_eager_greedy": graphs_ok,
+            "speedup_new_tok_per_s": {k: v["new_tok_per_s"] / ref["new_tok_per_s"] for k, v in ours.items()},
+            "speedup_per_gpu": {
+                k: v["new_tok_per_s"] / world / ref["new_tok_per_s"] for k, v in ours.items()
+            },
+        }
+        write_and_print(a, result)
+    destroy_distributed()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
+    ap.add_argument("--profile", action="store_true", help="also write torch.profiler kernel tables")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_decode.json"))
+    a = ap.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        main_tp(a, world)
+    else:
+        main_single(a)
 
 
 if __name__ == "__main__":

@@ -22,18 +22,19 @@ FAMILIES = {
 }
 
 
-def tiny_hf(family: str, seed: int = 0):
-    """Random fp32 model: hidden 64, 4 layers, 4 heads / 2 KV heads; a wide init spreads the logits so
-    greedy decoding has no near-ties. EOS is the last id (greedy practically never picks it)."""
+def tiny_hf(family: str, seed: int = 0, heads: int = 4, kv_heads: int = 2):
+    """Random fp32 model: hidden 64, 4 layers, 4 heads / 2 KV heads (or ``heads`` / ``kv_heads``, head_dim
+    64 / heads; 8 / 4 splits over TP=4); a wide init spreads the logits so greedy decoding has no
+    near-ties. EOS is the last id (greedy practically never picks it)."""
     config_cls, model_cls, tied = FAMILIES[family]
     cfg = config_cls(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=64 // heads,
         max_position_embeddings=256,
         initializer_range=0.1,
         rope_theta=10000.0,

@@ -1,8 +1,11 @@
 """torchrun worker (world 4): the in-place resharded engine on megatron-core GPTModels.
 
 For (TP_t, PP_t) in (1,1), (2,1), (1,2), (2,2) and every TP_g dividing TP_t, on tiny random Llama and
-Qwen2 models built with ``megatron_rl.models`` and loaded from HF safetensors:
-- greedy outputs equal HF ``generate`` of each prompt alone, token for token (32 prompts, 12 new tokens);
+Qwen2 models built with ``megatron_rl.models`` and loaded from HF safetensors, and for (4,1) with TP_g in
+4, 2, 1 on 8-head / 4-KV-head variants (TP_g = 2 merges pairs of training shards into two replicas; the
+vocab, padded to 512 at TP=4, leaves training rank 3 a shard of padding rows only):
+- greedy outputs equal HF ``generate`` of each prompt alone, token for token (32 prompts, 16 at TP=4;
+  12 new tokens);
 - every TP/PP rank of a DP replica returns the same full list for its DP rank;
 - sampled (T=0.7, top-k) rollout log-probs equal a fresh training-layout forward (max abs diff < 1e-5);
 - the training-layout parameters are bit-identical before and after generation.
@@ -28,16 +31,33 @@ from megatron_rl.rollout.reshard import model_params  # noqa: E402
 from megatron_rl.rollout.sampling import SamplingParams  # noqa: E402
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+# family, attention heads, KV heads, layouts, prompts, KV-cache slots (TP=4 has DP=1: its rank sees 16
+# prompts, as a DP rank of TP=2 does, decoded 8 at a time to keep the slow 4-way gloo decode steps few)
+MODELS = [
+    ("llama", 4, 2, LAYOUTS, 32, 5),
+    ("qwen2", 4, 2, LAYOUTS, 32, 5),
+    ("llama", 8, 4, [(4, 1)], 16, 8),
+    ("qwen2", 8, 4, [(4, 1)], 16, 8),
+]
 NEW = 12
 
 
-def save_model(family: str, root: str) -> tuple[str, object]:
-    hf = tiny_hf(family)
-    path = os.path.join(root, family)
+def save_model(family: str, root: str, heads: int, kv_heads: int) -> tuple[str, object]:
+    hf = tiny_hf(family, heads=heads, kv_heads=kv_heads)
+    path = os.path.join(root, f"{family}_{heads}_{kv_heads}")
     if dist.get_rank() == 0:
         hf.save_pretrained(path)
     dist.barrier()
     return path, hf
+
+
+def hf_refs(hf, prompts: list[list[int]]) -> list[list[int]]:
+    """HF greedy continuations of every prompt, each rank computing a strided share (gathered)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {i: hf_greedy(hf, prompts[i], NEW) for i in range(rank, len(prompts), world)}
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    return [next(part[i] for part in every if i in part) for i in range(len(prompts))]
 
 
 @torch.no_grad()
@@ -60,7 +80,7 @@ def training_logprobs(model, completions, temperature: float, vocab: int) -> lis
     return out
 
 
-def check_layout(path, hf, tp, pp, prompts, refs):
+def check_layout(path, hf, tp, pp, prompts, refs, slots):
     dims = init_distributed(tp, pp, seed=0, num_layers=hf.config.num_hidden_layers)
     args = ModelArgs.from_hf_config(path, tp=tp)
     model = build_model(args, role="actor")
@@ -72,7 +92,7 @@ def check_layout(path, hf, tp, pp, prompts, refs):
     dp_rank = ps.get_data_parallel_rank()
     mine = list(range(dp_rank, len(prompts), dims.dp))
     for tp_g in [d for d in range(1, tp + 1) if tp % d == 0]:
-        engine = RolloutEngine(model, spec, EngineConfig(tensor_model_parallel_size=tp_g, max_num_seqs=5))
+        engine = RolloutEngine(model, spec, EngineConfig(tensor_model_parallel_size=tp_g, max_num_seqs=slots))
         out = engine.generate([prompts[i] for i in mine], SamplingParams(temperature=0, max_new_tokens=NEW))
         got = [c.response_ids for c in out]
         want = [refs[i] for i in mine]
@@ -103,11 +123,11 @@ def main():
     with tempfile.TemporaryDirectory() as root:
         root_list = [root]
         dist.broadcast_object_list(root_list, src=0)
-        for family in ("llama", "qwen2"):
-            path, hf = save_model(family, root_list[0])
-            refs = [hf_greedy(hf, p, NEW) for p in prompts]
-            for tp, pp in LAYOUTS:
-                check_layout(path, hf, tp, pp, prompts, refs)
+        for family, heads, kv_heads, layouts, count, slots in MODELS:
+            path, hf = save_model(family, root_list[0], heads, kv_heads)
+            refs = hf_refs(hf, prompts[:count])
+            for tp, pp in layouts:
+                check_layout(path, hf, tp, pp, prompts[:count], refs, slots)
         dist.barrier()
     dist.destroy_process_group()
 
