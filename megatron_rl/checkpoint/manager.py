@@ -39,6 +39,7 @@ from megatron_rl.checkpoint.layout import (
 from megatron_rl.checkpoint.state import (
     apply_loaded_optim,
     capture_rng,
+    check_optimizer_backend,
     load_optimizer_json,
     optimizer_json,
     restore_rng,
@@ -76,8 +77,10 @@ def _unwrap(model):
     return model
 
 
-def _sharded(c) -> dict:
-    return {role: role_sharded_state(role, _unwrap(w.model), w.opt) for role, w in _trained(c).items()}
+def _sharded(c, is_loading: bool = False) -> dict:
+    return {
+        role: role_sharded_state(role, _unwrap(w.model), w.opt, is_loading) for role, w in _trained(c).items()
+    }
 
 
 def _layout(c) -> dict:
@@ -248,7 +251,9 @@ def load_checkpoint(c, path: Path) -> int:
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path / STATE} is unreadable ({err}); pick another checkpoint") from err
     _check_roles(c, state, path)
-    sharded = _sharded(c)
+    for role, w in _trained(c).items():
+        check_optimizer_backend(role, state["optimizers"][role], w.opt, path)
+    sharded = _sharded(c, is_loading=True)
     loaded = dist_checkpointing.load(sharded, str(path / DIST))
     for role, w in _trained(c).items():
         prefix = f"{role}."

@@ -5,6 +5,9 @@
 - AdamW moments: one ShardedTensor per (param, moment) with the *param's* sharding
   (``make_sharded_optimizer_tensor``), so optimizer state reshards exactly like the weights. The per-param
   AdamW ``step`` is the same for every param (every param gets a grad each step), so it is one integer.
+  With ``optim.backend=megatron`` the optimizer's own ``sharded_state_dict`` is used instead (megatron-core
+  keys ``optimizer.state.*``, also tied to the params' ShardedTensors, so they reshard too); states of
+  different optimizer kinds are not interchangeable, and a resume says so (``check_optimizer_backend``).
 - LR scheduler and optimizer hyper-parameters, the data position and the KL controller: JSON.
 - RNG states: per rank (``torch.save`` of tensors and plain Python types, read with weights_only=True).
 """
@@ -20,6 +23,8 @@ from megatron.core.dist_checkpointing.optimizer import (
     get_param_id_to_sharded_param_map,
     make_sharded_optimizer_tensor,
 )
+
+from megatron_rl.checkpoint.layout import CheckpointError
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -49,16 +54,25 @@ def _parts(opt) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter], list[t
     return opt, params, params
 
 
-def role_sharded_state(role: str, model: torch.nn.Module, opt) -> dict:
+def _is_megatron(opt) -> bool:
+    return getattr(opt, "backend", "local") == "megatron"
+
+
+def role_sharded_state(role: str, model: torch.nn.Module, opt, is_loading: bool = False) -> dict:
     """``{"model": ShardedStateDict, "optim": {name: {i: ShardedTensor}}}`` of one trained model.
 
     Keys are prefixed with ``role`` (``actor.decoder.layers...``), so actor and critic share one
     dist checkpoint. Optimizer tensors (AdamW moments, fp32 main params of bf16 weights) take the
     sharding of the model param they belong to. The ShardedTensors point at the live tensors.
+    ``is_loading``: the dict is for ``dist_checkpointing.load`` (megatron-core's optimizers allocate
+    their state for it).
     """
     model_sd = model.sharded_state_dict(prefix=f"{role}.")
     out = {"model": model_sd}
     if opt is None:
+        return out
+    if _is_megatron(opt):
+        out["optim"] = opt.sharded_state_dict(model_sd, is_loading=is_loading)
         return out
     inner, params, mains = _parts(opt)
     ensure_adam_state(inner)
@@ -82,6 +96,9 @@ def role_sharded_state(role: str, model: torch.nn.Module, opt) -> dict:
 
 def apply_loaded_optim(opt, loaded: dict) -> None:
     """Copy the tensors returned by ``dist_checkpointing.load`` into the optimizer's state."""
+    if _is_megatron(opt):
+        opt.load_state_dict(loaded)
+        return
     inner, _, mains = _parts(opt)
     with torch.no_grad():
         for name, per_param in loaded.items():
@@ -90,14 +107,51 @@ def apply_loaded_optim(opt, loaded: dict) -> None:
                 dst.copy_(per_param[str(i)])
 
 
+def optimizer_kind(opt) -> dict:
+    """What wrote an optimizer state: ``{"backend", "use_distributed_optimizer"}``."""
+    if _is_megatron(opt):
+        return {"backend": "megatron", "use_distributed_optimizer": opt.use_distributed_optimizer}
+    return {"backend": "local", "use_distributed_optimizer": False}
+
+
+def check_optimizer_backend(role: str, saved: dict, opt, path) -> None:
+    """Refuse, before any tensor is read, optimizer state written by another optimizer kind.
+
+    ``saved``: the role's entry of ``state.json["optimizers"]`` (checkpoints written before the megatron
+    backend existed have no ``backend`` key: local). Each kind's state reshards across TP/PP/DP; across
+    kinds the keys and layouts differ (local ``optim.*``; megatron-core ``optimizer.state.*``, whose
+    distributed optimizer stores ``param`` and a different common state than its non-distributed one's
+    ``fp32_param``), so switching ``optim.backend`` or ``optim.use_distributed_optimizer`` cannot resume."""
+    was = {"backend": saved.get("backend", "local"),
+           "use_distributed_optimizer": bool(saved.get("use_distributed_optimizer", False))}  # fmt: skip
+    now = optimizer_kind(opt)
+    if was == now:
+        return
+
+    def show(kind: dict) -> str:
+        return (f"{role}.optim.backend={kind['backend']} "
+                f"{role}.optim.use_distributed_optimizer={str(kind['use_distributed_optimizer']).lower()}")  # fmt: skip
+
+    raise CheckpointError(
+        f"{path} holds {role} optimizer state written with {show(was)}, but this run has {show(now)}; optimizer "
+        f"state does not convert between optimizer kinds (it does reshard across TP/PP/DP). Resume with "
+        f"{show(was)}, or keep only the weights: checkpoints_tools/megatron_to_hf.py --checkpoint {path} "
+        "--output DIR, then model.path=DIR trainer.resume_mode=disable."
+    )
+
+
 def optimizer_json(opt, sched) -> dict:
     """Host-side optimizer state: the shared AdamW step, per-group lr/initial_lr, the LR scheduler."""
+    if _is_megatron(opt):  # lr, initial_lr and the step travel in megatron-core's common state
+        return {**optimizer_kind(opt), "adam_step": opt.adam_step(), "scheduler": sched.state_dict()}
+    kind = optimizer_kind(opt)
     opt, _, mains = _parts(opt)
     steps = {float(opt.state[p]["step"]) for p in mains if "step" in opt.state[p]}
     if len(steps) > 1:
         raise RuntimeError(f"AdamW params are at different steps {sorted(steps)}; a checkpoint stores one")
     groups = [{k: g[k] for k in ("lr", "initial_lr") if k in g} for g in opt.param_groups]
     return {
+        **kind,
         "adam_step": int(steps.pop()) if steps else 0,
         "param_groups": groups,
         "scheduler": sched.state_dict(),
@@ -105,6 +159,9 @@ def optimizer_json(opt, sched) -> dict:
 
 
 def load_optimizer_json(opt, sched, state: dict) -> None:
+    if _is_megatron(opt):
+        sched.load_state_dict(state["scheduler"])
+        return
     opt, _, mains = _parts(opt)
     ensure_adam_state(opt)
     for p in mains:

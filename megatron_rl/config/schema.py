@@ -110,6 +110,18 @@ class OptimConfig:
     lr_warmup_steps: int = doc(0, "Linear warmup steps (optimizer steps).")
     lr_decay_style: str = doc("constant", "constant | linear | cosine after warmup.")
     min_lr_ratio: float = doc(0.0, "Final LR as a fraction of lr for linear/cosine decay.")
+    backend: str = doc(
+        "local",
+        "local: our AdamW on fp32 main params, grads summed over DP by all-reduce (any device). "
+        "megatron: megatron-core DistributedDataParallel (fp32 grad buffers) + get_megatron_optimizer "
+        "(TE/apex FusedAdam, else torch AdamW; fused on GPU); same loss, LR schedule and clipping.",
+    )
+    use_distributed_optimizer: bool = doc(
+        False,
+        "backend=megatron only: shard fp32 main params and Adam moments over DP (grads reduce-scattered, "
+        "params all-gathered after each step).",
+    )
+
 
 
 @dataclass

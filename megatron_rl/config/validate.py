@@ -11,6 +11,7 @@ from megatron_rl.distributed.dims import LayoutError, ParallelDims, divisors
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3", "abs", "low_var_kl", "kl", "mse")
+OPTIM_BACKENDS = ("local", "megatron")
 CHOICES = {
     "algorithm.adv_estimator": ADV_ESTIMATORS,
     "algorithm.kl_penalty": KL_KINDS,
@@ -27,6 +28,8 @@ CHOICES = {
     "reward.gsm8k_mode": ("strict", "flexible"),
     "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
+    "actor.optim.backend": OPTIM_BACKENDS,
+    "critic.optim.backend": OPTIM_BACKENDS,
 }
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
@@ -90,6 +93,16 @@ def _check_update_batches(cfg: JobConfig, role: str, dp: int) -> int:
     return seqs_per_rank // micro
 
 
+def _check_optim(cfg: JobConfig, role: str) -> None:
+    optim = _get(cfg, f"{role}.optim")
+    if optim.use_distributed_optimizer and optim.backend != "megatron":
+        raise ConfigError(
+            f"{role}.optim.use_distributed_optimizer=true needs {role}.optim.backend=megatron (the local "
+            f"backend keeps full optimizer state on every rank). Set {role}.optim.backend=megatron, or "
+            f"{role}.optim.use_distributed_optimizer=false."
+        )
+
+
 def validate_job(
     cfg: JobConfig, world_size: int, num_layers: int | None = None, training: bool = True
 ) -> ParallelDims:
@@ -124,8 +137,10 @@ def validate_job(
     if not training:
         return dims
     _check_update_batches(cfg, "actor", dims.dp)
+    _check_optim(cfg, "actor")
     if cfg.algorithm.adv_estimator == "gae":
         _check_update_batches(cfg, "critic", dims.dp)
+        _check_optim(cfg, "critic")
     if cfg.reward.reward_fn == "model" and not cfg.reward.reward_model_path:
         raise ConfigError(
             "reward.reward_fn=model needs reward.reward_model_path=<HF sequence-classification dir>."

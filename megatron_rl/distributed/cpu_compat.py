@@ -14,9 +14,23 @@ task) runs through. This module patches exactly those, and only when CUDA is abs
 5. ``LanguageModule.setup_embeddings_and_output_layer`` moves the last stage's copy of a tied embedding
    with ``weight.data.cuda()`` before all-reducing it over the embedding group (tied embeddings at PP>1);
    while that method runs, ``Tensor.cuda`` returns the tensor itself.
+6. megatron-core's optimizer modules (``optimizer.optimizer``, ``optimizer.clip_grads``,
+   ``optimizer.distrib_optimizer``) and ``megatron.core.utils`` (its apex-less ``multi_tensor_l2norm``
+   fallback) create small tensors with a literal ``device='cuda'`` (the unit loss scale, overflow buffers,
+   the grad norm); in those modules they land on the CPU, as in 4.
+7. ``Float16OptimizerWithFloat16Params.__init__``, ``DistributedOptimizer.__init__`` and
+   ``clip_grad_by_total_norm_fp32`` sort parameters (or assert on grads) by ``tensor.type()`` strings
+   such as ``'torch.cuda.BFloat16Tensor'``; while they run, ``Tensor.type()`` (no arguments) names a CPU
+   tensor by its CUDA type. With 6 and 7, megatron-core's ``DistributedDataParallel`` +
+   ``get_megatron_optimizer`` (torch AdamW fallback, with and without the distributed optimizer, fp32 or
+   bf16) run on CPU/gloo: ``optim.backend=megatron`` is tested on CPU against ``optim.backend=local``.
+8. ``DistributedOptimizer.get_parameter_state_dp_zero`` (behind the ``fully_reshardable`` checkpoint
+   format) moves its shards with ``Tensor.cuda()`` for the all-gather; while it runs, as in 5,
+   ``Tensor.cuda`` returns the tensor itself.
 
-What is *not* patched, by design: megatron-core's optimizers (they assert CUDA grads; the CPU path uses
-torch AdamW) and the stock ``DotProductAttention`` (our ModuleSpec uses SDPA core attention instead).
+What is *not* patched, by design: the stock ``DotProductAttention`` (our ModuleSpec uses SDPA core
+attention instead), fp16 loss scaling (``grad_scaler``; the trainer has no fp16 mode), overlapped grad
+reduce / param gather (CUDA streams).
 
 Checked against megatron-core ``SUPPORTED_MCORE_VERSION``; ``apply()`` refuses other versions so an
 upgrade fails loudly instead of silently mis-patching. ``tests/unit/test_cpu_compat.py`` holds one test
@@ -94,6 +108,50 @@ def _without_tensor_cuda(fn):
     return wrapper
 
 
+def _cuda_type_names(fn):
+    """Run ``fn`` with ``Tensor.type()`` (no arguments) answering ``'torch.cuda.<T>'`` for CPU tensors."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        original = torch.Tensor.type
+        shadowed = "type" in torch.Tensor.__dict__
+
+        def type_(self, *a, **k):
+            name = original(self, *a, **k)
+            if a or k or self.is_cuda:
+                return name
+            return name.replace("torch.", "torch.cuda.", 1)
+
+        torch.Tensor.type = type_
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if shadowed:
+                torch.Tensor.type = original
+            else:
+                del torch.Tensor.type
+
+    return wrapper
+
+
+def _patch_optimizers() -> None:
+    """Items 6 to 8 of the module docstring."""
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    for module in (mcore_optimizer, clip_grads, distrib_optimizer, mcore_utils):
+        module.torch = _TorchWithCudaOnCpu()
+    fp16 = mcore_optimizer.Float16OptimizerWithFloat16Params
+    fp16.__init__ = _cuda_type_names(fp16.__init__)
+    dist_opt = distrib_optimizer.DistributedOptimizer
+    dist_opt.__init__ = _cuda_type_names(dist_opt.__init__)
+    dist_opt.get_parameter_state_dp_zero = _without_tensor_cuda(dist_opt.get_parameter_state_dp_zero)
+    clip = _cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = clip
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = clip  # imported by name there (ChainedOptimizer.step)
+
+
 def needed() -> bool:
     """True when no usable CUDA device is present (the only case in which we patch)."""
     return not torch.cuda.is_available()
@@ -127,5 +185,6 @@ def apply() -> bool:
     LanguageModule.setup_embeddings_and_output_layer = _without_tensor_cuda(
         LanguageModule.setup_embeddings_and_output_layer
     )
+    _patch_optimizers()
     _applied = True
     return True

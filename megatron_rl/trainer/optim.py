@@ -1,8 +1,10 @@
 """Optimizer step for a TP/PP-sharded model on any device: DP grad reduction, tied-embedding sync,
 a layout-aware global grad norm for clipping, AdamW and the LR schedule.
 
-megatron-core's own optimizers assert CUDA tensors, so this path uses torch AdamW (fused on GPU). The
-losses are normalised by global token/sequence counts, so DP gradients are *summed*, not averaged.
+This is ``optim.backend=local`` (the default): torch AdamW (fused on GPU) on any device. The losses are
+normalised by global token/sequence counts, so DP gradients are *summed*, not averaged.
+``optim.backend=megatron`` (megatron-core DDP + optimizer) lives in ``mcore_optim``; ``build_optimizer``
+and ``optimizer_step`` dispatch on it.
 """
 
 from __future__ import annotations
@@ -82,6 +84,14 @@ class MainParamsAdamW:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int):
+    """(optimizer, LR scheduler) for ``cfg.backend``: ``MainParamsAdamW`` (local) or
+    ``mcore_optim.MegatronCoreOptimizer`` (megatron-core DDP + optimizer); ``optimizer_step`` takes either."""
+    if cfg.backend == "megatron":
+        from megatron_rl.trainer.mcore_optim import build_mcore_optimizer
+
+        return build_mcore_optimizer(model, cfg, total_steps)
+    if cfg.backend != "local":
+        raise ValueError(f"optim.backend={cfg.backend!r}; use local or megatron")
     opt = MainParamsAdamW([p for p in model.parameters() if p.requires_grad], cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt.opt, lr_lambda(cfg, total_steps))
     return opt, sched
@@ -161,6 +171,8 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 
 def optimizer_step(model, opt, sched, clip_grad: float) -> dict[str, torch.Tensor]:
     """Reduce, clip and apply the accumulated gradients; returns grad_norm and the LR used."""
+    if getattr(opt, "backend", "local") == "megatron":
+        return opt.step(sched, clip_grad)
     reduce_gradients(model)
     grad_norm = clip_grad_norm(model, clip_grad)
     lr = opt.param_groups[0]["lr"]

@@ -116,3 +116,31 @@ def test_cli_bad_batch_is_one_paragraph(tmp_path):
     assert out.returncode != 0
     assert "actor.ppo_micro_batch_size_per_gpu=3" in out.stderr and "Traceback" not in out.stderr
     assert out.stderr.strip().count("\n") == 0
+
+
+def test_optim_backend_choice_and_distributed_optimizer_needs_megatron():
+    cfg = JobConfig()
+    cfg.actor.optim.backend = "apex"
+    with pytest.raises(ConfigError, match=r"actor\.optim\.backend='apex' is not one of: local \| megatron"):
+        validate_job(cfg, world_size=1, num_layers=2)
+    cfg = JobConfig()
+    cfg.actor.optim.use_distributed_optimizer = True
+    with pytest.raises(ConfigError) as err:
+        validate_job(cfg, world_size=2, num_layers=2)
+    msg = str(err.value)
+    assert "actor.optim.use_distributed_optimizer=true needs actor.optim.backend=megatron" in msg
+    assert "\n" not in msg
+    cfg.actor.optim.backend = "megatron"  # megatron-core's optimizer runs on CPU/gloo too (cpu_compat)
+    validate_job(cfg, world_size=2, num_layers=2)
+    cfg.critic.optim.use_distributed_optimizer = True
+    validate_job(cfg, world_size=2, num_layers=2)  # grpo: no critic, its optimizer is never built
+    cfg.algorithm.adv_estimator = "gae"
+    with pytest.raises(ConfigError, match=r"critic\.optim\.use_distributed_optimizer=true needs"):
+        validate_job(cfg, world_size=2, num_layers=2)
+
+
+def test_cli_distributed_optimizer_without_megatron_is_one_paragraph(tmp_path):
+    out = _run(["train", "actor.optim.use_distributed_optimizer=true"], tmp_path)
+    assert out.returncode != 0
+    assert "actor.optim.backend=megatron" in out.stderr and "Traceback" not in out.stderr
+    assert out.stderr.strip().count("\n") == 0

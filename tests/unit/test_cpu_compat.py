@@ -67,3 +67,46 @@ def test_tied_embedding_setup_runs_without_tensor_cuda():
     seen = cpu_compat._without_tensor_cuda(lambda: torch.ones(2).cuda().device)()
     assert seen.type == "cpu"
     assert torch.Tensor.cuda is original, "Tensor.cuda must be restored after the wrapped call"
+
+
+def test_optimizer_modules_literal_cuda_tensors_land_on_cpu():
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    for module in (mcore_optimizer, clip_grads, distrib_optimizer, mcore_utils):
+        assert module.torch.tensor([1.0], device="cuda").device.type == "cpu", module.__name__
+    norm, _ = mcore_utils.local_multi_tensor_l2_norm(1, None, [[torch.ones(4), torch.ones(5)]], False)
+    assert norm.device.type == "cpu" and torch.allclose(norm, torch.tensor([3.0]))
+
+
+def test_optimizer_type_checks_see_cuda_type_names():
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    bf16, fp32 = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)
+    names = cpu_compat._cuda_type_names(lambda: (bf16.type(), fp32.type(), fp32.type(torch.float64).dtype))()
+    assert names == ("torch.cuda.BFloat16Tensor", "torch.cuda.FloatTensor", torch.float64)
+    assert "type" not in torch.Tensor.__dict__ and fp32.type() == "torch.FloatTensor", "Tensor.type restored"
+    for fn in (
+        mcore_optimizer.Float16OptimizerWithFloat16Params.__init__,
+        distrib_optimizer.DistributedOptimizer.__init__,
+        clip_grads.clip_grad_by_total_norm_fp32,
+        mcore_optimizer.clip_grad_by_total_norm_fp32,
+    ):
+        assert hasattr(fn, "__wrapped__"), fn
+
+
+def test_clip_grad_by_total_norm_scales_cpu_grads():
+    from megatron.core.optimizer import clip_grads
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.full((4,), 2.0)
+    clip_grads.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
+    assert torch.allclose(p.grad, torch.full((4,), 0.5), atol=1e-5)
+
+
+def test_distributed_optimizer_dp_zero_gather_runs_without_tensor_cuda():
+    from megatron.core.optimizer import distrib_optimizer
+
+    assert hasattr(distrib_optimizer.DistributedOptimizer.get_parameter_state_dp_zero, "__wrapped__")
