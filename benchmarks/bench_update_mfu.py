@@ -109,7 +109,8 @@ def run_ours(a, model_dir: str, dtype) -> dict:
     model = build_model(args, "actor", dtype)
     load_hf_weights(model, model_dir, args)
     model = model.to(dtype)
-    cfg = ActorConfig(optim=OptimConfig(lr=1e-6), ppo_micro_batch_size_per_gpu=a.micro, use_kl_loss=False)
+    cfg = ActorConfig(optim=OptimConfig(lr=1e-6), ppo_micro_batch_size_per_gpu=a.micro, use_kl_loss=False,
+                      use_dynamic_bsz=a.dynamic_tokens > 0, ppo_max_token_len_per_gpu=max(a.dynamic_tokens, 1))  # fmt: skip
     worker = PolicyWorker(model, cfg, 1.0, args.vocab_size, 1000, a.seq_len - a.prompt_len)
     batch = synthetic_batch(a.mini, a.seq_len, a.prompt_len, args.vocab_size, device())
     batch.old_log_probs = worker.log_probs(batch)
@@ -126,7 +127,8 @@ def run_hf(a, model_dir: str, dtype) -> dict:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=dev == "cuda")
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, model.config.vocab_size, (a.micro, a.seq_len), generator=g).to(dev)  # [B, T]
+    micro = a.hf_micro or a.micro
+    ids = torch.randint(1, model.config.vocab_size, (micro, a.seq_len), generator=g).to(dev)  # [B, T]
 
     def step():
         loss = model(input_ids=ids, labels=ids).loss
@@ -137,7 +139,7 @@ def run_hf(a, model_dir: str, dtype) -> dict:
     times = timed(step, a.warmup, a.iters)
     profile_step(step, a.profile, "hf_plain, one micro-batch per step")
     n = param_count(model.config)
-    return {"seconds": times, "tokens_per_step": a.micro * a.seq_len, "params": n}
+    return {"seconds": times, "tokens_per_step": micro * a.seq_len, "params": n}
 
 
 def summary(res: dict, n_params: int) -> dict:
@@ -161,6 +163,9 @@ def main(argv=None) -> dict:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--model-dir", default=None)
+    p.add_argument("--dynamic-tokens", type=int, default=0,
+                   help="ours: micro-batches by token budget (actor.use_dynamic_bsz) of this many tokens")  # fmt: skip
+    p.add_argument("--hf-micro", type=int, default=None, help="HF loop sequences per step (default --micro)")
     p.add_argument("--profile", default=None, help="write torch.profiler tables of one step of each here")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_update_mfu.json"))
     a = p.parse_args(argv)

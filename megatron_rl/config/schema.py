@@ -64,6 +64,10 @@ class RolloutConfig:
     gpu_memory_utilization: float = doc(
         0.5, "With kv_cache_tokens=0 on GPU: cap as a fraction of free memory."
     )
+    max_num_seqs: int = doc(
+        1024, "Sequences decoded together per rank (KV-cache slots); more wait and enter as others finish."
+    )
+    max_prefill_tokens: int = doc(16384, "Padded prompt tokens per prefill batch (bounds prefill memory).")
     cuda_graphs: bool = doc(True, "Capture the decode step in CUDA graphs (GPU only).")
     keep_cache: bool = doc(
         False, "Keep the KV cache and CUDA graphs between steps: near-zero switch time, memory stays taken."
@@ -123,12 +127,17 @@ class OptimConfig:
     )
 
 
-
 @dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = doc(8, "Prompts per optimizer step, global (times rollout.n sequences).")
     ppo_micro_batch_size_per_gpu: int = doc(4, "Sequences per forward/backward on each rank.")
+    use_dynamic_bsz: bool = doc(
+        False, "Micro-batches by token budget (similar lengths together) instead of a fixed sequence count."
+    )
+    ppo_max_token_len_per_gpu: int = doc(
+        16384, "With use_dynamic_bsz: padded tokens per micro-batch (>= max_prompt_length + max_new_tokens)."
+    )
     ppo_epochs: int = doc(1, "Passes over each rollout batch.")
     policy_loss: str = doc("vanilla", "vanilla (PPO clip, dual-clip) | gspo.")
     clip_ratio_low: float = doc(0.2, "PPO clip below 1 (ratio >= 1 - clip_ratio_low).")
@@ -152,6 +161,8 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = doc(8, "Prompts per critic optimizer step, global.")
     ppo_micro_batch_size_per_gpu: int = doc(4, "Sequences per critic forward/backward on each rank.")
+    use_dynamic_bsz: bool = doc(False, "Critic micro-batches by token budget (as actor.use_dynamic_bsz).")
+    ppo_max_token_len_per_gpu: int = doc(16384, "With use_dynamic_bsz: padded tokens per critic micro-batch.")
     ppo_epochs: int = doc(1, "Critic passes over each rollout batch.")
     cliprange_value: float = doc(0.5, "Value clipping range around the old values.")
     loss_agg_mode: str = doc("token-mean", "Aggregation of the value loss (as actor.loss_agg_mode).")

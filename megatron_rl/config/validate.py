@@ -83,6 +83,18 @@ def _check_update_batches(cfg: JobConfig, role: str, dp: int) -> int:
             f"sequences does not split evenly over the data-parallel size {dp} (world / (TP x PP)). "
             f"Make {role}.ppo_mini_batch_size * rollout.n a multiple of {dp}."
         )
+    if _get(cfg, f"{role}.use_dynamic_bsz"):
+        budget, longest = (
+            _get(cfg, f"{role}.ppo_max_token_len_per_gpu"),
+            cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+        )
+        if budget < longest:
+            raise ConfigError(
+                f"{role}.ppo_max_token_len_per_gpu={budget} cannot hold one sequence of data.max_prompt_length + "
+                f"rollout.max_new_tokens = {longest} tokens. Set it to at least {longest} (a few times that "
+                f"for efficient micro-batches), or {role}.use_dynamic_bsz=false."
+            )  # fmt: skip
+        return max(1, seqs_per_rank * longest // budget)
     if seqs_per_rank % micro != 0:
         ok = divisors(seqs_per_rank)
         raise ConfigError(
@@ -120,6 +132,8 @@ def validate_job(
             "data.train_batch_size",
             "rollout.n",
             "rollout.max_new_tokens",
+            "rollout.max_num_seqs",
+            "rollout.max_prefill_tokens",
             "data.max_prompt_length",
             "actor.ppo_epochs",
             "critic.ppo_epochs",

@@ -106,3 +106,31 @@ def build_batch(
 def split_micro_batches(batch: RolloutBatch, micro_size: int) -> list[RolloutBatch]:
     """Consecutive micro-batches of ``micro_size`` sequences (the caller checked divisibility)."""
     return [batch.select(range(s, s + micro_size)) for s in range(0, len(batch), micro_size)]
+
+
+def trim(batch: RolloutBatch) -> RolloutBatch:
+    """Drop the padding columns past the longest sequence of ``batch`` (positions past it are clamped)."""
+    t = int((batch.prompt_lens + batch.response_lens).max())
+    if t < batch.seq_len:
+        batch.input_ids = batch.input_ids[:, :t]
+        batch.score_pos = batch.score_pos.clamp(max=t - 1)
+    return batch
+
+
+def split_by_tokens(batch: RolloutBatch, max_tokens: int) -> tuple[list[RolloutBatch], list[int]]:
+    """Dynamic batch size: micro-batches of similar-length sequences holding at most ``max_tokens``
+    padded tokens each (sequences x the longest of them), each trimmed to its own longest sequence.
+
+    Longest first, greedily filled, so padding is small and few, large micro-batches run. Returns the
+    micro-batches and ``order``: micro-batch rows, concatenated, are ``batch`` rows ``order``. A single
+    sequence longer than ``max_tokens`` gets a micro-batch of its own (the config check prevents it).
+    """
+    lengths = (batch.prompt_lens + batch.response_lens).tolist()
+    order = sorted(range(len(batch)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [trim(batch.select(g)) for g in groups], [i for g in groups for i in g]

@@ -127,7 +127,7 @@ def _activation_bytes(
     keep no [T, T] scores), fc1's output, SiLU's output and fc2's input (4f); the h terms are split over
     TP only with sequence parallelism. ``p``: the prompt length assumed."""
     s = p + cfg.rollout.max_new_tokens
-    b, tp, h = cfg.actor.ppo_micro_batch_size_per_gpu, dims.tp, a.hidden
+    b, tp, h = _micro_seqs(cfg, s), dims.tp, a.hidden
     q, kv = a.heads * a.head_dim, 2 * a.kv_heads * a.head_dim
     sp = tp if cfg.parallel.sequence_parallel else 1
     per_token_layer = (5 * h / sp + (2 * q + kv + 4 * a.ffn) / tp) * dtype_b
@@ -135,11 +135,19 @@ def _activation_bytes(
     return s * b * per_token_layer * a.layers / dims.pp * in_flight
 
 
+def _micro_seqs(cfg: JobConfig, seq_len: int) -> float:
+    """Sequences in one actor micro-batch: the fixed count, or (actor.use_dynamic_bsz) as many sequences
+    of ``seq_len`` tokens as the token budget holds."""
+    if cfg.actor.use_dynamic_bsz:
+        return max(1, cfg.actor.ppo_max_token_len_per_gpu // seq_len)
+    return cfg.actor.ppo_micro_batch_size_per_gpu
+
+
 def _logit_bytes(cfg: JobConfig, a: Arch, dims: ParallelDims, dtype_b: int, p: int) -> float:
     """The LM head's logits of one micro-batch kept for the fused log-prob kernel's backward, plus their
     gradient: at the response positions only (the trainer's default), at every position with sequence
     parallelism."""
-    b = cfg.actor.ppo_micro_batch_size_per_gpu
+    b = _micro_seqs(cfg, p + cfg.rollout.max_new_tokens)
     rows = b * cfg.rollout.max_new_tokens
     if cfg.parallel.sequence_parallel:
         rows = b * (p + cfg.rollout.max_new_tokens)

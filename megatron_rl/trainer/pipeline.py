@@ -50,8 +50,9 @@ def run_micro_batches(
     config = unwrap(model).config
     if config.sequence_parallel:  # the sequence is split over TP ranks: lengths must divide evenly
         tp = ps.get_tensor_model_parallel_world_size()
-        length = -(-micro_batches[0].seq_len // tp) * tp
-        micro_batches = [pad_to_length(mb, length, pad_id=0) for mb in micro_batches]
+        micro_batches = [pad_to_length(mb, -(-mb.seq_len // tp) * tp, pad_id=0) for mb in micro_batches]
+    # micro-batches of different shapes (dynamic batch size): stages exchange each activation's shape
+    config.variable_seq_lengths = len({(len(mb), mb.seq_len) for mb in micro_batches}) > 1
 
     def forward_step(data_iterator, model_chunk):
         mb = next(data_iterator)

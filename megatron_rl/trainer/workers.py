@@ -23,7 +23,7 @@ from megatron_rl.algos import (
     vocab_parallel_log_probs_and_entropy,
 )
 from megatron_rl.config.schema import ActorConfig, CriticConfig
-from megatron_rl.trainer.batch import RolloutBatch, split_micro_batches
+from megatron_rl.trainer.batch import RolloutBatch, split_by_tokens, split_micro_batches
 from megatron_rl.trainer.optim import build_optimizer, optimizer_step
 from megatron_rl.trainer.pipeline import broadcast_from_last_stage, head_on_response, run_micro_batches
 
@@ -81,18 +81,31 @@ class _TrainedModel:
 
     response_logits = False  # the LM head only at the response-scoring positions (policies)
 
-    def _forward_only(self, batch: RolloutBatch, loss_fn) -> list[dict]:
-        mbs = split_micro_batches(batch, self.cfg.ppo_micro_batch_size_per_gpu)
+    def _split(self, batch: RolloutBatch) -> tuple[list[RolloutBatch], list[int] | None]:
+        """Micro-batches: ``ppo_micro_batch_size_per_gpu`` sequences each, or with ``use_dynamic_bsz``
+        up to ``ppo_max_token_len_per_gpu`` padded tokens of similar-length sequences (then also the row
+        order they hold)."""
+        if self.cfg.use_dynamic_bsz:
+            return split_by_tokens(batch, self.cfg.ppo_max_token_len_per_gpu)
+        return split_micro_batches(batch, self.cfg.ppo_micro_batch_size_per_gpu), None
+
+    def _forward_only(self, batch: RolloutBatch, loss_fn, key: str) -> torch.Tensor:
+        """``loss_fn``'s per-row output ``key`` [B, R] for the whole batch, in batch order, on every rank."""
+        mbs, order = self._split(batch)
         with torch.no_grad():
-            return run_micro_batches(self.model, mbs, loss_fn, True, self.response_logits)
+            outs = run_micro_batches(self.model, mbs, loss_fn, True, self.response_logits)
+        out = torch.cat([o[key] for o in outs]).float().cpu() if outs else None
+        out = broadcast_from_last_stage(out)
+        if order is not None:
+            out = out[torch.argsort(torch.tensor(order))]
+        return out.to(batch.response_mask.device)
 
     def _update(self, batch: RolloutBatch, loss_fn, mini_seqs: int, prefix: str) -> dict[str, float]:
         self.model.train()
         per_micro, steps, step_info = [], 0, []
         for _ in range(self.cfg.ppo_epochs):
             for start in range(0, len(batch), mini_seqs):
-                mini = batch.select(range(start, start + mini_seqs))
-                mbs = split_micro_batches(mini, self.cfg.ppo_micro_batch_size_per_gpu)
+                mbs, _ = self._split(batch.select(range(start, start + mini_seqs)))
                 denom = global_loss_denominators([m.response_mask for m in mbs], ps.get_data_parallel_group())
                 loss = partial(loss_fn, denom)
                 per_micro += run_micro_batches(self.model, mbs, loss, False, self.response_logits)
@@ -142,11 +155,10 @@ class PolicyWorker(_TrainedModel):
 
         if self.offload:  # the frozen reference lives on CPU between uses (ref.offload_to_cpu)
             self.model.to(batch.input_ids.device)
-        outs = self._forward_only(batch, loss_fn)
+        lp = self._forward_only(batch, loss_fn, "lp")
         if self.offload:
             self.model.to("cpu")
-        lp = torch.cat([o["lp"] for o in outs]).cpu() if outs else None
-        return broadcast_from_last_stage(lp).to(batch.response_mask.device)
+        return lp
 
     def _loss(self, denom, mb: RolloutBatch, logits: torch.Tensor):
         cfg, (n_tok, n_seq) = self.cfg, denom
@@ -212,9 +224,7 @@ class CriticWorker(_TrainedModel):
         def loss_fn(mb, values):
             return values.new_zeros(()), {"v": _gather_positions(values, mb.score_pos) * mb.response_mask}
 
-        outs = self._forward_only(batch, loss_fn)
-        v = torch.cat([o["v"] for o in outs]).float().cpu() if outs else None
-        return broadcast_from_last_stage(v).to(batch.response_mask.device)
+        return self._forward_only(batch, loss_fn, "v")
 
     def _loss(self, denom, mb: RolloutBatch, values: torch.Tensor):
         n_tok, n_seq = denom

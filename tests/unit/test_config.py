@@ -144,3 +144,14 @@ def test_cli_distributed_optimizer_without_megatron_is_one_paragraph(tmp_path):
     assert out.returncode != 0
     assert "actor.optim.backend=megatron" in out.stderr and "Traceback" not in out.stderr
     assert out.stderr.strip().count("\n") == 0
+
+
+def test_dynamic_batch_size_replaces_the_micro_batch_check_and_needs_room_for_one_sequence():
+    cfg = JobConfig()
+    cfg.actor.ppo_micro_batch_size_per_gpu = 7  # divides nothing: ignored with use_dynamic_bsz
+    cfg.actor.use_dynamic_bsz = True
+    cfg.actor.ppo_max_token_len_per_gpu = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    validate_job(cfg, world_size=1, num_layers=2)
+    cfg.actor.ppo_max_token_len_per_gpu -= 1
+    with pytest.raises(ConfigError, match=r"actor.ppo_max_token_len_per_gpu=.*at least"):
+        validate_job(cfg, world_size=1, num_layers=2)

@@ -1,7 +1,7 @@
 """World 2: the trainer's gradient reduction gives TP=2 the same gradients as TP=1 (x DP=2), including the
 q/k norms of Qwen3 (each TP rank holds only some heads) and the tied embedding of Qwen2 at PP=2; and the
 policy worker's LM head on response positions only gives the same log-probs, losses and gradients as the
-full head (TP=1 and TP=2)."""
+full head (TP=1 and TP=2); and micro-batches by token budget equal fixed-size ones at PP=2."""
 
 import sys
 from functools import partial
@@ -39,21 +39,22 @@ def grads(path: Path, tp: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def ragged_batch(vocab: int) -> RolloutBatch:
-    """Three right-padded prompt+response rows of different prompt and response lengths (R=4 < T=8)."""
+def ragged_batch(vocab: int, prompt_lens=(3, 5, 2), response_lens=(4, 2, 4)) -> RolloutBatch:
+    """Right-padded prompt+response rows of different prompt and response lengths (R=4 < T)."""
     g = torch.Generator().manual_seed(1)
-    prompt_lens, response_lens, r = torch.tensor([3, 5, 2]), torch.tensor([4, 2, 4]), 4
+    prompt_lens, response_lens, r = torch.tensor(prompt_lens), torch.tensor(response_lens), 4
     t = int((prompt_lens + response_lens).max()) + 1  # one column of padding
-    ids = torch.randint(1, vocab, (3, t), generator=g)
+    n = len(prompt_lens)
+    ids = torch.randint(1, vocab, (n, t), generator=g)
     j = torch.arange(r)
     score_pos = (prompt_lens[:, None] - 1 + j).clamp(max=t - 1)  # [B, R]
     responses = ids.gather(1, (score_pos + 1).clamp(max=t - 1))
     return RolloutBatch(
         input_ids=ids, responses=responses, response_mask=(j < response_lens[:, None]).double(),
         score_pos=score_pos, prompt_lens=prompt_lens, response_lens=response_lens,
-        group_index=torch.arange(3), rollout_log_probs=torch.zeros(3, r, dtype=torch.float64),
-        finish_reasons=["length"] * 3, rows=[None] * 3,
-        advantages=torch.randn(3, r, generator=g, dtype=torch.float64),
+        group_index=torch.arange(n), rollout_log_probs=torch.zeros(n, r, dtype=torch.float64),
+        finish_reasons=["length"] * n, rows=[None] * n,
+        advantages=torch.randn(n, r, generator=g, dtype=torch.float64),
     )  # fmt: skip
 
 
@@ -83,6 +84,37 @@ def head_parity(path: Path, tp: int) -> None:
         assert torch.allclose(g0[name], g1[name], atol=1e-12), (tp, name, (g0[name] - g1[name]).abs().max())
 
 
+def dynamic_bsz_parity(path: Path) -> None:
+    """PP=2: micro-batches by token budget (different shapes, reordered rows) give the fixed-size split's
+    log-probs (back in batch order), loss and gradients (float64)."""
+    init_distributed(1, 2, seed=0)
+    args = ModelArgs.from_hf_config(path, tp=1)
+    model = build_model(args, "actor", torch.float64)
+    load_hf_weights(model, path, args)
+    model = model.double()
+    batch = ragged_batch(args.vocab_size, (2, 5, 3, 4, 2, 3), (4, 2, 4, 1, 3, 2))  # lengths 6 7 7 5 5 5
+    results = []
+    for dynamic in (False, True):
+        cfg = ActorConfig(
+            ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=dynamic, ppo_max_token_len_per_gpu=14
+        )
+        worker = PolicyWorker(model, cfg, 1.0, args.vocab_size, 10, 4, trainable=False)
+        mbs, order = worker._split(batch)
+        if dynamic:
+            assert order != list(range(6)) and len({mb.seq_len for mb in mbs}) > 1, order
+            assert all(len(mb) * mb.seq_len <= 14 for mb in mbs)
+        lp = worker.log_probs(batch) * batch.response_mask  # past a response: don't-care values
+        model.zero_grad(set_to_none=True)
+        outs = run_micro_batches(model, mbs, partial(worker._loss, (14, 6)), False, True)
+        loss = sum(float(o["pg_loss"]) for o in outs) if outs else None
+        results.append((lp, loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (lp0, loss0, g0), (lp1, loss1, g1) = results
+    assert torch.allclose(lp0, lp1, atol=1e-12), (lp0 - lp1).abs().max()
+    assert (loss0 is None and loss1 is None) or abs(loss0 - loss1) < 1e-12
+    for name in g0:
+        assert torch.allclose(g0[name], g1[name], atol=1e-12), (name, (g0[name] - g1[name]).abs().max())
+
+
 if __name__ == "__main__":
     root = Path(sys.argv[1])
     init_distributed(1, 1)
@@ -106,5 +138,6 @@ if __name__ == "__main__":
         assert any("q_layernorm" in n for n in got) == (kind == "qwen3")
     for tp in (1, 2):
         head_parity(root / "qwen2", tp)
+    dynamic_bsz_parity(root / "qwen2")
     if dist.get_rank() == 0:
         print("trainer gradient checks passed")
