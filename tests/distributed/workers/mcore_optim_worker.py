@@ -138,7 +138,9 @@ def parity(root: Path) -> None:
             for distopt in (False, True):
                 what = f"{kind} TP={tp} PP={pp} DP={2 // (tp * pp)} megatron distopt={distopt}"
                 run = Run(path, tp, pp, "megatron", distopt)
-                assert unwrap(run.worker.opt.ddp) is run.worker.model  # megatron_rl.models.unwrap sees through
+                assert (
+                    unwrap(run.worker.opt.ddp) is run.worker.model
+                )  # megatron_rl.models.unwrap sees through
                 metrics = [run.update(s) for s in range(2)]
                 close(run.params(), ref, what)
                 close_metrics(metrics, ref_metrics, what)
