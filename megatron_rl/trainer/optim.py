@@ -60,10 +60,10 @@ class MainParamsAdamW:
             if m is not p:
                 m.grad = p.grad.float()
         self.opt.step()
-        with torch.no_grad():
-            for p, m in zip(self.model_params, self.main):
-                if m is not p:
-                    p.copy_(m)
+        pairs = [(p, m) for p, m in zip(self.model_params, self.main) if m is not p]
+        if pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p, m in zip(self.model_params, self.main):
@@ -156,16 +156,23 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
     shared = _shared_embedding(model)
     dev = params[0].grad.device if params else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float64, device=dev)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if _counts_once(p, model, shared):
-            sq += p.grad.detach().double().square().sum()
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad.detach())
+    # per-tensor norms in one multi-tensor kernel per dtype (fp32 at least), their squares summed in fp64
+    norms = [
+        n.double()
+        for dtype, grads in by_dtype.items()
+        for n in torch._foreach_norm(grads, 2, dtype=torch.promote_types(dtype, torch.float32))
+    ]
+    sq = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64, device=dev)
     dist.all_reduce(sq, group=ps.get_model_parallel_group())
     norm = sq.sqrt()
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            p.grad.mul_(coef.to(p.grad.dtype))
+        for dtype in {p.grad.dtype for p in params}:
+            torch._foreach_mul_([p.grad for p in params if p.grad.dtype == dtype], coef.to(dtype))
     return norm.float()
 
 
