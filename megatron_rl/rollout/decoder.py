@@ -189,16 +189,22 @@ def prefill(
 
 
 def decode(
-    w: GenWeights, spec: DecoderSpec, cache: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+    w: GenWeights,
+    spec: DecoderSpec,
+    cache: torch.Tensor,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    kv_len: int | None = None,
 ) -> torch.Tensor:
     """One decode step for slots 0..B-1 (static shapes, CUDA-graph capturable).
 
     tokens [B] (the token at ``positions``), positions [B]; cache [L, 2, S, Gl, Tmax, D] with S >= B.
-    Writes each slot's new key/value at its position and attends to keys 0..position.
+    Writes each slot's new key/value at its position and attends to keys 0..position, reading only the
+    first ``kv_len`` cache positions (default all; every position must be < kv_len).
     Returns fp32 logits [B, V].
     """
     B = tokens.shape[0]
-    Tmax = cache.shape[4]
+    Tmax = cache.shape[4] if kv_len is None else kv_len
     rep = spec.num_attention_heads // spec.num_query_groups
     batch = torch.arange(B, device=tokens.device)
     cos, sin = rope_cos_sin(positions[:, None], spec.head_dim, spec.rope_theta, w.embed.dtype)
@@ -212,7 +218,7 @@ def decode(
         qkv = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps), layer, spec)[:, 0]  # [B, Gl, rep+2, D]
         # all rows rotated in one matmul; the rotated v row is not used
         rot = torch.bmm(qkv.reshape(B, -1, spec.head_dim), rope).view(qkv.shape)  # [B, Gl, rep+2, D]
-        k_cache, v_cache = cache[i, 0, :B], cache[i, 1, :B]  # [B, Gl, Tmax, D]
+        k_cache, v_cache = cache[i, 0, :B, :, :Tmax], cache[i, 1, :B, :, :Tmax]  # [B, Gl, Tmax, D]
         k_cache[batch, :, positions] = rot[:, :, rep]
         v_cache[batch, :, positions] = qkv[:, :, rep + 1]
         # the rep query heads of a group share its K/V: they are the query-length axis (no K/V copy)

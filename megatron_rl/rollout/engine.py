@@ -234,7 +234,7 @@ class _DecodeState:
         self.cache = KVCache(plan, spec.num_layers, local_groups, spec.head_dim, dtype, device)
         self.tok = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S] token fed at `pos`
         self.pos = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S]
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.w: GenWeights | None = None
         self.key: tuple | None = None
@@ -250,34 +250,37 @@ class _DecodeState:
             self.graphs, self.pool, self.key = {}, None, key
         self.w, self.capture_s = w, 0.0
 
-    def _eager(self, b: int) -> torch.Tensor:
-        return decoder.decode(self.w, self.spec, self.cache.data, self.tok[:b], self.pos[:b])
+    def _eager(self, b: int, kv: int) -> torch.Tensor:
+        return decoder.decode(self.w, self.spec, self.cache.data, self.tok[:b], self.pos[:b], kv)
 
-    def _capture(self, b: int) -> None:
+    def _capture(self, b: int, kv: int) -> None:
         t0 = time.perf_counter()
         # warm-up outside the capture (library handles, kernel choice); it rewrites the keys/values the
         # replay writes next, from the same inputs
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._eager(b)
+            self._eager(b, kv)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._eager(b)
+            out = self._eager(b, kv)
         self.pool = graph.pool()
-        self.graphs[b] = (graph, out)
+        self.graphs[b, kv] = (graph, out)
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - t0
 
-    def decode(self, b: int) -> torch.Tensor:
-        """logits [b', V] for slots 0..b'-1, b' >= b (the power-of-two bucket on GPU)."""
+    def decode(self, b: int, kv_need: int) -> torch.Tensor:
+        """logits [b', V] for slots 0..b'-1, b' >= b (the power-of-two bucket on GPU), attending over the
+        first kv' >= ``kv_need`` cache positions (``kv_need`` rounded up to ``_KV_BUCKET``): decode
+        attention reads the live part of the cache, not all of it."""
+        kv = min(-(-kv_need // _KV_BUCKET) * _KV_BUCKET, self.cache.plan.max_len)
         if not self.use_graphs:
-            return self._eager(b)
+            return self._eager(b, kv)
         bucket = min(1 << (b - 1).bit_length(), self.cache.plan.slots)
-        if bucket not in self.graphs:
-            self._capture(bucket)
-        graph, out = self.graphs[bucket]
+        if (bucket, kv) not in self.graphs:
+            self._capture(bucket, kv)
+        graph, out = self.graphs[bucket, kv]
         graph.replay()
         return out
 
@@ -377,7 +380,11 @@ class _Runner:
             self.left[slot] = self.params.max_new_tokens - count[slot]
 
     def _step(self) -> None:
-        logits = self.state.decode(max(self.active) + 1)  # [b, V], b a bucket >= max slot + 1
+        # positions fed this step are < prompt + tokens so far; ``left`` is exact or an underestimate of
+        # the tokens so far since the last sync, so this bounds every live slot's key positions
+        n = self.params.max_new_tokens
+        kv_need = max(len(seq.prompt_ids) + n - self.left[slot] for slot, seq in self.active.items())
+        logits = self.state.decode(max(self.active) + 1, kv_need)  # [b, V], b a bucket >= max slot + 1
         rows = self.rows[: logits.shape[0]]
         live = self.live[rows]
         self._record(rows, *self._sample(logits, rows), live, self.state.pos[rows] + 1)
@@ -397,6 +404,9 @@ class _Runner:
                 self._step()
                 since_sync += 1
                 self.stats.decode_steps += 1
+
+
+_KV_BUCKET = 128  # decode attention length granularity (one CUDA graph per bucket used)
 
 
 def _sync(device: torch.device) -> None:

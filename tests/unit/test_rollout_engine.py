@@ -203,3 +203,26 @@ def test_layout_invariant_sampling_does_not_depend_on_batching(model):
     other_seed = SamplingParams(temperature=1.0, n=2, max_new_tokens=8, seed=5, layout_invariant=True)
     moved = RolloutEngine(params, spec, EngineConfig(max_num_seqs=6)).generate(prompts, other_seed, keys)
     assert [c.response_ids for c in moved] != [c.response_ids for c in together]
+
+
+def test_decode_attention_over_the_live_cache_length_only(model, monkeypatch):
+    """With a KV bucket of 4 positions the decode step reads a growing prefix of the cache (bucket ->
+    kv length): greedy still equals HF token for token, sampled log-probs equal the HF forward, and the
+    attended lengths really were shorter than the cache."""
+    from megatron_rl.rollout import engine as engine_mod
+
+    hf, spec, params = model
+    monkeypatch.setattr(engine_mod, "_KV_BUCKET", 4)
+    seen = []
+    original = decoder.decode
+    monkeypatch.setattr(decoder, "decode", lambda *a, **k: seen.append(a[5]) or original(*a, **k))
+    prompts = random_prompts(5, seed=7)
+    engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=3))
+    out = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12))
+    assert [c.response_ids for c in out] == [hf_greedy(hf, p, 12) for p in prompts]
+    cache_len = max(len(p) for p in prompts) + 12
+    assert min(seen) < cache_len and len(set(seen)) > 2 and all(kv % 4 == 0 or kv == cache_len for kv in seen)
+    for c in engine.generate(prompts, SamplingParams(temperature=0.8, max_new_tokens=12, seed=3)):
+        assert (
+            torch.tensor(c.logprobs) - hf_logprobs(hf, c.prompt_ids, c.response_ids, 0.8)
+        ).abs().max() < 1e-5
