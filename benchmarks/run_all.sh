@@ -12,6 +12,8 @@
 #     .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/run_all.sh
 # BUDGET_S (default 570) bounds the whole run: each part gets a timeout from what is left, most important
 # first, and the summary is written from whatever finished. STEPS / TRL_STEPS: steps per RL run (first = warm-up).
+# Batching: GRPO actor micro-batches by a token budget of GRPO_TOKENS (24576 = 32 x 768); the update-MFU
+# part's ours by MFU_TOKENS (16384 = 16 x 1024; the HF loop keeps 8 x 1024); PPO memory at PPO_MICRO=8.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
@@ -52,10 +54,13 @@ for p in ["torch", "transformers", "megatron-core", "trl", "datasets", "accelera
         print(p, "MISSING")
 EOF
 
-part grpo_ours 200 "${OURS[@]}" benchmarks/bench_rl_step.py --algo grpo --steps "$STEPS" "${G[@]}" --out "$OUT/rl_grpo.json"
+part grpo_ours 200 "${OURS[@]}" benchmarks/bench_rl_step.py --algo grpo --steps "$STEPS" "${G[@]}" --out "$OUT/rl_grpo.json" \
+  actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu="${GRPO_TOKENS:-24576}"
 part grpo_trl 240 "${TRL[@]}" benchmarks/bench_trl_grpo.py --steps "$TRL_STEPS" "${T[@]}" --out "$OUT/trl_grpo.json"
-part update_mfu 120 python3 benchmarks/bench_update_mfu.py "${M[@]}" --out "$OUT/update_mfu.json"
-part ppo_memory 150 python3 benchmarks/bench_rl_step.py --algo ppo --steps 2 "${P[@]}" --out "$OUT/rl_ppo.json"
+part update_mfu 150 python3 benchmarks/bench_update_mfu.py --dynamic-tokens "${MFU_TOKENS:-16384}" "${M[@]}" \
+  --out "$OUT/update_mfu.json"
+part ppo_memory 150 python3 benchmarks/bench_rl_step.py --algo ppo --steps 2 --micro "${PPO_MICRO:-8}" "${P[@]}" \
+  --out "$OUT/rl_ppo.json"
 part decode 150 python3 benchmarks/bench_decode.py "${D[@]}" --out "$OUT/bench_decode.json"
 
 export RUN_ALL_COMMAND="NGPU=$NGPU STEPS=$STEPS TRL_STEPS=$TRL_STEPS BUDGET_S=$BUDGET_S bash benchmarks/run_all.sh"
