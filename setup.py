@@ -29,7 +29,7 @@ setup(
         "psutil>=5.9",  # megatron-core dist_checkpointing writer processes need it (else save hangs)
     ],
     extras_require={
-        "dev": ["pytest>=8", "ruff==0.17.6"],
+        "dev": ["pytest>=8", "ruff==0.17.6", "hydra-submitit-launcher==1.2.0"],
         "te": ["transformer-engine[pytorch]"],
         "slurm": ["hydra-submitit-launcher==1.2.0"],
     },
