@@ -13,7 +13,7 @@ from megatron_rl.checkpoint import resume, save_checkpoint
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.data import dp_share
 from megatron_rl.distributed import ParallelDims, device, init_distributed
-from megatron_rl.distributed.phase_watchdog import phase
+from megatron_rl.distributed.phase_watchdog import phase, set_error_dir
 from megatron_rl.logging import Timer
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.advantage import batch_metrics, compute_advantages, score_responses
@@ -212,6 +212,7 @@ def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
         dry_run(cfg, dims)
         return
     os.makedirs(tr.output_dir, exist_ok=True)
+    set_error_dir(tr.output_dir)  # where a stuck phase (NCCL) reports before ending the process
     init_distributed(dims.tp, dims.pp, seed=tr.seed, sequence_parallel=cfg.parallel.sequence_parallel,
                      timeout_minutes=tr.timeout_minutes)  # fmt: skip
     c = build_components(cfg, dims)

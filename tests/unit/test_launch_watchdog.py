@@ -47,3 +47,33 @@ def test_gloo_timeout_names_phase_and_rank(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0
     assert "CollectiveTimeout: rank 0: a collective in phase 'ref' timed out after 0.05 min" in proc.stderr
+
+
+STUCK = textwrap.dedent("""
+    import sys, time
+    from megatron_rl.distributed.phase_watchdog import phase, set_error_dir
+    set_error_dir(sys.argv[1])
+    with phase("gen", timeout_minutes=0.05):
+        time.sleep(0.5)  # finishes in time: nothing happens
+    print("first phase done", flush=True)
+    with phase("update_actor", timeout_minutes=0.02):
+        time.sleep(30)  # a stuck NCCL collective blocks the host like this, raising nothing
+    print("not reached", flush=True)
+""")
+
+
+def test_nccl_style_stuck_phase_ends_the_process_with_a_named_error(tmp_path):
+    """NCCL only logs a timed-out collective; the phase monitor (on for NCCL, forced here) turns a phase that
+    outlives trainer.timeout_minutes into a named error and a non-zero exit instead of a hang."""
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "MEGATRON_RL_PHASE_MONITOR": "1",
+           "MEGATRON_RL_PHASE_POLL_S": "0.2", "RANK": "0"}  # fmt: skip
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, env=env)  # fmt: skip
+    assert proc.returncode == 3 and "first phase done" in proc.stdout and "not reached" not in proc.stdout
+    assert (
+        "rank 0: phase 'update_actor' has not finished after 0.02 min (trainer.timeout_minutes)"
+        in proc.stderr
+    )
+    assert "phase 'update_actor'" in (tmp_path / "error_rank0.log").read_text()
