@@ -226,14 +226,23 @@ def estimate(cfg: JobConfig, dims: ParallelDims, a: Arch, p: int | None = None) 
     n_all = sum(c[worst] for c in counts.values())
     n_trained = sum(c[worst] for r, c in counts.items() if r != "ref")
     main_b = 4 if dtype_b != 4 else 0  # fp32 main copies of bf16 params
+    grads_b, opt_b, resident_grads = 0.0, 0.0, 0.0
+    for role in (r for r in counts if r != "ref"):
+        optim, n = getattr(cfg, role).optim, counts[role][worst]
+        if optim.backend == "megatron":  # fp32 grad buffers, allocated for the whole run
+            resident_grads += n * 4
+            opt_b += n * (8 + main_b) / (dims.dp if optim.use_distributed_optimizer else 1)
+        else:  # bf16 .grad during training only
+            grads_b += n * dtype_b
+            opt_b += n * (8 + main_b)
     tp_g = cfg.rollout.tensor_model_parallel_size or dims.tp
     gathered = stage_params(a, tp_g, 1, "lm")["first"] - counts["actor"][worst]
     kv, kv_how = _kv_cache(cfg, a, dims, dtype_b, p)
     n_micro = micro_batches(cfg, dims, "actor")["micro_batches_per_optimizer_step"]
     mem = {
         "params": n_all * dtype_b,
-        "grads": n_trained * dtype_b,
-        "optimizer": n_trained * (8 + main_b),
+        "grads": grads_b + resident_grads,
+        "optimizer": opt_b,
         "generation_gathered_weights": max(0.0, gathered) * dtype_b,
         "kv_cache": kv,
         "generation_temporaries": _decode_temporaries(cfg, a, dims, dtype_b),
@@ -242,16 +251,18 @@ def estimate(cfg: JobConfig, dims: ParallelDims, a: Arch, p: int | None = None) 
     }
     notes = {
         "stage": f"{worst} pipeline stage (the larger one)", "models": ", ".join(roles),
-        "grads": "training only (freed after each optimizer step)",
-        "optimizer": "AdamW exp_avg + exp_avg_sq in fp32" + (" + fp32 main params" if main_b else ""),
+        "grads": "local backend: training only (freed after each optimizer step); megatron backend: fp32 "
+        "buffers held throughout",
+        "optimizer": "AdamW exp_avg + exp_avg_sq in fp32" + (" + fp32 main params" if main_b else "")
+        + " (/ DP with the distributed optimizer)",
         "kv_cache": kv_how,
         "generation_gathered_weights": f"other PP stages' layers at TP_g={tp_g}, held during generation only",
         "activations": f"one micro-batch of {p} + {cfg.rollout.max_new_tokens} tokens, kept for backward",
         "logits": "response-position logits kept by the log-prob kernel + their gradient, one micro-batch",
     }  # fmt: skip
-    resident = mem["params"] + mem["optimizer"]
+    resident = mem["params"] + mem["optimizer"] + resident_grads
     step_temp = n_trained * 4 if main_b else 0  # fp32 copies of the grads inside the optimizer step
-    peak_train = resident + mem["grads"] + max(mem["activations"] + mem["logits"], step_temp)
+    peak_train = resident + grads_b + max(mem["activations"] + mem["logits"], step_temp)
     peak_generate = resident + mem["generation_gathered_weights"] + kv + mem["generation_temporaries"]
     return {"bytes": mem, "params_per_gpu": n_all, "notes": notes,
             "peak_train": peak_train, "peak_generate": peak_generate,

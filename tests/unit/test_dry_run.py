@@ -94,3 +94,21 @@ def test_cli_dry_run_exits_without_training(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "megatron-rl dry run: world=1" in proc.stdout and "peak during training" in proc.stdout
     assert (tmp_path / "dry_run.json").is_file() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_distributed_optimizer_shards_the_optimizer_estimate_over_dp(tmp_path):
+    from megatron_rl.trainer.dry_run import estimate
+
+    a = Arch.from_hf(QWEN_05B)
+    dims = ParallelDims.build(4, 1, 1, num_layers=24)
+    cfg = JobConfig()
+    cfg.model.dtype = "bfloat16"
+    local = estimate(cfg, dims, a)["bytes"]
+    cfg.actor.optim.backend = "megatron"
+    mcore = estimate(cfg, dims, a)["bytes"]
+    cfg.actor.optim.use_distributed_optimizer = True
+    dist_opt = estimate(cfg, dims, a)["bytes"]
+    n = stage_params(a, 1, 1, "lm")["first"]
+    assert local["optimizer"] == mcore["optimizer"] == pytest.approx(12 * n)
+    assert dist_opt["optimizer"] == pytest.approx(12 * n / 4)  # main params + moments split over DP=4
+    assert local["grads"] == pytest.approx(2 * n) and mcore["grads"] == pytest.approx(4 * n)  # fp32 buffers
