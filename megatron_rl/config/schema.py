@@ -224,7 +224,10 @@ class TrainerConfig:
     save_hf: bool = doc(False, "Also write an HF export of the actor with each checkpoint.")
     dry_run: bool = doc(False, "Print layout and memory estimate, then exit.")
     log_generations_freq: int = doc(5, "Print a few sample generations every N steps (-1 = never).")
-    timeout_minutes: float = doc(30.0, "Collective timeout; a hang past it is reported with phase and rank.")
+    timeout_minutes: float = doc(
+        30.0,
+        "Collective timeout (on NCCL also the limit of one phase); a hang past it is reported with phase and rank.",
+    )
 
 
 @dataclass
