@@ -273,8 +273,11 @@ class _DecodeState:
     def decode(self, b: int, kv_need: int) -> torch.Tensor:
         """logits [b', V] for slots 0..b'-1, b' >= b (the power-of-two bucket on GPU), attending over the
         first kv' >= ``kv_need`` cache positions (``kv_need`` rounded up to ``_KV_BUCKET``): decode
-        attention reads the live part of the cache, not all of it."""
-        kv = min(-(-kv_need // _KV_BUCKET) * _KV_BUCKET, self.cache.plan.max_len)
+        attention reads the live part of the cache, not all of it. Caches of at most ``_KV_BUCKET_FROM``
+        positions are read whole: there attention is a small part of the step and each extra length bucket
+        costs a graph capture (~20 ms) in every generate call."""
+        full = self.cache.plan.max_len
+        kv = full if full <= _KV_BUCKET_FROM else min(-(-kv_need // _KV_BUCKET) * _KV_BUCKET, full)
         if not self.use_graphs:
             return self._eager(b, kv)
         bucket = min(1 << (b - 1).bit_length(), self.cache.plan.slots)
@@ -407,6 +410,7 @@ class _Runner:
 
 
 _KV_BUCKET = 128  # decode attention length granularity (one CUDA graph per bucket used)
+_KV_BUCKET_FROM = 512  # caches up to this many positions are attended whole (one graph per batch bucket)
 
 
 def _sync(device: torch.device) -> None:

@@ -213,6 +213,7 @@ def test_decode_attention_over_the_live_cache_length_only(model, monkeypatch):
 
     hf, spec, params = model
     monkeypatch.setattr(engine_mod, "_KV_BUCKET", 4)
+    monkeypatch.setattr(engine_mod, "_KV_BUCKET_FROM", 8)
     seen = []
     original = decoder.decode
     monkeypatch.setattr(decoder, "decode", lambda *a, **k: seen.append(a[5]) or original(*a, **k))
