@@ -11,6 +11,7 @@ gradient (an autograd all-reduce would multiply it by tp). Logits are computed i
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -141,13 +142,14 @@ def _pass_grad(x, zmax, log_sum_exp, expected, local, inside, g_lp, g_ent, tempe
 
 
 _COMPILED: dict[str, object] = {}
+_COMPILE_FAILED: list[str] = []  # why torch.compile could not be used (then the eager passes run)
 
 
 def _use_compile(device: torch.device) -> bool:
     """torch.compile the passes on CUDA (fused Triton kernels) unless MEGATRON_RL_COMPILE=0; eager
     elsewhere. MEGATRON_RL_COMPILE=1 compiles on CPU too (tests)."""
     flag = os.environ.get("MEGATRON_RL_COMPILE", "auto")
-    return flag == "1" or (flag == "auto" and device.type == "cuda")
+    return not _COMPILE_FAILED and (flag == "1" or (flag == "auto" and device.type == "cuda"))
 
 
 def _kernels(device: torch.device):
@@ -159,6 +161,35 @@ def _kernels(device: torch.device):
     return _COMPILED["max"], _COMPILED["sums"], _COMPILED["grad"]
 
 
+def _compile_works(logits: Tensor, temperature: float) -> bool:
+    """Run the compiled passes once on two rows of ``logits``; if torch.compile fails (no Triton, no
+    compiler), warn once and use the eager, chunked passes from then on."""
+    if not _use_compile(logits.device):
+        return False
+    if _COMPILED.get("probed"):
+        return True
+    try:
+        k_max, k_sums, k_grad = _kernels(logits.device)
+        x = logits[:2].detach()
+        idx, inside = (
+            torch.zeros(x.shape[0], dtype=torch.long, device=x.device),
+            torch.ones(x.shape[0], dtype=torch.bool, device=x.device),
+        )
+        m = k_max(x, temperature, x.shape[-1])
+        s0, s1, _ = k_sums(x, m, idx, inside, temperature, x.shape[-1])
+        k_grad(x, m, s0.log(), s1 / s0, idx, inside, s0, s0, temperature, x.shape[-1])
+        _COMPILED["probed"] = True
+        return True
+    except Exception as exc:  # noqa: BLE001 - any compile failure: fall back, loudly
+        _COMPILE_FAILED.append(f"{type(exc).__name__}: {exc}".splitlines()[0])
+        warnings.warn(
+            "torch.compile of the log-prob kernel failed; using the slower eager passes "
+            f"(set MEGATRON_RL_COMPILE=0 to skip the attempt): {_COMPILE_FAILED[0]}",
+            stacklevel=2,
+        )
+        return False
+
+
 class _FusedLogProbEntropy(torch.autograd.Function):
     """Log-probs and entropy of flattened logits [N, V/tp] in chunks of rows. Forward keeps three [N]
     statistics per row (global max, log-sum-exp, expected shifted logit); backward reads the saved logits
@@ -167,7 +198,7 @@ class _FusedLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, temperature, group, vocab_size, chunk):
         n_rows, v_local = logits.shape
-        if _use_compile(logits.device):  # fused kernels keep no temporaries: one chunk, no copies
+        if _compile_works(logits, temperature):  # fused kernels keep no temporaries: one chunk, no copies
             chunk = max(n_rows, 1)
         start = 0 if group is None else dist.get_rank(group) * v_local
         valid = v_local if vocab_size is None else max(0, min(v_local, vocab_size - start))

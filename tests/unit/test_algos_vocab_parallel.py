@@ -105,3 +105,27 @@ def test_fused_kernel_compiled_equals_eager(monkeypatch):
     assert torch.all(g1[..., 290:] == 0) and g1.abs().sum() > 0
     want = torch.log_softmax(logits[:, :290].float() / 0.8, -1).gather(-1, targets[:, None])[:, 0]
     torch.testing.assert_close(lp1[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failing_torch_compile_falls_back_to_the_eager_passes(monkeypatch):
+    from megatron_rl.algos import vocab_parallel as vp
+
+    monkeypatch.setenv("MEGATRON_RL_COMPILE", "1")
+    monkeypatch.setattr(vp, "_COMPILED", {})
+    monkeypatch.setattr(vp, "_COMPILE_FAILED", [])
+
+    def broken(fn, **_):
+        def run(*a, **k):
+            raise RuntimeError("no Triton here")
+
+        return run
+
+    monkeypatch.setattr(vp.torch, "compile", broken)
+    logits = torch.randn(1, 6, 40, requires_grad=True)
+    target = torch.randint(0, 40, (1, 6))
+    with pytest.warns(UserWarning, match="no Triton here"):
+        lp, _ = vp.vocab_parallel_log_probs_and_entropy(logits, target, chunk_tokens=4)
+    lp.sum().backward()
+    want = torch.log_softmax(logits.detach(), -1).gather(-1, target[..., None])[..., 0]
+    torch.testing.assert_close(lp, want)
+    assert vp._COMPILE_FAILED and not vp._use_compile(logits.device)
