@@ -55,3 +55,19 @@ def test_tp2_pp2_learns(tmp_path, algorithm):
         nproc=4,
     )
     _assert_learns(rows, 0.2, 0.4)
+
+
+def test_dynamic_batch_size_matches_fixed_micro_batches_at_tp2_pp2(tmp_path):
+    """PPO (actor and critic) with micro-batches by token budget: different micro-batch shapes through the
+    PP=2 schedule, same metrics as fixed micro-batches (same seed; only summation order differs)."""
+    common = ("algorithm=ppo", "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
+              "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false")  # fmt: skip
+    fixed = _run_ok(tmp_path, "fixed", *common, nproc=4)
+    dyn = ("use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=200")
+    dynamic = _run_ok(
+        tmp_path, "dynamic", *common, *(f"{r}.{o}" for r in ("actor", "critic") for o in dyn), nproc=4
+    )
+    keys = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
+    for a, b in zip(fixed, dynamic, strict=True):
+        for k in keys:
+            assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), (a["step"], k, a[k], b[k])
