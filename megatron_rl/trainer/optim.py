@@ -162,11 +162,10 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad.detach())
     # per-tensor norms in one multi-tensor kernel per dtype (fp32 at least), their squares summed in fp64
     norms = [
-        n.double()
+        torch.stack(torch._foreach_norm(grads, 2, dtype=torch.promote_types(dtype, torch.float32))).double()
         for dtype, grads in by_dtype.items()
-        for n in torch._foreach_norm(grads, 2, dtype=torch.promote_types(dtype, torch.float32))
     ]
-    sq = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64, device=dev)
+    sq = torch.cat(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64, device=dev)
     dist.all_reduce(sq, group=ps.get_model_parallel_group())
     norm = sq.sqrt()
     if max_norm > 0:
