@@ -27,6 +27,13 @@ def _positions(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)  # [B, T]
 
 
+def gather_positions(out: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """out [B, T, ...] at positions pos [B, R] -> [B, R, ...]."""
+    if out.dim() == 2:
+        return out.gather(1, pos)
+    return out.gather(1, pos[..., None].expand(-1, -1, out.shape[-1]))  # [B, R, V/tp]
+
+
 def head_on_response(model: torch.nn.Module, mb: RolloutBatch) -> bool:
     """Whether the LM head runs only at ``mb.score_pos`` (logits [B, R, V/tp] in response order) instead of
     every position: yes unless sequence parallelism is on or R >= T (short responses: nothing to save)."""
@@ -42,8 +49,8 @@ def run_micro_batches(
 ) -> list[dict]:
     """Run ``micro_batches`` (same T on every pipeline stage) through the schedule.
 
-    ``response_logits``: the LM head computes logits only where ``head_on_response`` allows, and the loss
-    function then receives them as [B, R, V/tp] aligned with ``score_pos``.
+    ``response_logits``: the loss function receives logits [B, R, V/tp] at ``score_pos``; the LM head
+    computes only those where ``head_on_response`` allows, otherwise they are gathered from all positions.
     Returns the list of per-micro-batch dicts from ``loss_fn`` on the last stage, [] elsewhere.
     """
     n = len(micro_batches)
@@ -60,8 +67,9 @@ def run_micro_batches(
         if at_response:
             set_head_positions(model_chunk, mb.score_pos)
         out = model_chunk(mb.input_ids, _positions(mb.input_ids), attention_mask=None)
-        if at_response and out is not None and unwrap(model_chunk).post_process:
-            out = out.view(len(mb), mb.score_pos.shape[1], -1)  # [1, B*R, V/tp] -> [B, R, V/tp]
+        if response_logits and unwrap(model_chunk).post_process:
+            r = mb.score_pos.shape[1]  # [1, B*R, V/tp] from the response-only head, else [B, T, V/tp]
+            out = out.view(len(mb), r, -1) if at_response else gather_positions(out, mb.score_pos)
         return out, partial(_scaled, loss_fn, mb, n)
 
     config.pipeline_dtype = next(model.parameters()).dtype

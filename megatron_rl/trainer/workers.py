@@ -25,28 +25,18 @@ from megatron_rl.algos import (
 from megatron_rl.config.schema import ActorConfig, CriticConfig
 from megatron_rl.trainer.batch import RolloutBatch, split_by_tokens, split_micro_batches
 from megatron_rl.trainer.optim import build_optimizer, optimizer_step
-from megatron_rl.trainer.pipeline import broadcast_from_last_stage, head_on_response, run_micro_batches
+from megatron_rl.trainer.pipeline import broadcast_from_last_stage, gather_positions, run_micro_batches
 
 
-def _gather_positions(out: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """out [B, T, ...] at positions pos [B, R] -> [B, R, ...]."""
-    if out.dim() == 2:
-        return out.gather(1, pos)
-    return out.gather(1, pos[..., None].expand(-1, -1, out.shape[-1]))  # [B, R, V/tp]
-
-
-def response_log_probs(
-    logits, mb: RolloutBatch, temperature: float, vocab_size: int, with_entropy: bool, at_response: bool
-):
-    """logits [B, T, V/tp] (or [B, R, V/tp] already at ``score_pos`` when ``at_response``) -> log-probs
+def response_log_probs(logits, mb: RolloutBatch, temperature: float, vocab_size: int, with_entropy: bool):
+    """logits [B, R, V/tp] at ``score_pos`` (``run_micro_batches(..., response_logits=True)``) -> log-probs
     [B, R] of the response tokens (and entropy [B, R] if asked).
 
     Vocab rows past the true vocabulary (padding to a multiple of 128*TP) are excluded, as the engine
     excludes them when sampling; the fused kernel works in fp32 chunks and keeps no fp32 [B, R, V/tp]
     tensor for backward."""
-    scoring = logits if at_response else _gather_positions(logits, mb.score_pos)  # [B, R, V/tp]
     lp, ent = vocab_parallel_log_probs_and_entropy(
-        scoring, mb.responses, tp_group=ps.get_tensor_model_parallel_group(), temperature=temperature,
+        logits, mb.responses, tp_group=ps.get_tensor_model_parallel_group(), temperature=temperature,
         vocab_size=vocab_size,
     )  # fmt: skip
     return lp, (ent if with_entropy else None)
@@ -79,7 +69,7 @@ class _TrainedModel:
         self.response_len = response_len
         self.opt, self.sched = build_optimizer(model, cfg.optim, total_steps)
 
-    response_logits = False  # the LM head only at the response-scoring positions (policies)
+    response_logits = False  # policies: the loss gets logits at the response-scoring positions only
 
     def _split(self, batch: RolloutBatch) -> tuple[list[RolloutBatch], list[int] | None]:
         """Micro-batches: ``ppo_micro_batch_size_per_gpu`` sequences each, or with ``use_dynamic_bsz``
@@ -149,8 +139,7 @@ class PolicyWorker(_TrainedModel):
         self.model.eval()
 
         def loss_fn(mb, logits):
-            at = self.response_logits and head_on_response(self.model, mb)
-            lp, _ = response_log_probs(logits, mb, self.temperature, self.vocab_size, False, at)
+            lp, _ = response_log_probs(logits, mb, self.temperature, self.vocab_size, with_entropy=False)
             return logits.new_zeros(()), {"lp": lp}
 
         if self.offload:  # the frozen reference lives on CPU between uses (ref.offload_to_cpu)
@@ -168,8 +157,7 @@ class PolicyWorker(_TrainedModel):
             global_num_seqs=n_seq,
             seq_len_norm=self.response_len,
         )
-        at = self.response_logits and head_on_response(self.model, mb)
-        lp, ent = response_log_probs(logits, mb, self.temperature, self.vocab_size, True, at)
+        lp, ent = response_log_probs(logits, mb, self.temperature, self.vocab_size, with_entropy=True)
         # On-policy (one epoch, one mini-batch, no KL in reward): the trainer skips the old-log-prob pass;
         # the ratio is 1 by definition, so the current log-probs, detached, are the old ones.
         old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()
@@ -222,13 +210,13 @@ class CriticWorker(_TrainedModel):
         self.model.eval()
 
         def loss_fn(mb, values):
-            return values.new_zeros(()), {"v": _gather_positions(values, mb.score_pos) * mb.response_mask}
+            return values.new_zeros(()), {"v": gather_positions(values, mb.score_pos) * mb.response_mask}
 
         return self._forward_only(batch, loss_fn, "v")
 
     def _loss(self, denom, mb: RolloutBatch, values: torch.Tensor):
         n_tok, n_seq = denom
-        vpreds = _gather_positions(values, mb.score_pos).float()  # [B, R]
+        vpreds = gather_positions(values, mb.score_pos).float()  # [B, R]
         loss, metrics = compute_value_loss(
             vpreds=vpreds,
             values=mb.values,

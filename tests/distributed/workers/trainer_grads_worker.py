@@ -15,6 +15,7 @@ from megatron_rl.algos import vocab_parallel_log_probs_and_entropy
 from megatron_rl.config.schema import ActorConfig
 from megatron_rl.distributed import init_distributed
 from megatron_rl.models import ModelArgs, build_model, forward_logits, load_hf_weights
+from megatron_rl.trainer import pipeline
 from megatron_rl.trainer.batch import RolloutBatch
 from megatron_rl.trainer.optim import reduce_gradients
 from megatron_rl.trainer.pipeline import head_on_response, run_micro_batches
@@ -70,11 +71,11 @@ def head_parity(path: Path, tp: int) -> None:
     batch = ragged_batch(args.vocab_size)
     assert head_on_response(model, batch)
     results = []
-    for at_response in (False, True):
-        worker.response_logits = at_response
+    for at_response in (False, True):  # False: the full head, logits gathered at score_pos afterwards
+        pipeline.head_on_response = head_on_response if at_response else (lambda model, mb: False)
         lp = worker.log_probs(batch)
         model.zero_grad(set_to_none=True)
-        outs = run_micro_batches(model, [batch], partial(worker._loss, (10, 3)), False, at_response)
+        outs = run_micro_batches(model, [batch], partial(worker._loss, (10, 3)), False, True)
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         results.append((lp, outs[0]["pg_loss"], grads))
     (lp0, loss0, g0), (lp1, loss1, g1) = results
