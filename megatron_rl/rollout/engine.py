@@ -310,6 +310,7 @@ class _Runner:
         self.stop = set(params.stop_token_ids)
         self.active: dict[int, Completion] = {}
         self.left: dict[int, int] = {}  # slot -> decode steps it may still take (exact after a sync)
+        self.kv_need = 0  # cache positions the next decode step attends over (bound; see _refresh_kv_need)
         stream = params.seed * 1_000_003 + _dp_rank() * lay.num_replicas + lay.replica
         self.gen = torch.Generator(device=dev).manual_seed(stream)
         self.keys = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] sequence noise keys
@@ -364,6 +365,7 @@ class _Runner:
         for slot, seq in zip(slots, batch):
             self.active[slot] = seq
             self.left[slot] = self.params.max_new_tokens - 1
+        self._refresh_kv_need()
         _sync(dev)
         self.stats.prefill_s += time.perf_counter() - t0
 
@@ -381,18 +383,24 @@ class _Runner:
                 self.cache.release(slot)
         for slot in self.active:
             self.left[slot] = self.params.max_new_tokens - count[slot]
+        self._refresh_kv_need()
+
+    def _refresh_kv_need(self) -> None:
+        """After admitting or retiring: the position a live slot feeds next is prompt + tokens so far - 1,
+        and tokens so far = max_new_tokens - ``left`` (exact after a sync); every step adds one to all."""
+        n = self.params.max_new_tokens
+        self.kv_need = max(
+            (len(seq.prompt_ids) + n - self.left[s] for s, seq in self.active.items()), default=0
+        )
 
     def _step(self) -> None:
-        # positions fed this step are < prompt + tokens so far; ``left`` is exact or an underestimate of
-        # the tokens so far since the last sync, so this bounds every live slot's key positions
-        n = self.params.max_new_tokens
-        kv_need = max(len(seq.prompt_ids) + n - self.left[slot] for slot, seq in self.active.items())
-        logits = self.state.decode(max(self.active) + 1, kv_need)  # [b, V], b a bucket >= max slot + 1
+        logits = self.state.decode(max(self.active) + 1, self.kv_need)  # [b, V], b a bucket >= max slot + 1
         rows = self.rows[: logits.shape[0]]
         live = self.live[rows]
         self._record(rows, *self._sample(logits, rows), live, self.state.pos[rows] + 1)
         for slot in self.left:
             self.left[slot] -= 1
+        self.kv_need += 1
 
     def run(self, seqs: list[Completion]) -> None:
         waiting = deque(seqs)
