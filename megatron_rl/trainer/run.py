@@ -30,13 +30,14 @@ class PhaseTimer(Timer):
         super().__init__()
         self.timeout_minutes = timeout_minutes
         self.peak_gib: dict[str, float] = {}
+        self.peak_outside_gib = 0.0  # peaks between phases (each phase resets the allocator's counter)
 
     @contextlib.contextmanager
     def __call__(self, name: str):
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         if cuda:
-            before = torch.cuda.max_memory_allocated()  # the peak so far survives in the step's overall max
-            self.peak_gib["_before"] = max(self.peak_gib.get("_before", 0.0), before / 2**30)
+            outside = torch.cuda.max_memory_allocated() / 2**30
+            self.peak_outside_gib = max(self.peak_outside_gib, outside)
             torch.cuda.reset_peak_memory_stats()
         with super().__call__(name), phase(name, self.timeout_minutes):
             yield
@@ -46,13 +47,12 @@ class PhaseTimer(Timer):
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
         out = super().metrics(reset)
-        peaks = {k: v for k, v in self.peak_gib.items() if k != "_before"}
-        out |= {f"perf/max_memory_allocated_gb/{k}": v for k, v in peaks.items()}
+        out |= {f"perf/max_memory_allocated_gb/{k}": v for k, v in self.peak_gib.items()}
         if self.peak_gib and torch.cuda.is_available():
-            overall = max([torch.cuda.max_memory_allocated() / 2**30, *self.peak_gib.values()])
-            out["perf/max_memory_allocated_gb"] = overall
+            now = torch.cuda.max_memory_allocated() / 2**30
+            out["perf/max_memory_allocated_gb"] = max(now, self.peak_outside_gib, *self.peak_gib.values())
         if reset:
-            self.peak_gib = {}
+            self.peak_gib, self.peak_outside_gib = {}, 0.0
         return out
 
 
