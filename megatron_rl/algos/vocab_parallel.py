@@ -141,7 +141,8 @@ def _pass_grad(x, zmax, log_sum_exp, expected, local, inside, g_lp, g_ent, tempe
     return (g / temperature).to(x.dtype)
 
 
-_COMPILED: dict[str, object] = {}
+_COMPILED: dict[str, object] = {}  # the compiled passes by name
+_COMPILE_PROBED: list[bool] = []  # non-empty once the compiled passes ran (see _compile_works)
 _COMPILE_FAILED: list[str] = []  # why torch.compile could not be used (then the eager passes run)
 
 
@@ -166,19 +167,17 @@ def _compile_works(logits: Tensor, temperature: float) -> bool:
     compiler), warn once and use the eager, chunked passes from then on."""
     if not _use_compile(logits.device):
         return False
-    if _COMPILED.get("probed"):
+    if _COMPILE_PROBED:
         return True
     try:
         k_max, k_sums, k_grad = _kernels(logits.device)
         x = logits[:2].detach()
-        idx, inside = (
-            torch.zeros(x.shape[0], dtype=torch.long, device=x.device),
-            torch.ones(x.shape[0], dtype=torch.bool, device=x.device),
-        )
+        idx = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+        inside = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
         m = k_max(x, temperature, x.shape[-1])
         s0, s1, _ = k_sums(x, m, idx, inside, temperature, x.shape[-1])
         k_grad(x, m, s0.log(), s1 / s0, idx, inside, s0, s0, temperature, x.shape[-1])
-        _COMPILED["probed"] = True
+        _COMPILE_PROBED.append(True)
         return True
     except Exception as exc:  # noqa: BLE001 - any compile failure: fall back, loudly
         _COMPILE_FAILED.append(f"{type(exc).__name__}: {exc}".splitlines()[0])

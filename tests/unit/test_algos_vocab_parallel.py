@@ -112,6 +112,7 @@ def test_a_failing_torch_compile_falls_back_to_the_eager_passes(monkeypatch):
 
     monkeypatch.setenv("MEGATRON_RL_COMPILE", "1")
     monkeypatch.setattr(vp, "_COMPILED", {})
+    monkeypatch.setattr(vp, "_COMPILE_PROBED", [])
     monkeypatch.setattr(vp, "_COMPILE_FAILED", [])
 
     def broken(fn, **_):
