@@ -97,6 +97,14 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int):
     return opt, sched
 
 
+def _by_dtype(tensors) -> dict[torch.dtype, list[torch.Tensor]]:
+    """Tensors grouped by dtype (multi-tensor ops and flattened buffers need one dtype)."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return groups
+
+
 def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
     if not grads or dist.get_world_size(group) == 1:
         return
@@ -129,10 +137,7 @@ def reduce_gradients(model: torch.nn.Module) -> None:
     for _, p in named:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for _, p in named:
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
+    for grads in _by_dtype(p.grad for _, p in named).values():
         _all_reduce_coalesced(grads, ps.get_data_parallel_group())
     _all_reduce_coalesced(
         [p.grad for n, p in named if _tp_partial(n, p)], ps.get_tensor_model_parallel_group()
@@ -156,22 +161,19 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
     shared = _shared_embedding(model)
     dev = params[0].grad.device if params else torch.device("cpu")
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        if _counts_once(p, model, shared):
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad.detach())
+    counted = _by_dtype(p.grad.detach() for p in params if _counts_once(p, model, shared))
     # per-tensor norms in one multi-tensor kernel per dtype (fp32 at least), their squares summed in fp64
     norms = [
         torch.stack(torch._foreach_norm(grads, 2, dtype=torch.promote_types(dtype, torch.float32))).double()
-        for dtype, grads in by_dtype.items()
+        for dtype, grads in counted.items()
     ]
     sq = torch.cat(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64, device=dev)
     dist.all_reduce(sq, group=ps.get_model_parallel_group())
     norm = sq.sqrt()
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for dtype in {p.grad.dtype for p in params}:
-            torch._foreach_mul_([p.grad for p in params if p.grad.dtype == dtype], coef.to(dtype))
+        for dtype, grads in _by_dtype(p.grad for p in params).items():
+            torch._foreach_mul_(grads, coef.to(dtype))
     return norm.float()
 
 
