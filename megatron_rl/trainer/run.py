@@ -12,7 +12,7 @@ from megatron.core import parallel_state as ps
 from megatron_rl.checkpoint import resume, save_checkpoint
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.data import dp_share
-from megatron_rl.distributed import ParallelDims, device, init_distributed
+from megatron_rl.distributed import ParallelDims, destroy_distributed, device, init_distributed
 from megatron_rl.distributed.phase_watchdog import phase, set_error_dir
 from megatron_rl.logging import Timer
 from megatron_rl.rollout.sampling import SamplingParams
@@ -224,3 +224,8 @@ def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
             timer, t0 = PhaseTimer(tr.timeout_minutes), time.perf_counter()
             metrics, batch = train_step(c, step, timer)
             _finish_step(c, step + 1, metrics, batch, timer, t0)
+    # every rank finished: tear the process groups down before the interpreter exits (letting gloo's
+    # threads die during interpreter teardown aborted a rank now and then: "terminate called without an
+    # active exception" after the last step)
+    torch.distributed.barrier()
+    destroy_distributed()
