@@ -10,12 +10,11 @@ gradient (an autograd all-reduce would multiply it by tp). Logits are computed i
 
 from __future__ import annotations
 
-import os
-import warnings
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from megatron_rl.kernels.compile import compile_enabled, probe
 
 
 def _group_size(group) -> int:
@@ -142,51 +141,32 @@ def _pass_grad(x, zmax, log_sum_exp, expected, local, inside, g_lp, g_ent, tempe
 
 
 _COMPILED: dict[str, object] = {}  # the compiled passes by name
-_COMPILE_PROBED: list[bool] = []  # non-empty once the compiled passes ran (see _compile_works)
-_COMPILE_FAILED: list[str] = []  # why torch.compile could not be used (then the eager passes run)
+_PROBE = "the log-prob kernel"
 
 
-def _use_compile(device: torch.device) -> bool:
-    """torch.compile the passes on CUDA (fused Triton kernels) unless MEGATRON_RL_COMPILE=0; eager
-    elsewhere. MEGATRON_RL_COMPILE=1 compiles on CPU too (tests)."""
-    flag = os.environ.get("MEGATRON_RL_COMPILE", "auto")
-    return not _COMPILE_FAILED and (flag == "1" or (flag == "auto" and device.type == "cuda"))
-
-
-def _kernels(device: torch.device):
-    if not _use_compile(device):
+def _kernels(logits: Tensor):
+    """The three passes, compiled where ``kernels.compile`` allows and the probe succeeded."""
+    if not _compiled_ok(logits):
         return _pass_max, _pass_sums, _pass_grad
-    if not _COMPILED:
-        for name, fn in (("max", _pass_max), ("sums", _pass_sums), ("grad", _pass_grad)):
-            _COMPILED[name] = torch.compile(fn, dynamic=True)
     return _COMPILED["max"], _COMPILED["sums"], _COMPILED["grad"]
 
 
-def _compile_works(logits: Tensor, temperature: float) -> bool:
-    """Run the compiled passes once on two rows of ``logits``; if torch.compile fails (no Triton, no
-    compiler), warn once and use the eager, chunked passes from then on."""
-    if not _use_compile(logits.device):
-        return False
-    if _COMPILE_PROBED:
-        return True
-    try:
-        k_max, k_sums, k_grad = _kernels(logits.device)
-        x = logits[:2].detach()
-        idx = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
-        inside = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
-        m = k_max(x, temperature, x.shape[-1])
-        s0, s1, _ = k_sums(x, m, idx, inside, temperature, x.shape[-1])
-        k_grad(x, m, s0.log(), s1 / s0, idx, inside, s0, s0, temperature, x.shape[-1])
-        _COMPILE_PROBED.append(True)
-        return True
-    except Exception as exc:  # noqa: BLE001 - any compile failure: fall back, loudly
-        _COMPILE_FAILED.append(f"{type(exc).__name__}: {exc}".splitlines()[0])
-        warnings.warn(
-            "torch.compile of the log-prob kernel failed; using the slower eager passes "
-            f"(set MEGATRON_RL_COMPILE=0 to skip the attempt): {_COMPILE_FAILED[0]}",
-            stacklevel=2,
-        )
-        return False
+def _compiled_ok(logits: Tensor) -> bool:
+    if not _COMPILED and compile_enabled(logits.device):
+        for name, fn in (("max", _pass_max), ("sums", _pass_sums), ("grad", _pass_grad)):
+            _COMPILED[name] = torch.compile(fn, dynamic=True)
+    return probe(_PROBE, logits.device, lambda: _trial(logits[:2].detach()))
+
+
+def _trial(x: Tensor) -> None:
+    """The compiled passes once on two rows of real logits (compile errors surface here, not
+    mid-training)."""
+    n, v = x.shape
+    idx = torch.zeros(n, dtype=torch.long, device=x.device)
+    inside = torch.ones(n, dtype=torch.bool, device=x.device)
+    m = _COMPILED["max"](x, 1.0, v)
+    s0, s1, _ = _COMPILED["sums"](x, m, idx, inside, 1.0, v)
+    _COMPILED["grad"](x, m, s0.log(), s1 / s0, idx, inside, s0, s0, 1.0, v)
 
 
 class _FusedLogProbEntropy(torch.autograd.Function):
@@ -197,14 +177,14 @@ class _FusedLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, temperature, group, vocab_size, chunk):
         n_rows, v_local = logits.shape
-        if _compile_works(logits, temperature):  # fused kernels keep no temporaries: one chunk, no copies
+        if _compiled_ok(logits):  # fused kernels keep no temporaries: one chunk, no copies
             chunk = max(n_rows, 1)
         start = 0 if group is None else dist.get_rank(group) * v_local
         valid = v_local if vocab_size is None else max(0, min(v_local, vocab_size - start))
         local = target - start
         inside = (local >= 0) & (local < v_local)
         local = torch.where(inside, local, 0)
-        k_max, k_sums, _ = _kernels(logits.device)
+        k_max, k_sums, _ = _kernels(logits)
         dtype = torch.promote_types(logits.dtype, torch.float32)
         zmax = torch.empty(n_rows, dtype=dtype, device=logits.device)
         sums = torch.empty(3, n_rows, dtype=dtype, device=logits.device)
@@ -230,7 +210,7 @@ class _FusedLogProbEntropy(torch.autograd.Function):
         zeros = torch.zeros_like(zmax)
         g_lp = zeros if g_lp is None else g_lp.to(zeros.dtype)
         g_ent = zeros if g_ent is None else g_ent.to(zeros.dtype)
-        _, _, k_grad = _kernels(logits.device)
+        _, _, k_grad = _kernels(logits)
         if chunk >= logits.shape[0]:
             args = (zmax, log_sum_exp, expected, local, inside, g_lp, g_ent, temperature, valid)
             return k_grad(logits, *args), None, None, None, None, None

@@ -126,8 +126,11 @@ class ModelArgs:
         dtype: torch.dtype = torch.float32,
         use_cpu_init: bool | None = None,
         sequence_parallel: bool = False,
+        fusions: dict[str, bool] | None = None,
     ):
         """megatron-core TransformerConfig matching HF numerics (no dropout, 1/sqrt(head_dim) scale).
+
+        ``fusions``: fusion flags to turn on (``kernels.mcore.fusion_flags``); all fusions are off otherwise.
 
         ``sequence_parallel`` (``parallel.sequence_parallel``, GPU only): activations outside the TP regions
         are split along the sequence across TP ranks; sequence lengths must be multiples of TP."""
@@ -161,11 +164,15 @@ class ModelArgs:
             pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
             sequence_parallel=sequence_parallel,
             use_cpu_initialization=use_cpu_init,
-            bias_dropout_fusion=False,
-            apply_rope_fusion=False,
-            masked_softmax_fusion=False,
-            gradient_accumulation_fusion=False,
-            persist_layer_norm=False,
+            **{
+                "bias_dropout_fusion": False,
+                "apply_rope_fusion": False,
+                "bias_activation_fusion": False,
+                "masked_softmax_fusion": False,
+                "gradient_accumulation_fusion": False,
+                "persist_layer_norm": False,
+                **(fusions or {}),
+            },
             params_dtype=dtype,
             pipeline_dtype=dtype,
             bf16=dtype == torch.bfloat16,

@@ -10,6 +10,7 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_rl.distributed import device
+from megatron_rl.kernels.mcore import fusion_flags
 from megatron_rl.models.args import ModelArgs
 from megatron_rl.models.spec import block_spec
 
@@ -75,7 +76,9 @@ def build_model(
             f"padded_vocab_size={args.padded_vocab_size} is not divisible by TP={tp}; build ModelArgs "
             f"with ModelArgs.from_hf_config(..., tp={tp}) or args.with_tp({tp})"
         )
-    config = args.transformer_config(dtype, sequence_parallel=sequence_parallel)
+    config = args.transformer_config(
+        dtype, sequence_parallel=sequence_parallel, fusions=fusion_flags(device())
+    )
     is_value = role in VALUE_ROLES
     cls = ValueModel if is_value else GPTModel
     model = cls(

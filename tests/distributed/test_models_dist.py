@@ -11,6 +11,7 @@ def test_logits_parity_export_and_critic(tmp_path):
             assert f"parity {kind} tp={tp} pp={pp}" in out
         assert f"export {kind} tp=2 pp=2" in out
     assert "critic values [B, T] ok" in out
+    assert "fusions tp=2" in out
 
 
 def test_checkpoint_round_trips_and_resharding(tmp_path):

@@ -111,9 +111,11 @@ def test_a_failing_torch_compile_falls_back_to_the_eager_passes(monkeypatch):
     from megatron_rl.algos import vocab_parallel as vp
 
     monkeypatch.setenv("MEGATRON_RL_COMPILE", "1")
+    from megatron_rl.kernels import compile as kc
+
     monkeypatch.setattr(vp, "_COMPILED", {})
-    monkeypatch.setattr(vp, "_COMPILE_PROBED", [])
-    monkeypatch.setattr(vp, "_COMPILE_FAILED", [])
+    monkeypatch.setattr(kc, "_PROBED", set())
+    monkeypatch.setattr(kc, "_FAILED", {})
 
     def broken(fn, **_):
         def run(*a, **k):
@@ -129,4 +131,4 @@ def test_a_failing_torch_compile_falls_back_to_the_eager_passes(monkeypatch):
     lp.sum().backward()
     want = torch.log_softmax(logits.detach(), -1).gather(-1, target[..., None])[..., 0]
     torch.testing.assert_close(lp, want)
-    assert vp._COMPILE_FAILED and not vp._use_compile(logits.device)
+    assert vp._PROBE in kc._FAILED and not vp._compiled_ok(logits)

@@ -117,6 +117,41 @@ def check_critic(root: Path, ids: torch.Tensor) -> None:
         print(f"critic values [B, T] ok; TP=2 vs TP=1 grads worst rel err {worst:.2e}", flush=True)
 
 
+def check_fusions(root: Path, ids: torch.Tensor) -> None:
+    """At the current layout: megatron-core's RoPE/SwiGLU fusion flags with our compiled RoPE in the
+    fused-RoPE slot (what a GPU build turns on) give the unfused model's logits and gradients."""
+    import os
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    hf_dir = root / "qwen2"
+    args = ModelArgs.from_hf_config(hf_dir, tp=ps.get_tensor_model_parallel_world_size())
+    runs, calls = [], []
+    for flag in ("0", "1"):
+        os.environ["MEGATRON_RL_COMPILE"] = flag
+        model = build_model(args, "actor")
+        load_hf_weights(model, hf_dir, args)
+        fused = model.config.apply_rope_fusion and model.config.bias_activation_fusion
+        assert fused == (flag == "1"), f"MEGATRON_RL_COMPILE={flag}: fusion flags {fused}"
+        slot = rope_utils.fused_apply_rotary_pos_emb
+        rope_utils.fused_apply_rotary_pos_emb = lambda *a, slot=slot, **k: calls.append(1) or slot(*a, **k)
+        logits = forward_logits(model, ids)  # [B, T, V/tp]
+        (logits.float().square().mean()).backward()
+        rope_utils.fused_apply_rotary_pos_emb = slot
+        runs.append((logits.detach(), {k: p.grad for k, p in model.named_parameters()}))
+    os.environ.pop("MEGATRON_RL_COMPILE")
+    (l0, g0), (l1, g1) = runs
+    assert calls, "the fused model never called the fused-RoPE slot"
+    err = rel_err(l1, l0)
+    worst = max(rel_err(g1[k], g0[k]) for k in g0 if g0[k].norm() > 0)
+    assert err < TOL and worst < TOL, f"fused vs unfused: logits {err:.3e}, worst grad {worst:.3e}"
+    if dist.get_rank() == 0:
+        print(
+            f"fusions tp={ps.get_tensor_model_parallel_world_size()} logits {err:.1e} grads {worst:.1e}",
+            flush=True,
+        )
+
+
 def main() -> None:
     root = Path(sys.argv[1])
     layouts = [
@@ -135,6 +170,8 @@ def main() -> None:
     for tp, pp in layouts:
         init_distributed(tp, pp, seed=0)
         check_logits(root, tp, pp, ids, refs)
+        if (tp, pp) == (2, 1):
+            check_fusions(root, ids)
     check_critic(root, ids)
     destroy_distributed()
 

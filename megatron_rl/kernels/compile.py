@@ -1,0 +1,46 @@
+"""When to use ``torch.compile``, and a probe that turns a failing compile into a warning.
+
+``MEGATRON_RL_COMPILE``: ``auto`` (default) compiles on CUDA only, where Triton fuses elementwise chains
+and reductions into single kernels; ``1`` compiles on CPU too (tests run the compiled code that way);
+``0`` never compiles. A compile that fails (no Triton, no C++ compiler) is reported once per kernel and
+that kernel runs eagerly from then on: slower, same numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+
+import torch
+
+_FAILED: dict[str, str] = {}  # kernel name -> why its compile failed
+_PROBED: set[str] = set()
+
+
+def compile_enabled(device: torch.device | str) -> bool:
+    flag = os.environ.get("MEGATRON_RL_COMPILE", "auto")
+    if flag not in ("auto", "0", "1"):
+        raise ValueError(f"MEGATRON_RL_COMPILE={flag!r}; use auto, 0 or 1")
+    return flag == "1" or (flag == "auto" and torch.device(device).type == "cuda")
+
+
+def probe(name: str, device: torch.device | str, trial: Callable[[], object]) -> bool:
+    """True when ``name`` should run compiled on ``device``: compiling is enabled and ``trial`` (which
+    runs the compiled kernel once on a small input) succeeded, now or at an earlier probe."""
+    if name in _FAILED or not compile_enabled(device):
+        return False
+    if name in _PROBED:
+        return True
+    try:
+        trial()
+    except Exception as exc:  # noqa: BLE001 - any compile failure: fall back, loudly
+        _FAILED[name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        warnings.warn(
+            f"torch.compile of {name} failed; it runs eagerly (slower, same results). Set "
+            f"MEGATRON_RL_COMPILE=0 to skip the attempt. Cause: {_FAILED[name]}",
+            stacklevel=2,
+        )
+        return False
+    _PROBED.add(name)
+    return True

@@ -1,0 +1,40 @@
+"""Rotary position embedding as one fused kernel per direction (megatron-core's fused-RoPE slot).
+
+megatron-core's unfused RoPE (``rope_utils._apply_rotary_pos_emb_bshd``) runs about ten kernels per
+tensor and per direction: cos, sin, two products, the rotate-half ``cat``, the sum and a final ``cat``
+with the empty pass-through part. Compiled, the function below is one kernel forward and one backward.
+It computes in fp32 and rounds once (the unfused path rounds after every product: up to one bf16 ulp
+apart).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_COMPILED: list = []
+
+
+def rope_reference(t: Tensor, freqs: Tensor) -> Tensor:
+    """t [S, B, H, D]; freqs [S, 1, 1, D] fp32 angles (halves repeated, not interleaved) -> rotated t,
+    in t's dtype: ``t cos + rotate_half(t) sin`` with ``rotate_half(x) = [-x2, x1]``."""
+    x = t.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [S, B, H, D]
+    return (x * freqs.cos() + rotated * freqs.sin()).to(t.dtype)
+
+
+def compiled_rope():
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(rope_reference, dynamic=True))
+    return _COMPILED[0]
+
+
+def fused_apply_rotary_pos_emb(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
+    """megatron-core's ``fused_apply_rotary_pos_emb(t, freqs, interleaved)`` contract: t [S, B, H, D],
+    freqs [S, 1, 1, D_rot]. Interleaved or partial rotary falls back to megatron-core's unfused path."""
+    if interleaved or freqs.shape[-1] != t.shape[-1]:
+        from megatron.core.models.common.embeddings import rope_utils
+
+        return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+    return compiled_rope()(t, freqs)

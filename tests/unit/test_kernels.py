@@ -1,0 +1,59 @@
+"""kernels/: the compile switch and its fallback, and the fused RoPE against megatron-core's own."""
+
+import pytest
+import torch
+from megatron.core.models.common.embeddings import rope_utils
+
+from megatron_rl.kernels import compile as kc
+from megatron_rl.kernels.rope import fused_apply_rotary_pos_emb, rope_reference
+
+
+def _freqs(s: int, d: int) -> torch.Tensor:
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    f = torch.arange(s).float()[:, None] * inv  # [S, D/2]
+    return torch.cat((f, f), -1)[:, None, None, :]  # [S, 1, 1, D]
+
+
+@pytest.mark.parametrize("flag", ["0", "1"])
+def test_rope_equals_megatron_core_unfused_values_and_grads(monkeypatch, flag):
+    monkeypatch.setenv("MEGATRON_RL_COMPILE", flag)
+    torch.manual_seed(0)
+    t = torch.randn(7, 2, 3, 16, requires_grad=True)
+    t_ref = t.detach().clone().requires_grad_(True)
+    freqs, g = _freqs(7, 16), torch.randn(7, 2, 3, 16)
+    fn = fused_apply_rotary_pos_emb if flag == "1" else rope_reference
+    out = fn(t, freqs)
+    ref = rope_utils._apply_rotary_pos_emb_bshd(t_ref, freqs)
+    (out * g).sum().backward()
+    (ref * g).sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(t.grad, t_ref.grad, rtol=1e-6, atol=1e-6)
+    # bf16: one rounding instead of one per product, so within a bf16 ulp of the unfused result
+    tb = t.detach().to(torch.bfloat16)
+    diff = (fn(tb, freqs).float() - rope_utils._apply_rotary_pos_emb_bshd(tb, freqs).float()).abs()
+    assert diff.max() <= 2 * 2**-8 * tb.float().abs().max()
+
+
+def test_rope_partial_or_interleaved_uses_megatron_core_path():
+    t, freqs = torch.randn(5, 1, 2, 16), _freqs(5, 8)
+    want = rope_utils._apply_rotary_pos_emb_bshd(t, freqs)
+    assert torch.equal(fused_apply_rotary_pos_emb(t, freqs), want)
+
+
+def test_compile_switch_rejects_unknown_values_and_probe_falls_back_with_a_warning(monkeypatch):
+    monkeypatch.setattr(kc, "_PROBED", set())
+    monkeypatch.setattr(kc, "_FAILED", {})
+    monkeypatch.setenv("MEGATRON_RL_COMPILE", "yes")
+    with pytest.raises(ValueError, match="MEGATRON_RL_COMPILE='yes'"):
+        kc.compile_enabled("cpu")
+    monkeypatch.setenv("MEGATRON_RL_COMPILE", "auto")
+    assert not kc.compile_enabled("cpu") and kc.compile_enabled("cuda")
+    monkeypatch.setenv("MEGATRON_RL_COMPILE", "1")
+
+    def broken():
+        raise RuntimeError("no Triton here")
+
+    with pytest.warns(UserWarning, match="k1 failed.*no Triton here"):
+        assert not kc.probe("k1", "cpu", broken)
+    assert not kc.probe("k1", "cpu", lambda: None)  # a failed kernel stays eager
+    assert kc.probe("k2", "cpu", lambda: None) and kc.probe("k2", "cpu", broken)  # probed once
