@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_rl.kernels.compile import compile_enabled, probe
+from megatron_rl.kernels.compile import compile_enabled, compile_rows_dynamic, probe
 
 
 def _group_size(group) -> int:
@@ -154,7 +154,7 @@ def _kernels(logits: Tensor):
 def _compiled_ok(logits: Tensor) -> bool:
     if not _COMPILED and compile_enabled(logits.device):
         for name, fn in (("max", _pass_max), ("sums", _pass_sums), ("grad", _pass_grad)):
-            _COMPILED[name] = torch.compile(fn, dynamic=True)
+            _COMPILED[name] = compile_rows_dynamic(fn)
     return probe(_PROBE, logits.device, lambda: _trial(logits[:2].detach()))
 
 

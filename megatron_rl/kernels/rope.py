@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megatron_rl.kernels.compile import compile_rows_dynamic
+
 _COMPILED: list = []
 
 
@@ -25,8 +27,17 @@ def rope_reference(t: Tensor, freqs: Tensor) -> Tensor:
 
 
 def compiled_rope():
+    """rope_reference compiled with one dynamic size: t [S, B, H, D] is viewed as [S*B, H, D] rows with
+    the angles repeated per row ([S*B, 1, D], small), since S and B both vary between micro-batches."""
     if not _COMPILED:
-        _COMPILED.append(torch.compile(rope_reference, dynamic=True))
+        rows = compile_rows_dynamic(rope_reference)
+
+        def run(t: Tensor, freqs: Tensor) -> Tensor:
+            s, b, h, d = t.shape
+            per_row = freqs.expand(s, b, 1, d).reshape(s * b, 1, d)  # [S*B, 1, D]
+            return rows(t.reshape(s * b, h, d), per_row).view(s, b, h, d)
+
+        _COMPILED.append(run)
     return _COMPILED[0]
 
 

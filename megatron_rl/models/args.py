@@ -130,7 +130,7 @@ class ModelArgs:
     ):
         """megatron-core TransformerConfig matching HF numerics (no dropout, 1/sqrt(head_dim) scale).
 
-        ``fusions``: fusion flags to turn on (``kernels.mcore.fusion_flags``); all fusions are off otherwise.
+        ``fusions``: fusion flags to turn on (``kernels.mcore.fusion_flags``); all are off otherwise.
 
         ``sequence_parallel`` (``parallel.sequence_parallel``, GPU only): activations outside the TP regions
         are split along the sequence across TP ranks; sequence lengths must be multiples of TP."""

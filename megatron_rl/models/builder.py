@@ -12,7 +12,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_rl.distributed import device
 from megatron_rl.kernels.mcore import fusion_flags
 from megatron_rl.models.args import ModelArgs
-from megatron_rl.models.spec import block_spec
+from megatron_rl.models.spec import block_spec, uses_te
 
 ROLES = ("actor", "critic", "reward", "ref")
 VALUE_ROLES = ("critic", "reward")
@@ -77,7 +77,7 @@ def build_model(
             f"with ModelArgs.from_hf_config(..., tp={tp}) or args.with_tp({tp})"
         )
     config = args.transformer_config(
-        dtype, sequence_parallel=sequence_parallel, fusions=fusion_flags(device())
+        dtype, sequence_parallel=sequence_parallel, fusions=fusion_flags(device(), uses_te(backend))
     )
     is_value = role in VALUE_ROLES
     cls = ValueModel if is_value else GPTModel

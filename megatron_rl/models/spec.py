@@ -15,6 +15,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_rl.kernels.swiglu import SwiGLU
+
 try:  # guarded: TE is a GPU-only extra
     import transformer_engine  # noqa: F401
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -93,15 +95,22 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def layer_spec(qk_norm: bool, backend: str = "auto") -> ModuleSpec:
-    """The GPT layer ModuleSpec. ``backend``: "local" (megatron-core modules + SDPA), "te" (Transformer
-    Engine; fuses the pre-attention/pre-MLP norms into linear_qkv/linear_fc1) or "auto" (TE if importable).
-    """
+def uses_te(backend: str) -> bool:
+    """Whether ``backend`` ("auto", "local", "te") builds Transformer Engine layers here."""
     if backend not in ("auto", "local", "te"):
         raise ValueError(f"model backend={backend!r}; use 'auto', 'local' or 'te'")
     if backend == "te" and not HAVE_TE:
         raise ImportError("model backend='te' needs transformer-engine; install it or use backend='local'")
-    if backend == "te" or (backend == "auto" and HAVE_TE):
+    return backend == "te" or (backend == "auto" and HAVE_TE)
+
+
+def layer_spec(qk_norm: bool, backend: str = "auto", fused_swiglu: bool = False) -> ModuleSpec:
+    """The GPT layer ModuleSpec. ``backend``: "local" (megatron-core modules + SDPA), "te" (Transformer
+    Engine; fuses the pre-attention/pre-MLP norms into linear_qkv/linear_fc1) or "auto" (TE if importable).
+    ``fused_swiglu``: the local MLP's activation is ``kernels.swiglu.SwiGLU`` (needs the config's
+    ``use_te_activation_func``, see ``kernels.mcore``).
+    """
+    if uses_te(backend):
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
     spec = copy.deepcopy(get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm"))
     layer, attn = spec.submodules, spec.submodules.self_attention.submodules
@@ -109,6 +118,8 @@ def layer_spec(qk_norm: bool, backend: str = "auto") -> ModuleSpec:
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
     if qk_norm:
         attn.q_layernorm = attn.k_layernorm = RMSNorm
+    if fused_swiglu:
+        layer.mlp.submodules.activation_func = SwiGLU
     return spec
 
 
@@ -120,8 +131,8 @@ def block_spec(config, qk_norm: bool, backend: str = "auto"):
         get_num_layers_to_build,
     )
 
-    layer = layer_spec(qk_norm, backend)
-    if backend == "te" or (backend == "auto" and HAVE_TE):
+    layer = layer_spec(qk_norm, backend, fused_swiglu=config.use_te_activation_func)
+    if uses_te(backend):
         return layer
     return TransformerBlockSubmodules(
         layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm

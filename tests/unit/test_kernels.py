@@ -57,3 +57,24 @@ def test_compile_switch_rejects_unknown_values_and_probe_falls_back_with_a_warni
         assert not kc.probe("k1", "cpu", broken)
     assert not kc.probe("k1", "cpu", lambda: None)  # a failed kernel stays eager
     assert kc.probe("k2", "cpu", lambda: None) and kc.probe("k2", "cpu", broken)  # probed once
+
+
+@pytest.mark.parametrize("flag", ["0", "1"])
+def test_swiglu_equals_silu_times_up_values_and_grads(monkeypatch, flag):
+    from megatron_rl.kernels import swiglu as sw
+
+    monkeypatch.setenv("MEGATRON_RL_COMPILE", flag)
+    monkeypatch.setattr(sw, "_KERNELS", {})
+    torch.manual_seed(0)
+    for rows in (5, 9):  # a second row count reuses the rows-dynamic compile
+        y = torch.randn(rows, 3, 16, requires_grad=True)
+        y_ref = y.detach().clone().requires_grad_(True)
+        g = torch.randn(rows, 3, 8)
+        out = sw.SwiGLU()(y)
+        gate, up = y_ref.chunk(2, -1)
+        ref = torch.nn.functional.silu(gate) * up
+        (out * g).sum().backward()
+        (ref * g).sum().backward()
+        assert out.shape == (rows, 3, 8)
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(y.grad, y_ref.grad, rtol=1e-5, atol=1e-6)

@@ -118,8 +118,8 @@ def check_critic(root: Path, ids: torch.Tensor) -> None:
 
 
 def check_fusions(root: Path, ids: torch.Tensor) -> None:
-    """At the current layout: megatron-core's RoPE/SwiGLU fusion flags with our compiled RoPE in the
-    fused-RoPE slot (what a GPU build turns on) give the unfused model's logits and gradients."""
+    """At the current layout: the fused RoPE (megatron-core's fused-RoPE slot) and SwiGLU (our MLP
+    activation module), what a GPU build turns on, give the unfused model's logits and gradients."""
     import os
 
     from megatron.core.models.common.embeddings import rope_utils
@@ -131,8 +131,10 @@ def check_fusions(root: Path, ids: torch.Tensor) -> None:
         os.environ["MEGATRON_RL_COMPILE"] = flag
         model = build_model(args, "actor")
         load_hf_weights(model, hf_dir, args)
-        fused = model.config.apply_rope_fusion and model.config.bias_activation_fusion
+        fused = model.config.apply_rope_fusion and model.config.use_te_activation_func
         assert fused == (flag == "1"), f"MEGATRON_RL_COMPILE={flag}: fusion flags {fused}"
+        act = model.decoder.layers[0].mlp.activation_func
+        assert (type(act).__name__ == "SwiGLU") == (flag == "1"), f"MLP activation {act}"
         slot = rope_utils.fused_apply_rotary_pos_emb
         rope_utils.fused_apply_rotary_pos_emb = lambda *a, slot=slot, **k: calls.append(1) or slot(*a, **k)
         logits = forward_logits(model, ids)  # [B, T, V/tp]

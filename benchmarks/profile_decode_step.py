@@ -1,0 +1,91 @@
+"""Where a decode step's time goes at the GRPO benchmark's shape (issue 8): the engine on the
+Qwen2.5-0.5B shape (random bf16) with B prompts x prompt_len, new tokens at temperature 1.
+
+Reports ms per decode step for the whole step, for the model's graph replay alone and for the sampling
+part alone (timed with CUDA events over many replays), plus a kernel table of a short profiled call.
+Run: ``python benchmarks/profile_decode_step.py --out $OUT/decode_step.json`` (CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import EOS, build_hf, mcore_params, spec_of, sync  # noqa: E402
+
+from megatron_rl.rollout import engine as eng  # noqa: E402
+from megatron_rl.rollout import reshard  # noqa: E402
+from megatron_rl.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
+from megatron_rl.rollout.sampling import SamplingParams, sample, token_logprobs  # noqa: E402
+
+
+def cuda_ms(fn, n: int) -> float:
+    fn()
+    sync()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    sync()
+    return a.elapsed_time(b) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_step.json"))
+    a = ap.parse_args()
+    hf = build_hf(24, "cuda")
+    spec = spec_of(hf.config)
+    params = mcore_params(hf, spec)
+    del hf
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, 150000, (a.prompts, a.prompt_len), generator=g).tolist()
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=a.new_tokens, stop_token_ids=(EOS,), seed=0)
+    engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=a.prompts, keep_cache=True))
+    res = {"config": vars(a)}
+    for label in ("first", "second"):
+        engine.generate(prompts, sampling)
+        st = engine.last_stats
+        res[label] = {"decode_s": st.decode_s, "prefill_s": st.prefill_s, "steps": st.decode_steps,
+                      "ms_per_step": 1e3 * st.decode_s / st.decode_steps}  # fmt: skip
+        print(label, res[label], flush=True)
+    state = engine._state
+    state.bind(reshard.gather_weights(engine._params(), spec, reshard.build_layout(1)))
+    b, full = a.prompts, state.cache.plan.max_len
+    for kv in sorted({min(full, k) for k in (256, 384, 512, 640, 768)} | {full}):
+        state.pos[:b] = kv - 1
+        res[f"model_replay_ms_kv{kv}"] = cuda_ms(lambda kv=kv: state.decode(b, kv), 50)
+    logits = state.decode(b, full)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    res["sample_ms"] = cuda_ms(lambda: sample(logits, sampling, gen), 50)
+    tok = sample(logits, sampling, gen)
+    res["logprob_ms"] = cuda_ms(lambda: token_logprobs(logits, tok, 1.0), 50)
+    print(json.dumps(res, indent=1), flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    short = SamplingParams(temperature=1.0, max_new_tokens=64, stop_token_ids=(EOS,), seed=0)
+    engine.generate(prompts, short)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, short)
+        sync()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out.replace(".json", "_profile.txt"), "w") as f:
+        f.write(table)
+    print(table)
+    res["kv_bucket"] = eng._KV_BUCKET
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
