@@ -18,10 +18,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import EOS, build_hf, mcore_params, spec_of, sync  # noqa: E402
 
+from megatron_rl.rollout import decoder, reshard  # noqa: E402
 from megatron_rl.rollout import engine as eng  # noqa: E402
-from megatron_rl.rollout import reshard  # noqa: E402
 from megatron_rl.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from megatron_rl.rollout.sampling import SamplingParams, sample, token_logprobs  # noqa: E402
+from megatron_rl.rollout.sampling import (  # noqa: E402
+    SamplingParams,
+    sample,
+    sample_with_logprobs,
+    token_logprobs,
+)
 
 
 def cuda_ms(fn, n: int) -> float:
@@ -34,6 +39,21 @@ def cuda_ms(fn, n: int) -> float:
     b.record()
     sync()
     return a.elapsed_time(b) / n
+
+
+def _attn_bmm(q, k, v, mask):
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5 + mask  # [B, G, rep, T]
+    return torch.matmul(scores.softmax(-1).to(v.dtype), v)
+
+
+def _attn_efficient(q, k, v, mask):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+ATTENTION = {"sdpa": decoder.decode_attention, "bmm": _attn_bmm, "efficient": _attn_efficient}
 
 
 def main() -> None:
@@ -64,13 +84,33 @@ def main() -> None:
     for kv in sorted({min(full, k) for k in (256, 384, 512, 640, 768)} | {full}):
         state.pos[:b] = kv - 1
         res[f"model_replay_ms_kv{kv}"] = cuda_ms(lambda kv=kv: state.decode(b, kv), 50)
-    logits = state.decode(b, full)
+    logits = state.decode(b, full)  # [B, V] bf16
     gen = torch.Generator(device="cuda").manual_seed(0)
-    res["sample_ms"] = cuda_ms(lambda: sample(logits, sampling, gen), 50)
-    tok = sample(logits, sampling, gen)
-    res["logprob_ms"] = cuda_ms(lambda: token_logprobs(logits, tok, 1.0), 50)
+    res["eager_sample_ms"] = cuda_ms(lambda: sample(logits.float(), sampling, gen), 50)
+    tok = sample(logits.float(), sampling, gen)
+    res["eager_logprob_ms"] = cuda_ms(lambda: token_logprobs(logits.float(), tok, 1.0), 50)
+    res["fused_sample_and_logprob_ms"] = cuda_ms(lambda: sample_with_logprobs(logits, sampling, gen), 50)
+    for name, attn in ATTENTION.items():  # decode attention variants: recapture, time the replay
+        decoder.decode_attention = attn
+        state.graphs, state.pool = {}, None
+        state.pos[:b] = full - 1
+        res[f"model_replay_ms_kv{full}_{name}"] = cuda_ms(lambda: state.decode(b, full), 50)
+    decoder.decode_attention = ATTENTION["sdpa"]
+    state.graphs, state.pool = {}, None
     print(json.dumps(res, indent=1), flush=True)
     from torch.profiler import ProfilerActivity, profile
+
+    state.pos[:b] = 383
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # eager: every op of 5 decode steps
+        for _ in range(5):
+            state._eager(b, 384)
+        sync()
+    eager_table = prof.key_averages().table(
+        sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70
+    )
+    print(eager_table)
+    with open(a.out.replace(".json", "_eager_ops.txt"), "w") as f:
+        f.write(f"5 eager decode steps, B={b}, kv=384\n" + eager_table)
 
     short = SamplingParams(temperature=1.0, max_new_tokens=64, stop_token_ids=(EOS,), seed=0)
     engine.generate(prompts, short)

@@ -124,8 +124,9 @@ def embed(tokens: torch.Tensor, w: GenWeights) -> torch.Tensor:
 
 
 def logits(h: torch.Tensor, w: GenWeights, spec: DecoderSpec) -> torch.Tensor:
-    """h [B, h] (already final-normed) -> fp32 logits [B, V] over the true vocab, gathered across TP."""
-    local = (h @ w.output.t()).float()  # [B, Vp/tp]
+    """h [B, h] (already final-normed) -> logits [B, V] over the true vocab in the weights' dtype (the
+    samplers upcast), gathered across TP."""
+    local = h @ w.output.t()  # [B, Vp/tp]
     if w.tp > 1:
         parts = [torch.empty_like(local) for _ in range(w.tp)]
         dist.all_gather(parts, local.contiguous(), group=w.group)
@@ -154,6 +155,12 @@ def _mlp(x: torch.Tensor, layer: dict, w: GenWeights) -> torch.Tensor:
     return _all_reduce(F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), layer["fc2"]), w)
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [B, Gl, rep, D] (a group's query heads as the query axis), k / v [B, Gl, T, D], additive mask
+    [B, 1, 1, T] -> [B, Gl, rep, D]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def prefill(
     w: GenWeights,
     spec: DecoderSpec,
@@ -165,7 +172,7 @@ def prefill(
     """Run right-padded prompts, fill their cache slots, return the last real token's logits.
 
     tokens [B, T] (right-padded), lengths [B], slots [B]; cache [L, 2, S, Gl, Tmax, D].
-    Returns fp32 logits [B, V]. Pad keys land in the cache past each length and are masked (then
+    Returns logits [B, V] (weights' dtype). Pad keys land in the cache past each length and are masked (then
     overwritten) by decode, so a plain causal mask is exact for the real tokens.
     """
     B, T = tokens.shape
@@ -201,7 +208,7 @@ def decode(
     tokens [B] (the token at ``positions``), positions [B]; cache [L, 2, S, Gl, Tmax, D] with S >= B.
     Writes each slot's new key/value at its position and attends to keys 0..position, reading only the
     first ``kv_len`` cache positions (default all; every position must be < kv_len).
-    Returns fp32 logits [B, V].
+    Returns logits [B, V] (weights' dtype).
     """
     B = tokens.shape[0]
     Tmax = cache.shape[4] if kv_len is None else kv_len
@@ -223,8 +230,7 @@ def decode(
         v_cache[batch, :, positions] = qkv[:, :, rep + 1]
         # the rep query heads of a group share its K/V: they are the query-length axis (no K/V copy)
         q = rot[:, :, :rep]  # [B, Gl, rep, D]
-        a = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)  # [B, Gl, rep, D]
-        a = a.reshape(B, 1, -1)  # [B, 1, Hl*D]
+        a = decode_attention(q, k_cache, v_cache, mask).reshape(B, 1, -1)  # [B, 1, Hl*D]
         x = x + _all_reduce(F.linear(a, layer["proj"]), w)
         x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps), layer, w)
     return logits(rms_norm(x[:, 0], w.final_norm, spec.norm_eps), w, spec)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron_rl.rollout import decoder, reshard
 from megatron_rl.rollout.decoder import DecoderSpec, GenWeights
 from megatron_rl.rollout.kv_cache import KV_KEYS, KVCache, bytes_per_token, plan_cache
-from megatron_rl.rollout.sampling import SamplingParams, sample, sample_row_keys, token_logprobs
+from megatron_rl.rollout.sampling import SamplingParams, sample_row_keys, sample_with_logprobs
 
 
 class GenerationOOM(RuntimeError):
@@ -321,10 +321,14 @@ class _Runner:
         row_keys = None
         if self.params.layout_invariant:
             row_keys = sample_row_keys(self.keys[rows], self.count[rows], self.params.seed)
-        tokens = sample(logits, self.params, self.gen, row_keys)
+        share = None
         if self.lay.tp_g > 1:
-            dist.broadcast(tokens, src=self.lay.gen_src, group=self.lay.gen_group)
-        return tokens, token_logprobs(logits, tokens, self.params.temperature)
+
+            def share(tokens):
+                dist.broadcast(tokens, src=self.lay.gen_src, group=self.lay.gen_group)
+                return tokens
+
+        return sample_with_logprobs(logits, self.params, self.gen, row_keys, share)
 
     def _record(self, rows, tokens, lps, live, next_pos) -> None:
         """On the device: append one sampled token to each live row. rows [R] slot ids; tokens, lps,

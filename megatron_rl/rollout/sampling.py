@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_rl.kernels.compile import compile_enabled, compile_rows_dynamic, probe
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -71,6 +73,7 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 _MASK = {30: (1 << 34) - 1, 27: (1 << 37) - 1, 31: (1 << 33) - 1}  # logical >> on int64
+_M32 = 0xFFFFFFFF
 
 
 def mix64(x: torch.Tensor) -> torch.Tensor:
@@ -82,11 +85,23 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 31) & _MASK[31])
 
 
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xor-shift-multiply) on int64 tensors holding values < 2^32."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
 def counter_log_exponential(row_keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """log of Exp(1) noise [B, V] that is a pure function of (row key, token id): row_keys [B] int64."""
+    """log of Exp(1) noise [B, V] that is a pure function of (row key, token id): row_keys [B] int64.
+
+    32-bit arithmetic per element (the row keys are mixed once with 64 bits) keeps it cheap enough to
+    be recomputed inside the fused sampling kernel instead of being stored."""
     ids = torch.arange(vocab, device=row_keys.device)
-    golden = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
-    bits = (mix64(row_keys[:, None] * golden + ids) >> 40) & 0xFFFFFF  # [B, V] 24 uniform bits
+    key = mix64(row_keys) & _M32  # [B]
+    bits = _hash32((key[:, None] + ids * 0x9E3779B9) & _M32) >> 8  # [B, V] 24 uniform bits
     u = (bits.float() + 0.5) * (1.0 / (1 << 24))  # (0, 1)
     return torch.log(-torch.log(u))
 
@@ -118,6 +133,64 @@ def sample(
         return (kept - counter_log_exponential(row_keys, kept.shape[-1])).argmax(dim=-1)
     log_noise = torch.empty_like(kept).exponential_(generator=generator).log_()  # [B, V]
     return torch.sub(kept, log_noise, out=log_noise).argmax(dim=-1)
+
+
+def _draw(logits: torch.Tensor, keys: torch.Tensor, inv_temp: float, noisy: bool):
+    """logits [B, V], keys [B] int64 -> tokens [B], log-sum-exp [B] of the scaled logits (fp32).
+    Compiled, this is one or two fused reductions over the logits with the noise computed in registers."""
+    z = logits.float() * inv_temp
+    lse = torch.logsumexp(z, dim=-1)
+    if noisy:
+        z = z - counter_log_exponential(keys, z.shape[-1])
+    return z.argmax(dim=-1), lse
+
+
+_FUSED: list = []
+
+
+def _fused_ok(logits: torch.Tensor) -> bool:
+    if not compile_enabled(logits.device):
+        return False
+    if not _FUSED:
+        _FUSED.append(compile_rows_dynamic(_draw))
+    keys = torch.zeros(2, dtype=torch.long, device=logits.device)
+    return probe("the fused sampler", logits.device, lambda: _FUSED[0](logits[:2], keys, 1.0, True))
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    row_keys: torch.Tensor | None = None,
+    share_tokens=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] (any float dtype) -> sampled tokens [B] int64 and their log-probs [B] (fp32; see the
+    module docstring for the convention). ``share_tokens(tokens)``, when given, makes every rank use one
+    rank's tokens (generation TP) before the log-probs are read.
+
+    Without top-k / top-p and where ``kernels.compile`` allows, one compiled kernel samples and computes
+    the log-sum-exp; its noise is ``counter_log_exponential`` of ``row_keys``, or of keys drawn from
+    ``generator`` (one int64 per row and step). Otherwise ``sample`` then ``token_logprobs``."""
+    temperature = params.temperature
+    if params.top_k > 0 or params.top_p < 1.0 or not _fused_ok(logits):
+        logits = logits.float()
+        tokens = sample(logits, params, generator, row_keys)
+        if share_tokens is not None:
+            tokens = share_tokens(tokens)
+        return tokens, token_logprobs(logits, tokens, temperature)
+    if row_keys is None and not params.greedy:
+        row_keys = torch.randint(-(2**62), 2**62, logits.shape[:1], device=logits.device, generator=generator)
+    keys = (
+        row_keys
+        if row_keys is not None
+        else torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    )
+    inv_temp = 1.0 if temperature in (0.0, 1.0) else 1.0 / temperature
+    tokens, lse = _FUSED[0](logits, keys, inv_temp, not params.greedy)
+    if share_tokens is not None:
+        tokens = share_tokens(tokens)
+    picked = logits.gather(-1, tokens[:, None])[:, 0].float() * inv_temp
+    return tokens, picked - lse
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
