@@ -94,12 +94,17 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def counter_log_exponential(row_keys: torch.Tensor, vocab: int) -> torch.Tensor:
+def counter_log_exponential(
+    row_keys: torch.Tensor, vocab: int, ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """log of Exp(1) noise [B, V] that is a pure function of (row key, token id): row_keys [B] int64.
 
     32-bit arithmetic per element (the row keys are mixed once with 64 bits) keeps it cheap enough to
-    be recomputed inside the fused sampling kernel instead of being stored."""
-    ids = torch.arange(vocab, device=row_keys.device)
+    be recomputed inside the fused sampling kernel instead of being stored. ``ids`` ([1, V] int64, the
+    token ids) may be passed in: compiled code then multiplies loaded int64 values, where an ``arange``
+    would become a 32-bit index that Triton cannot multiply by a 32-bit constant."""
+    if ids is None:
+        ids = torch.arange(vocab, device=row_keys.device)[None]  # [1, V]
     key = mix64(row_keys) & _M32  # [B]
     bits = _hash32((key[:, None] + ids * 0x9E3779B9) & _M32) >> 8  # [B, V] 24 uniform bits
     u = (bits.float() + 0.5) * (1.0 / (1 << 24))  # (0, 1)
@@ -135,13 +140,13 @@ def sample(
     return torch.sub(kept, log_noise, out=log_noise).argmax(dim=-1)
 
 
-def _draw(logits: torch.Tensor, keys: torch.Tensor, inv_temp: float, noisy: bool):
-    """logits [B, V], keys [B] int64 -> tokens [B], log-sum-exp [B] of the scaled logits (fp32).
-    Compiled, this is one or two fused reductions over the logits with the noise computed in registers."""
+def _draw(logits: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor, inv_temp: float, noisy: bool):
+    """logits [B, V], keys [B] int64, ids [1, V] token ids -> tokens [B], log-sum-exp [B] of the scaled
+    logits (fp32). Compiled: fused reductions over the logits with the noise computed in registers."""
     z = logits.float() * inv_temp
     lse = torch.logsumexp(z, dim=-1)
     if noisy:
-        z = z - counter_log_exponential(keys, z.shape[-1])
+        z = z - counter_log_exponential(keys, z.shape[-1], ids)
     return z.argmax(dim=-1), lse
 
 
@@ -154,7 +159,19 @@ def _fused_ok(logits: torch.Tensor) -> bool:
     if not _FUSED:
         _FUSED.append(compile_rows_dynamic(_draw))
     keys = torch.zeros(2, dtype=torch.long, device=logits.device)
-    return probe("the fused sampler", logits.device, lambda: _FUSED[0](logits[:2], keys, 1.0, True))
+    ids = _token_ids(logits)
+    return probe("the fused sampler", logits.device, lambda: _FUSED[0](logits[:2], keys, ids, 1.0, True))
+
+
+_IDS: dict = {}
+
+
+def _token_ids(logits: torch.Tensor) -> torch.Tensor:
+    """[1, V] int64 token ids on the logits' device (kept: one per vocab size and device)."""
+    key = (logits.shape[-1], logits.device)
+    if key not in _IDS:
+        _IDS[key] = torch.arange(logits.shape[-1], device=logits.device)[None]
+    return _IDS[key]
 
 
 def sample_with_logprobs(
@@ -186,7 +203,7 @@ def sample_with_logprobs(
         else torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
     )
     inv_temp = 1.0 if temperature in (0.0, 1.0) else 1.0 / temperature
-    tokens, lse = _FUSED[0](logits, keys, inv_temp, not params.greedy)
+    tokens, lse = _FUSED[0](logits, keys, _token_ids(logits), inv_temp, not params.greedy)
     if share_tokens is not None:
         tokens = share_tokens(tokens)
     picked = logits.gather(-1, tokens[:, None])[:, 0].float() * inv_temp
