@@ -29,7 +29,9 @@ setup(
         "psutil>=5.9",  # megatron-core dist_checkpointing writer processes need it (else save hangs)
     ],
     extras_require={
-        "dev": ["pytest>=8", "ruff==0.17.6", "hydra-submitit-launcher==1.2.0"],
+        # triton: the decode-attention kernel runs under its interpreter in the CPU tests (CUDA builds of
+        # torch bring their own triton)
+        "dev": ["pytest>=8", "ruff==0.17.6", "hydra-submitit-launcher==1.2.0", "triton>=3.2"],
         "te": ["transformer-engine[pytorch]"],
         "slurm": ["hydra-submitit-launcher==1.2.0"],
     },

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_rl.kernels import decode_attention as decode_kernel
+
 
 @dataclass(frozen=True)
 class DecoderSpec:
@@ -155,9 +157,14 @@ def _mlp(x: torch.Tensor, layer: dict, w: GenWeights) -> torch.Tensor:
     return _all_reduce(F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), layer["fc2"]), w)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def decode_attention(q, k, v, mask, positions) -> torch.Tensor:
     """q [B, Gl, rep, D] (a group's query heads as the query axis), k / v [B, Gl, T, D], additive mask
-    [B, 1, 1, T] -> [B, Gl, rep, D]."""
+    [B, 1, 1, T] hiding keys past ``positions`` [B] -> [B, Gl, rep, D].
+
+    The Triton kernel (``kernels.decode_attention``) where it runs (bf16/fp16 on CUDA); SDPA with the
+    mask otherwise."""
+    if decode_kernel.usable(q):
+        return decode_kernel.decode_attention(q, k, v, positions)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -230,7 +237,7 @@ def decode(
         v_cache[batch, :, positions] = qkv[:, :, rep + 1]
         # the rep query heads of a group share its K/V: they are the query-length axis (no K/V copy)
         q = rot[:, :, :rep]  # [B, Gl, rep, D]
-        a = decode_attention(q, k_cache, v_cache, mask).reshape(B, 1, -1)  # [B, 1, Hl*D]
+        a = decode_attention(q, k_cache, v_cache, mask, positions).reshape(B, 1, -1)  # [B, 1, Hl*D]
         x = x + _all_reduce(F.linear(a, layer["proj"]), w)
         x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps), layer, w)
     return logits(rms_norm(x[:, 0], w.final_norm, spec.norm_eps), w, spec)

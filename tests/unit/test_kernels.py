@@ -78,3 +78,28 @@ def test_swiglu_equals_silu_times_up_values_and_grads(monkeypatch, flag):
         assert out.shape == (rows, 3, 8)
         torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(y.grad, y_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("groups,rep,dim", [(2, 7, 64), (3, 1, 16), (1, 4, 32)])
+def test_decode_attention_kernel_equals_masked_sdpa(monkeypatch, groups, rep, dim):
+    """The Triton decode kernel (run by Triton's interpreter on CPU) against SDPA with the engine's
+    additive mask: strided q (a slice of the qkv rows), a cache view shorter than its buffer, positions
+    from 0 (one key) to the last cache row, GQA and MHA."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import decode_attention as kernel
+    from megatron_rl.kernels.decode_attention import decode_attention, usable
+
+    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
+
+    torch.manual_seed(0)
+    b, t = 5, 70
+    cache = torch.randn(2, 2, 8, groups, 96, dim)  # [L, 2, S, G, Tmax, D]
+    k, v = cache[1, 0, :b, :, :t], cache[1, 1, :b, :, :t]
+    q = torch.randn(b, groups, rep + 2, dim)[:, :, :rep]
+    pos = torch.tensor([0, 5, t - 1, 17, 64])
+    assert usable(q)
+    mask = torch.zeros(b, 1, 1, t).masked_fill(
+        ~(torch.arange(t)[None] <= pos[:, None])[:, None, None], float("-inf")
+    )
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(decode_attention(q, k, v, pos), want, rtol=1e-5, atol=1e-5)

@@ -244,3 +244,24 @@ def test_fused_sampler_in_the_engine_matches_hf_logprobs_and_the_eager_sampler(m
     for c in RolloutEngine(params, spec, EngineConfig(max_num_seqs=8)).generate(prompts, plain):
         ref = hf_logprobs(hf, c.prompt_ids, c.response_ids, 0.8)
         assert (torch.tensor(c.logprobs) - ref).abs().max() < 1e-5
+
+
+def test_engine_with_the_triton_decode_kernel_equals_hf(model, monkeypatch):
+    """The decode step with the Triton attention kernel (interpreted on CPU; the GPU path): greedy equals
+    HF token for token and sampled log-probs equal the HF forward."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import decode_attention as kernel
+
+    hf, spec, params = model
+    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
+    calls = []
+    original = kernel.decode_attention
+    monkeypatch.setattr(kernel, "decode_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    prompts = random_prompts(3, seed=5)
+    engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=3))
+    out = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=5))
+    assert calls and [c.response_ids for c in out] == [hf_greedy(hf, p, 5) for p in prompts]
+    for c in engine.generate(prompts, SamplingParams(temperature=0.9, max_new_tokens=5, seed=1)):
+        assert (
+            torch.tensor(c.logprobs) - hf_logprobs(hf, c.prompt_ids, c.response_ids, 0.9)
+        ).abs().max() < 1e-5
