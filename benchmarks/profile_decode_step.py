@@ -41,19 +41,11 @@ def cuda_ms(fn, n: int) -> float:
     return a.elapsed_time(b) / n
 
 
-def _attn_bmm(q, k, v, mask):
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5 + mask  # [B, G, rep, T]
-    return torch.matmul(scores.softmax(-1).to(v.dtype), v)
+def _attn_sdpa(q, k, v, mask, positions):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def _attn_efficient(q, k, v, mask):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-ATTENTION = {"sdpa": decoder.decode_attention, "bmm": _attn_bmm, "efficient": _attn_efficient}
+ATTENTION = {"default": decoder.decode_attention, "sdpa": _attn_sdpa}
 
 
 def main() -> None:
@@ -95,7 +87,7 @@ def main() -> None:
         state.graphs, state.pool = {}, None
         state.pos[:b] = full - 1
         res[f"model_replay_ms_kv{full}_{name}"] = cuda_ms(lambda: state.decode(b, full), 50)
-    decoder.decode_attention = ATTENTION["sdpa"]
+    decoder.decode_attention = ATTENTION["default"]
     state.graphs, state.pool = {}, None
     print(json.dumps(res, indent=1), flush=True)
     from torch.profiler import ProfilerActivity, profile

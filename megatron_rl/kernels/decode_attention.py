@@ -85,7 +85,7 @@ def usable(q: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                     scale: float | None = None, block: int = 64) -> torch.Tensor:  # fmt: skip
+                     scale: float | None = None, block: int = 64, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
     """q [B, G, rep, D] (a group's query heads), k / v [B, G, T, D] (unit stride in D), positions [B]:
     sequence b attends to keys 0..positions[b] (< T) -> [B, G, rep, D] in q's dtype."""
     bsz, groups, rep, dim = q.shape
@@ -95,6 +95,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         q, k, v, positions, out, dim**-0.5 if scale is None else scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        groups=groups, rep=rep, rows=rows, dim=dim, block=block,
+        groups=groups, rep=rep, rows=rows, dim=dim, block=block, num_warps=num_warps,
     )  # fmt: skip
     return out
