@@ -43,6 +43,31 @@ def fwd_bwd(fn, x, g):
     return run
 
 
+def decode_attention_case(t: int, d: int, bsz: int = 512, groups: int = 2, rep: int = 7) -> dict:
+    """Decode attention at the GRPO rollout's shape, cache length t: the Triton kernel (block sizes and
+    warps) against SDPA with the engine's additive mask: max error and microseconds per call."""
+    from megatron_rl.kernels.decode_attention import decode_attention
+
+    dev, bf, res = "cuda", torch.bfloat16, {}
+    cache = torch.randn(2, bsz, groups, t, d, device=dev, dtype=bf)
+    qd = torch.randn(bsz, groups, rep + 2, d, device=dev, dtype=bf)[:, :, :rep]
+    pos = torch.randint(0, t, (bsz,), device=dev)
+    pos[0] = t - 1
+    mask = torch.zeros(bsz, 1, 1, t, device=dev, dtype=bf)
+    mask.masked_fill_(~(torch.arange(t, device=dev)[None] <= pos[:, None])[:, None, None], float("-inf"))
+    want = F.scaled_dot_product_attention(qd, cache[0], cache[1], attn_mask=mask)
+    res[f"decode_attn_t{t}_sdpa_us"] = timed_us(lambda: F.scaled_dot_product_attention(qd, cache[0], cache[1], attn_mask=mask))  # fmt: skip
+    res[f"decode_attn_t{t}_live_kv_gb"] = 2 * bsz * groups * d * 2 * (pos + 1).sum().item() / bsz / 1e9
+    for blk, warps in ((32, 2), (64, 4), (64, 8), (128, 4), (128, 8)):
+        got = decode_attention(qd, cache[0], cache[1], pos, block=blk, num_warps=warps)
+        res[f"decode_attn_t{t}_triton_b{blk}_w{warps}_max_err"] = (
+            (got.float() - want.float()).abs().max().item()
+        )
+        res[f"decode_attn_t{t}_triton_b{blk}_w{warps}_us"] = timed_us(
+            lambda blk=blk, warps=warps: decode_attention(qd, cache[0], cache[1], pos, block=blk, num_warps=warps))  # fmt: skip
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=16384)
@@ -108,25 +133,8 @@ def main() -> None:
         us = timed_us(lambda k=k: k(x, *stats, idx, inside, *stats[:2], 1.0, vocab))
         res[f"logprob_grad_{name}_us"] = us
         res[f"logprob_grad_{name}_tb_s"] = 2 * 2 * rows * vocab / us / 1e6
-    # decode attention at the GRPO rollout's shape: the Triton kernel vs SDPA with the additive mask
-    from megatron_rl.kernels.decode_attention import decode_attention
-
-    bsz, groups, rep = 512, 2, 7
     for t in (384, 768):
-        cache = torch.randn(2, bsz, groups, t, d, device=dev, dtype=bf)
-        qd = torch.randn(bsz, groups, rep + 2, d, device=dev, dtype=bf)[:, :, :rep]
-        pos = torch.randint(0, t, (bsz,), device=dev)
-        pos[0] = t - 1
-        mask = torch.zeros(bsz, 1, 1, t, device=dev, dtype=bf)
-        mask.masked_fill_(~(torch.arange(t, device=dev)[None] <= pos[:, None])[:, None, None], float("-inf"))
-        want = F.scaled_dot_product_attention(qd, cache[0], cache[1], attn_mask=mask)
-        res[f"decode_attn_t{t}_sdpa_us"] = timed_us(lambda: F.scaled_dot_product_attention(qd, cache[0], cache[1], attn_mask=mask))  # fmt: skip
-        res[f"decode_attn_t{t}_kv_gb"] = 2 * cache[0].numel() * 2 / 1e9  # whole cache read, both
-        for blk, warps in ((32, 2), (64, 4), (64, 8), (128, 4), (128, 8)):
-            got = decode_attention(qd, cache[0], cache[1], pos, block=blk, num_warps=warps)
-            res[f"decode_attn_t{t}_triton_b{blk}_w{warps}_max_err"] = (got.float() - want.float()).abs().max().item()
-            res[f"decode_attn_t{t}_triton_b{blk}_w{warps}_us"] = timed_us(
-                lambda blk=blk, warps=warps: decode_attention(qd, cache[0], cache[1], pos, block=blk, num_warps=warps))  # fmt: skip
+        res.update(decode_attention_case(t, d))
     print(json.dumps(res, indent=1))
     with open(a.out, "w") as fh:
         json.dump(res, fh, indent=1)
