@@ -74,14 +74,17 @@ if HAVE_TRITON:
 RUN_ON_CPU = False
 
 
+def serves(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the Triton kernel runs for this device, dtype and head dim: Triton importable, bf16/fp16 on
+    CUDA (or any float on CPU with ``RUN_ON_CPU``), head dim a power of two >= 16."""
+    on_gpu = torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    on_cpu = RUN_ON_CPU and torch.device(device).type == "cpu"
+    return HAVE_TRITON and (on_gpu or on_cpu) and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def usable(q: torch.Tensor) -> bool:
-    """Whether the Triton kernel can serve ``q`` here: Triton importable, a bf16/fp16 CUDA tensor (or
-    ``RUN_ON_CPU``), head dim a power of two >= 16 with unit stride."""
-    on_gpu = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-    if not HAVE_TRITON or not (on_gpu or (RUN_ON_CPU and not q.is_cuda)):
-        return False
-    dim = q.shape[-1]
-    return dim >= 16 and dim & (dim - 1) == 0 and q.stride(-1) == 1
+    """``serves`` for q [..., D] with unit stride in D."""
+    return serves(q.device, q.dtype, q.shape[-1]) and q.stride(-1) == 1
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

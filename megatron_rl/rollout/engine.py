@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_rl.kernels import decode_attention as decode_kernel
 from megatron_rl.rollout import decoder, reshard
 from megatron_rl.rollout.decoder import DecoderSpec, GenWeights
 from megatron_rl.rollout.kv_cache import KV_KEYS, KVCache, bytes_per_token, plan_cache
@@ -231,6 +232,8 @@ class _DecodeState:
 
     def __init__(self, spec: DecoderSpec, plan, local_groups: int, dtype, device, use_graphs: bool):
         self.spec, self.use_graphs = spec, use_graphs
+        # the Triton decode kernel stops at each sequence's own position: no length buckets needed
+        self.reads_live_only = decode_kernel.serves(device, dtype, spec.head_dim)
         self.cache = KVCache(plan, spec.num_layers, local_groups, spec.head_dim, dtype, device)
         self.tok = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S] token fed at `pos`
         self.pos = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S]
@@ -275,9 +278,12 @@ class _DecodeState:
         first kv' >= ``kv_need`` cache positions (``kv_need`` rounded up to ``_KV_BUCKET``): decode
         attention reads the live part of the cache, not all of it. Caches of at most ``_KV_BUCKET_FROM``
         positions are read whole: there attention is a small part of the step and each extra length bucket
-        costs a graph capture (~20 ms) in every generate call."""
+        costs a graph capture (~20 ms) in every generate call. With the Triton decode kernel, which reads
+        each sequence's keys only up to its position, the whole cache is passed (one graph per batch
+        bucket)."""
         full = self.cache.plan.max_len
-        kv = full if full <= _KV_BUCKET_FROM else min(-(-kv_need // _KV_BUCKET) * _KV_BUCKET, full)
+        whole = full <= _KV_BUCKET_FROM or self.reads_live_only
+        kv = full if whole else min(-(-kv_need // _KV_BUCKET) * _KV_BUCKET, full)
         if not self.use_graphs:
             return self._eager(b, kv)
         bucket = min(1 << (b - 1).bit_length(), self.cache.plan.slots)
