@@ -124,13 +124,14 @@ def _activation_bytes(
     """Tensors the local-spec layers keep for backward in one training micro-batch, on the first stage,
     times min(pp, micro-batches) in flight (1F1B). Per token and layer (bytes): the two norm inputs and
     outputs and attention-out's input (5h), the SDPA inputs and output (q, k, v, out: 2q + kv; flash/cuDNN
-    keep no [T, T] scores), fc1's output, SiLU's output and fc2's input (4f); the h terms are split over
-    TP only with sequence parallelism. ``p``: the prompt length assumed."""
+    keep no [T, T] scores), fc1's output and fc2's input (3f: the fused SwiGLU of ``kernels.swiglu``, on by
+    default on GPU, keeps no SiLU output; unfused it is 4f); the h terms are split over TP only with
+    sequence parallelism. ``p``: the prompt length assumed."""
     s = p + cfg.rollout.max_new_tokens
     b, tp, h = _micro_seqs(cfg, s), dims.tp, a.hidden
     q, kv = a.heads * a.head_dim, 2 * a.kv_heads * a.head_dim
     sp = tp if cfg.parallel.sequence_parallel else 1
-    per_token_layer = (5 * h / sp + (2 * q + kv + 4 * a.ffn) / tp) * dtype_b
+    per_token_layer = (5 * h / sp + (2 * q + kv + 3 * a.ffn) / tp) * dtype_b
     in_flight = min(dims.pp, max(1, n_micro))
     return s * b * per_token_layer * a.layers / dims.pp * in_flight
 
