@@ -18,8 +18,8 @@ _COMPILED: list = []
 
 
 def rope_reference(t: Tensor, freqs: Tensor) -> Tensor:
-    """t [S, B, H, D]; freqs [S, 1, 1, D] fp32 angles (halves repeated, not interleaved) -> rotated t,
-    in t's dtype: ``t cos + rotate_half(t) sin`` with ``rotate_half(x) = [-x2, x1]``."""
+    """t [S, B, H, D] (or [S*B, H, D]); freqs [S, 1, 1, D] (or [S*B, 1, D]) fp32 angles, halves repeated,
+    not interleaved -> rotated t in t's dtype: ``t cos + rotate_half(t) sin``, ``rotate_half(x) = [-x2, x1]``."""
     x = t.float()
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [S, B, H, D]
