@@ -158,9 +158,13 @@ def _fused_ok(logits: torch.Tensor) -> bool:
         return False
     if not _FUSED:
         _FUSED.append(compile_rows_dynamic(_draw))
+    return probe("the fused sampler", logits.device, lambda: _trial(logits))
+
+
+def _trial(logits: torch.Tensor) -> None:
+    """The compiled sampler once on two rows (compile errors surface here, not mid-generation)."""
     keys = torch.zeros(2, dtype=torch.long, device=logits.device)
-    ids = _token_ids(logits)
-    return probe("the fused sampler", logits.device, lambda: _FUSED[0](logits[:2], keys, ids, 1.0, True))
+    _FUSED[0](logits[:2], keys, _token_ids(logits), 1.0, True)
 
 
 _IDS: dict = {}
