@@ -116,7 +116,7 @@ def main() -> None:
     freqs = torch.cat((f, f), -1)[:, None, None, :]
     all_dyn = torch.compile(rope_reference, dynamic=True)
     for name, fn in (("mcore_unfused", lambda x: rope_utils._apply_rotary_pos_emb_bshd(x, freqs[: len(x)])),
-                     ("ours_rows", lambda x: compiled_rope()(x, freqs[: len(x)])),
+                     ("ours_rows", lambda x: compiled_rope(x, freqs[: len(x)])),
                      ("all_dynamic", lambda x: all_dyn(x, freqs[: len(x)]))):  # fmt: skip
         fn(q[: s - 8]).backward(gq[: s - 8])
         res[f"rope_{name}_us"] = timed_us(fwd_bwd(fn, q, gq))

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_rl.kernels.compile import compile_enabled, compile_rows_dynamic, probe
+from megatron_rl.kernels.compile import compile_rows_dynamic, probe
 
 
 def _group_size(group) -> int:
@@ -140,7 +140,8 @@ def _pass_grad(x, zmax, log_sum_exp, expected, local, inside, g_lp, g_ent, tempe
     return (g / temperature).to(x.dtype)
 
 
-_COMPILED: dict[str, object] = {}  # the compiled passes by name
+_COMPILED = {"max": compile_rows_dynamic(_pass_max), "sums": compile_rows_dynamic(_pass_sums),
+             "grad": compile_rows_dynamic(_pass_grad)}  # fmt: skip
 _PROBE = "the log-prob kernel"
 
 
@@ -152,9 +153,6 @@ def _kernels(logits: Tensor):
 
 
 def _compiled_ok(logits: Tensor) -> bool:
-    if not _COMPILED and compile_enabled(logits.device):
-        for name, fn in (("max", _pass_max), ("sums", _pass_sums), ("grad", _pass_grad)):
-            _COMPILED[name] = compile_rows_dynamic(fn)
     return probe(_PROBE, logits.device, lambda: _trial(logits[:2].detach()))
 
 

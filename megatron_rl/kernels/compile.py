@@ -32,16 +32,19 @@ def compile_rows_dynamic(fn: Callable) -> Callable:
     every size symbolic (``dynamic=True``) Triton's index arithmetic divides by runtime values and loses
     vectorised loads: the SwiGLU backward ran 2.3x slower on an H200. Inner sizes are marked static, so a
     call with other inner sizes (a probe on a small input, another TP size) compiles its own kernel instead
-    of turning them dynamic."""
-    compiled = torch.compile(fn)
+    of turning them dynamic. ``torch.compile`` is only called at the first call (module import stays free
+    of torch._dynamo)."""
+    compiled = []
 
     def run(*args, **kwargs):
+        if not compiled:
+            compiled.append(torch.compile(fn))
         for a in args:
             if isinstance(a, torch.Tensor) and a.dim() > 0:
                 torch._dynamo.maybe_mark_dynamic(a, 0)
                 for d in range(1, a.dim()):
                     torch._dynamo.mark_static(a, d)
-        return compiled(*args, **kwargs)
+        return compiled[0](*args, **kwargs)
 
     return run
 

@@ -26,7 +26,7 @@ def _trial(device: torch.device) -> None:
     x = torch.randn(4, 2, 2, 8, device=device, requires_grad=True)
     freqs = torch.randn(4, 1, 1, 8, device=device)
     y = torch.randn(4, 2, 16, device=device, requires_grad=True)
-    (compiled_rope()(x, freqs).sum() + swiglu(y).sum()).backward()
+    (compiled_rope(x, freqs).sum() + swiglu(y).sum()).backward()
 
 
 def fusion_flags(device: torch.device | str, te_layers: bool) -> dict[str, bool]:

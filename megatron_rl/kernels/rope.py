@@ -14,8 +14,6 @@ from torch import Tensor
 
 from megatron_rl.kernels.compile import compile_rows_dynamic
 
-_COMPILED: list = []
-
 
 def rope_reference(t: Tensor, freqs: Tensor) -> Tensor:
     """t [S, B, H, D] (or [S*B, H, D]); freqs [S, 1, 1, D] (or [S*B, 1, D]) fp32 angles, halves repeated,
@@ -26,19 +24,15 @@ def rope_reference(t: Tensor, freqs: Tensor) -> Tensor:
     return (x * freqs.cos() + rotated * freqs.sin()).to(t.dtype)
 
 
-def compiled_rope():
+_ROWS = compile_rows_dynamic(rope_reference)
+
+
+def compiled_rope(t: Tensor, freqs: Tensor) -> Tensor:
     """rope_reference compiled with one dynamic size: t [S, B, H, D] is viewed as [S*B, H, D] rows with
     the angles repeated per row ([S*B, 1, D], small), since S and B both vary between micro-batches."""
-    if not _COMPILED:
-        rows = compile_rows_dynamic(rope_reference)
-
-        def run(t: Tensor, freqs: Tensor) -> Tensor:
-            s, b, h, d = t.shape
-            per_row = freqs.expand(s, b, 1, d).reshape(s * b, 1, d)  # [S*B, 1, D]
-            return rows(t.reshape(s * b, h, d), per_row).view(s, b, h, d)
-
-        _COMPILED.append(run)
-    return _COMPILED[0]
+    s, b, h, d = t.shape
+    per_row = freqs.expand(s, b, 1, d).reshape(s * b, 1, d)  # [S*B, 1, D]
+    return _ROWS(t.reshape(s * b, h, d), per_row).view(s, b, h, d)
 
 
 def fused_apply_rotary_pos_emb(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
@@ -48,4 +42,4 @@ def fused_apply_rotary_pos_emb(t: Tensor, freqs: Tensor, interleaved: bool = Fal
         from megatron.core.models.common.embeddings import rope_utils
 
         return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
-    return compiled_rope()(t, freqs)
+    return compiled_rope(t, freqs)

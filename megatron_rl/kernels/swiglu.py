@@ -30,16 +30,11 @@ def swiglu_backward(grad: Tensor, y: Tensor) -> Tensor:
     return torch.cat((d_gate, g * gate * sig), dim=-1).to(y.dtype)
 
 
-_KERNELS: dict[str, object] = {}
+_COMPILED = compile_rows_dynamic(swiglu_forward), compile_rows_dynamic(swiglu_backward)
 
 
 def _kernels(device: torch.device):
-    if not compile_enabled(device):
-        return swiglu_forward, swiglu_backward
-    if not _KERNELS:
-        _KERNELS["fwd"] = compile_rows_dynamic(swiglu_forward)
-        _KERNELS["bwd"] = compile_rows_dynamic(swiglu_backward)
-    return _KERNELS["fwd"], _KERNELS["bwd"]
+    return _COMPILED if compile_enabled(device) else (swiglu_forward, swiglu_backward)
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -150,21 +150,19 @@ def _draw(logits: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor, inv_temp:
     return z.argmax(dim=-1), lse
 
 
-_FUSED: list = []
+_FUSED_DRAW = compile_rows_dynamic(_draw)
 
 
 def _fused_ok(logits: torch.Tensor) -> bool:
     if not compile_enabled(logits.device):
         return False
-    if not _FUSED:
-        _FUSED.append(compile_rows_dynamic(_draw))
     return probe("the fused sampler", logits.device, lambda: _trial(logits))
 
 
 def _trial(logits: torch.Tensor) -> None:
     """The compiled sampler once on two rows (compile errors surface here, not mid-generation)."""
     keys = torch.zeros(2, dtype=torch.long, device=logits.device)
-    _FUSED[0](logits[:2], keys, _token_ids(logits), 1.0, True)
+    _FUSED_DRAW(logits[:2], keys, _token_ids(logits), 1.0, True)
 
 
 _IDS: dict = {}
@@ -207,7 +205,7 @@ def sample_with_logprobs(
         else torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
     )
     inv_temp = 1.0 if temperature in (0.0, 1.0) else 1.0 / temperature
-    tokens, lse = _FUSED[0](logits, keys, _token_ids(logits), inv_temp, not params.greedy)
+    tokens, lse = _FUSED_DRAW(logits, keys, _token_ids(logits), inv_temp, not params.greedy)
     if share_tokens is not None:
         tokens = share_tokens(tokens)
     picked = logits.gather(-1, tokens[:, None])[:, 0].float() * inv_temp

@@ -113,7 +113,9 @@ def test_a_failing_torch_compile_falls_back_to_the_eager_passes(monkeypatch):
     monkeypatch.setenv("MEGATRON_RL_COMPILE", "1")
     from megatron_rl.kernels import compile as kc
 
-    monkeypatch.setattr(vp, "_COMPILED", {})
+    fresh = {n: kc.compile_rows_dynamic(f) for n, f in (("max", vp._pass_max), ("sums", vp._pass_sums),
+                                                          ("grad", vp._pass_grad))}  # fmt: skip
+    monkeypatch.setattr(vp, "_COMPILED", fresh)  # not compiled yet: they meet the broken compile below
     monkeypatch.setattr(kc, "_PROBED", set())
     monkeypatch.setattr(kc, "_FAILED", {})
 
