@@ -15,6 +15,7 @@ from megatron_rl.data import dp_share
 from megatron_rl.distributed import ParallelDims, destroy_distributed, device, init_distributed
 from megatron_rl.distributed.phase_watchdog import phase, set_error_dir
 from megatron_rl.logging import Timer
+from megatron_rl.models.facts import PEAK_BF16_FLOPS
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.advantage import batch_metrics, compute_advantages, score_responses
 from megatron_rl.trainer.batch import RolloutBatch, build_batch
@@ -153,16 +154,9 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     return metrics, batch
 
 
-PEAK_BF16_FLOPS = 790e12  # H200 dense bf16, the reference the benchmarks use
-
-
 def _actor_params(c: Components) -> int:
-    """Actor parameter count N from the shape (the 6N-per-token training estimate; attention's T^2 term
-    is left out, as in the usual MFU convention)."""
-    a = c.args
-    attn = a.hidden_size * (a.num_attention_heads + 2 * a.num_query_groups) * a.head_dim
-    attn += a.num_attention_heads * a.head_dim * a.hidden_size
-    return a.num_layers * (attn + 3 * a.hidden_size * a.ffn_hidden_size) + a.vocab_size * a.hidden_size
+    """Actor N of the 6N-per-token training estimate (``ModelArgs.matmul_params``)."""
+    return c.args.matmul_params()
 
 
 def _perf(c: Components, batch: RolloutBatch, seconds: float, update_s: float) -> dict[str, float]:
