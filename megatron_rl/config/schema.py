@@ -128,7 +128,40 @@ class OptimConfig:
 
 
 @dataclass
-class ActorConfig:
+class RecomputeKeys:
+    """megatron-core's activation recomputation, for a trained model (actor, critic): trade compute for the
+    activations one micro-batch keeps for backward."""
+
+    recompute_granularity: Optional[str] = doc(
+        None,
+        "Activation recomputation: null (off) | selective (recompute_modules only) | full (whole layers).",
+    )
+    recompute_method: Optional[str] = doc(
+        None,
+        "With granularity full: uniform (every recompute_num_layers layers as one unit) | block "
+        "(the first recompute_num_layers layers of each pipeline stage).",
+    )
+    recompute_num_layers: Optional[int] = doc(
+        None, "With granularity full: layers per unit (uniform) or recomputed layers per stage (block)."
+    )
+    recompute_modules: list = doc(
+        ["core_attn"], "With granularity selective: any of core_attn | mlp | layernorm (megatron-core names)."
+    )
+
+    def recompute_kwargs(self) -> dict:
+        """The megatron-core ``TransformerConfig`` fields these keys set ({} when recomputation is off)."""
+        if self.recompute_granularity is None:
+            return {}
+        return {
+            "recompute_granularity": self.recompute_granularity,
+            "recompute_method": self.recompute_method,
+            "recompute_num_layers": self.recompute_num_layers,
+            "recompute_modules": list(self.recompute_modules),
+        }
+
+
+@dataclass
+class ActorConfig(RecomputeKeys):
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = doc(8, "Prompts per optimizer step, global (times rollout.n sequences).")
     ppo_micro_batch_size_per_gpu: int = doc(4, "Sequences per forward/backward on each rank.")
@@ -157,7 +190,7 @@ class ActorConfig:
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(RecomputeKeys):
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = doc(8, "Prompts per critic optimizer step, global.")
     ppo_micro_batch_size_per_gpu: int = doc(4, "Sequences per critic forward/backward on each rank.")

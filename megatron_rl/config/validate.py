@@ -115,6 +115,32 @@ def _check_optim(cfg: JobConfig, role: str) -> None:
         )
 
 
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+
+
+def _check_recompute(cfg: JobConfig, role: str, layers_per_stage: int | None) -> None:
+    """megatron-core's own rules for the recompute fields, checked here so the message names our keys."""
+    w = _get(cfg, role)
+    gran, method, n = w.recompute_granularity, w.recompute_method, w.recompute_num_layers
+    if gran not in (None, "selective", "full"):
+        raise ConfigError(f"{role}.recompute_granularity={gran!r}: use null, selective or full.")
+    if gran == "full":
+        if method not in ("uniform", "block"):
+            raise ConfigError(f"{role}.recompute_granularity=full needs {role}.recompute_method=uniform|block "
+                              f"(got {method!r}).")  # fmt: skip
+        top = layers_per_stage or n or 1
+        if not isinstance(n, int) or not 1 <= n <= top:
+            raise ConfigError(f"{role}.recompute_num_layers={n!r} with recompute_granularity=full: set it to "
+                              f"1..{top} (layers per pipeline stage); 1 with uniform recomputes every layer.")  # fmt: skip
+    elif method is not None or n is not None:
+        raise ConfigError(f"{role}.recompute_method / recompute_num_layers apply to recompute_granularity=full "
+                          f"only (granularity is {gran!r}); set them to null.")  # fmt: skip
+    bad = set(w.recompute_modules) - set(RECOMPUTE_MODULES)
+    if gran == "selective" and (bad or not w.recompute_modules):
+        raise ConfigError(f"{role}.recompute_modules={list(w.recompute_modules)}: choose from "
+                          f"{list(RECOMPUTE_MODULES)} (at least one) with recompute_granularity=selective.")  # fmt: skip
+
+
 def validate_job(
     cfg: JobConfig, world_size: int, num_layers: int | None = None, training: bool = True
 ) -> ParallelDims:
@@ -150,11 +176,14 @@ def validate_job(
         )
     if not training:
         return dims
+    per_stage = num_layers // dims.pp if num_layers else None
     _check_update_batches(cfg, "actor", dims.dp)
     _check_optim(cfg, "actor")
+    _check_recompute(cfg, "actor", per_stage)
     if cfg.algorithm.adv_estimator == "gae":
         _check_update_batches(cfg, "critic", dims.dp)
         _check_optim(cfg, "critic")
+        _check_recompute(cfg, "critic", per_stage)
     if cfg.reward.reward_fn == "model" and not cfg.reward.reward_model_path:
         raise ConfigError(
             "reward.reward_fn=model needs reward.reward_model_path=<HF sequence-classification dir>."

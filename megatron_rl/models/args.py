@@ -175,10 +175,13 @@ class ModelArgs:
         use_cpu_init: bool | None = None,
         sequence_parallel: bool = False,
         fusions: dict[str, bool] | None = None,
+        recompute: dict | None = None,
     ):
         """megatron-core TransformerConfig matching HF numerics (no dropout, 1/sqrt(head_dim) scale).
 
         ``fusions``: fusion flags to turn on (``kernels.mcore.fusion_flags``); all are off otherwise.
+        ``recompute``: megatron-core's activation-recomputation fields (``recompute_granularity``,
+        ``recompute_method``, ``recompute_num_layers``, ``recompute_modules``); none by default.
 
         ``sequence_parallel`` (``parallel.sequence_parallel``, GPU only): activations outside the TP regions
         are split along the sequence across TP ranks; sequence lengths must be multiples of TP."""
@@ -221,6 +224,7 @@ class ModelArgs:
                 "persist_layer_norm": False,
                 **(fusions or {}),
             },
+            **(recompute or {}),
             params_dtype=dtype,
             pipeline_dtype=dtype,
             bf16=dtype == torch.bfloat16,

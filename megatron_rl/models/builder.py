@@ -60,6 +60,7 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     backend: str = "auto",
     sequence_parallel: bool = False,
+    recompute: dict | None = None,
 ) -> GPTModel:
     """A GPTModel for this rank's pipeline stage (pre/post_process from parallel_state).
 
@@ -67,6 +68,7 @@ def build_model(
     logits [B, T, V/tp] on the last stage. critic/reward: a scalar value head, forward gives [B, T].
     ref: the actor's architecture, in eval mode with requires_grad False.
     Non-last stages return hidden states [T, B, h]. Weights are random until ``load_hf_weights``.
+    ``recompute``: megatron-core activation-recomputation fields (``RecomputeKeys.recompute_kwargs``).
     """
     if role not in ROLES:
         raise ValueError(f"model role={role!r}; use one of {ROLES}")
@@ -77,7 +79,10 @@ def build_model(
             f"with ModelArgs.from_hf_config(..., tp={tp}) or args.with_tp({tp})"
         )
     config = args.transformer_config(
-        dtype, sequence_parallel=sequence_parallel, fusions=fusion_flags(device(), uses_te(backend))
+        dtype,
+        sequence_parallel=sequence_parallel,
+        fusions=fusion_flags(device(), uses_te(backend)),
+        recompute=recompute,
     )
     is_value = role in VALUE_ROLES
     cls = ValueModel if is_value else GPTModel

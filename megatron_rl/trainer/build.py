@@ -60,17 +60,19 @@ def _resolve_paths(cfg: JobConfig) -> tuple[str, str | None, str | None, bool]:
     )
 
 
-def _model(args: ModelArgs, role: str, dtype: torch.dtype, weights_dir: str, sp: bool) -> torch.nn.Module:
+def _model(
+    args: ModelArgs, role: str, dtype: torch.dtype, weights_dir: str, sp: bool, recompute: dict | None = None
+) -> torch.nn.Module:
     """Build and load one role; the whole module is cast to ``dtype`` (megatron-core's norms are created
     in fp32 whatever ``params_dtype`` says; its Float16Module casts likewise)."""
-    model = build_model(args, role, dtype, sequence_parallel=sp)
+    model = build_model(args, role, dtype, sequence_parallel=sp, recompute=recompute)
     load_hf_weights(model, weights_dir, args, role=role)
     return model.to(dtype)
 
 
 def _build_models(cfg: JobConfig, args: ModelArgs, model_dir: str, total_steps: int):
     dtype, r, sp = DTYPES[cfg.model.dtype], cfg.rollout.max_new_tokens, cfg.parallel.sequence_parallel
-    actor_model = _model(args, "actor", dtype, model_dir, sp)
+    actor_model = _model(args, "actor", dtype, model_dir, sp, cfg.actor.recompute_kwargs())
     actor = PolicyWorker(actor_model, cfg.actor, cfg.rollout.temperature, args.vocab_size, total_steps, r)
     ref = None
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
@@ -87,7 +89,8 @@ def _build_models(cfg: JobConfig, args: ModelArgs, model_dir: str, total_steps: 
         )
     critic = None
     if cfg.algorithm.adv_estimator == "gae":
-        critic_model = _model(args, "critic", dtype, cfg.model.critic_path or model_dir, sp)
+        critic_dir = cfg.model.critic_path or model_dir
+        critic_model = _model(args, "critic", dtype, critic_dir, sp, cfg.critic.recompute_kwargs())
         critic = CriticWorker(critic_model, cfg.critic, total_steps, r)
     return actor, ref, critic
 

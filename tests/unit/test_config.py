@@ -155,3 +155,37 @@ def test_dynamic_batch_size_replaces_the_micro_batch_check_and_needs_room_for_on
     cfg.actor.ppo_max_token_len_per_gpu -= 1
     with pytest.raises(ConfigError, match=r"actor.ppo_max_token_len_per_gpu=.*at least"):
         validate_job(cfg, world_size=1, num_layers=2)
+
+
+@pytest.mark.parametrize(
+    "keys, needle",
+    [
+        ({"recompute_granularity": "some"}, r"actor\.recompute_granularity='some': use null, selective or full"),
+        ({"recompute_granularity": "full"}, r"needs actor\.recompute_method=uniform\|block"),
+        ({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 3},
+         r"actor\.recompute_num_layers=3 .* 1\.\.2"),
+        ({"recompute_granularity": "selective", "recompute_method": "uniform"}, r"full only"),
+        ({"recompute_granularity": "selective", "recompute_modules": ["moe"]}, r"choose from"),
+    ],
+)  # fmt: skip
+def test_recompute_keys_are_checked_with_our_key_names(keys, needle):
+    cfg = JobConfig()
+    for k, v in keys.items():
+        setattr(cfg.actor, k, v)
+    with pytest.raises(ConfigError, match=needle):
+        validate_job(cfg, world_size=1, num_layers=2)
+
+
+def test_recompute_keys_reach_the_transformer_config():
+    cfg = JobConfig()
+    assert cfg.actor.recompute_kwargs() == {} and cfg.critic.recompute_kwargs() == {}
+    cfg.critic.recompute_granularity, cfg.critic.recompute_method, cfg.critic.recompute_num_layers = (
+        "full",
+        "uniform",
+        1,
+    )
+    cfg.algorithm.adv_estimator = "gae"
+    validate_job(cfg, world_size=1, num_layers=2)
+    kw = cfg.critic.recompute_kwargs()
+    assert kw["recompute_granularity"] == "full" and kw["recompute_method"] == "uniform"
+    assert kw["recompute_num_layers"] == 1 and kw["recompute_modules"] == ["core_attn"]
