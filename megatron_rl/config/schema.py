@@ -64,8 +64,10 @@ class RolloutConfig:
     gpu_memory_utilization: float = doc(
         0.5, "With kv_cache_tokens=0 on GPU: cap as a fraction of free memory."
     )
-    max_num_seqs: int = doc(
-        1024, "Sequences decoded together per rank (KV-cache slots); more wait and enter as others finish."
+    max_num_seqs: Any = doc(
+        1024,
+        "Sequences decoded together per rank (KV-cache slots); more wait and enter as others finish. auto = "
+        "the most the memory model fits on the GPU.",
     )
     max_prefill_tokens: int = doc(16384, "Padded prompt tokens per prefill batch (bounds prefill memory).")
     cuda_graphs: bool = doc(True, "Capture the decode step in CUDA graphs (GPU only).")
@@ -168,8 +170,10 @@ class ActorConfig(RecomputeKeys):
     use_dynamic_bsz: bool = doc(
         False, "Micro-batches by token budget (similar lengths together) instead of a fixed sequence count."
     )
-    ppo_max_token_len_per_gpu: int = doc(
-        16384, "With use_dynamic_bsz: padded tokens per micro-batch (>= max_prompt_length + max_new_tokens)."
+    ppo_max_token_len_per_gpu: Any = doc(
+        16384,
+        "With use_dynamic_bsz: padded tokens per micro-batch (>= max_prompt_length + max_new_tokens); auto = "
+        "the largest the memory model fits on the GPU (see trainer.gpu_memory_gb).",
     )
     ppo_epochs: int = doc(1, "Passes over each rollout batch.")
     policy_loss: str = doc("vanilla", "vanilla (PPO clip, dual-clip) | gspo.")
@@ -195,7 +199,9 @@ class CriticConfig(RecomputeKeys):
     ppo_mini_batch_size: int = doc(8, "Prompts per critic optimizer step, global.")
     ppo_micro_batch_size_per_gpu: int = doc(4, "Sequences per critic forward/backward on each rank.")
     use_dynamic_bsz: bool = doc(False, "Critic micro-batches by token budget (as actor.use_dynamic_bsz).")
-    ppo_max_token_len_per_gpu: int = doc(16384, "With use_dynamic_bsz: padded tokens per critic micro-batch.")
+    ppo_max_token_len_per_gpu: Any = doc(
+        16384, "With use_dynamic_bsz: padded tokens per critic micro-batch; auto as for the actor."
+    )
     ppo_epochs: int = doc(1, "Critic passes over each rollout batch.")
     cliprange_value: float = doc(0.5, "Value clipping range around the old values.")
     loss_agg_mode: str = doc("token-mean", "Aggregation of the value loss (as actor.loss_agg_mode).")
@@ -256,6 +262,9 @@ class TrainerConfig:
     max_ckpt_to_keep: int = doc(2, "Newest checkpoints kept.")
     save_hf: bool = doc(False, "Also write an HF export of the actor with each checkpoint.")
     dry_run: bool = doc(False, "Print layout and memory estimate, then exit.")
+    gpu_memory_gb: Optional[float] = doc(
+        None, "GPU memory (GiB) the memory model fits to; None = the device's own (set it to plan on a CPU)."
+    )
     log_generations_freq: int = doc(5, "Print a few sample generations every N steps (-1 = never).")
     timeout_minutes: float = doc(
         30.0,

@@ -83,11 +83,13 @@ def _check_update_batches(cfg: JobConfig, role: str, dp: int) -> int:
             f"sequences does not split evenly over the data-parallel size {dp} (world / (TP x PP)). "
             f"Make {role}.ppo_mini_batch_size * rollout.n a multiple of {dp}."
         )
+    budget = _get(cfg, f"{role}.ppo_max_token_len_per_gpu")
+    if budget != "auto" and not (isinstance(budget, int) and budget > 0):
+        raise ConfigError(f"{role}.ppo_max_token_len_per_gpu={budget!r}: use a positive token count or auto.")
     if _get(cfg, f"{role}.use_dynamic_bsz"):
-        budget, longest = (
-            _get(cfg, f"{role}.ppo_max_token_len_per_gpu"),
-            cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
-        )
+        longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+        if budget == "auto":  # resolved from the memory model before the models are built
+            return max(1, seqs_per_rank // 2)
         if budget < longest:
             raise ConfigError(
                 f"{role}.ppo_max_token_len_per_gpu={budget} cannot hold one sequence of data.max_prompt_length + "
@@ -158,7 +160,6 @@ def validate_job(
             "data.train_batch_size",
             "rollout.n",
             "rollout.max_new_tokens",
-            "rollout.max_num_seqs",
             "rollout.max_prefill_tokens",
             "data.max_prompt_length",
             "actor.ppo_epochs",
@@ -166,6 +167,9 @@ def validate_job(
             "trainer.total_training_steps",
         ),
     )
+    slots = cfg.rollout.max_num_seqs
+    if slots != "auto" and not (isinstance(slots, int) and slots > 0):
+        raise ConfigError(f"rollout.max_num_seqs={slots!r}: use a positive number of sequences or auto.")
     if par.sequence_parallel and par.tensor_model_parallel_size == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1.")
     tp_g = cfg.rollout.tensor_model_parallel_size

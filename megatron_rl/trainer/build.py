@@ -95,6 +95,17 @@ def _build_models(cfg: JobConfig, args: ModelArgs, model_dir: str, total_steps: 
     return actor, ref, critic
 
 
+def fit_to_gpu(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, prompt_len: int) -> None:
+    """Resolve the ``auto`` budgets in ``cfg`` and refuse a job the memory model says cannot fit (the
+    ``ConfigError`` names the key and a value that fits); rank 0 prints what auto chose."""
+    from megatron_rl.trainer.memory_plan import apply_plan, gpu_memory_bytes, plan
+
+    fitted = plan(cfg, dims, args, prompt_len, gpu_memory_bytes(cfg)[0])
+    apply_plan(cfg, fitted["chosen"])
+    if fitted["notes"] and torch.distributed.get_rank() == 0:
+        print("memory plan: " + "; ".join(f"{k}: {v}" for k, v in fitted["notes"].items()), flush=True)
+
+
 def _reward_fn(cfg: JobConfig):
     rw = cfg.reward
     if rw.reward_fn == "model":
@@ -127,6 +138,7 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
     val_ds = PromptDataset(val_files, files_key="data.val_files", **dataset_kw) if val_files else None
     total = min(cfg.trainer.total_training_steps, loader.steps_per_epoch * cfg.trainer.total_epochs)
     args = ModelArgs.from_hf_config(model_dir, tp=dims.tp)
+    fit_to_gpu(cfg, dims, args, max(len(r.prompt_ids) for r in train_ds.rows))  # before any weights load
     actor, ref, critic = _build_models(cfg, args, model_dir, total)
     engine_cfg = EngineConfig.from_config(cfg.rollout)  # the rollout.* keys of the same names
     reward_model = None

@@ -1,71 +1,161 @@
-"""trainer.dry_run: layout, micro-batches and the memory estimate, from config.json alone."""
+"""trainer.dry_run and the memory model: layout, the estimate's components at known shapes, the auto
+budgets and the refusal of jobs that cannot fit (issue 15 item 4), from config.json alone."""
 
 from __future__ import annotations
 
+import copy
 import json
+import subprocess
+import sys
 
 import pytest
 
 from megatron_rl.config.schema import JobConfig
+from megatron_rl.config.validate import ConfigError
 from megatron_rl.distributed.dims import ParallelDims
-from megatron_rl.trainer.dry_run import Arch, dry_run, padded_vocab, rank_table, stage_params
+from megatron_rl.models import ModelArgs
+from megatron_rl.models.shapes import hf_config
+from megatron_rl.trainer.dry_run import dry_run, rank_table
+from megatron_rl.trainer.memory_model import GIB, estimate, layer_activation_bytes_per_token
+from megatron_rl.trainer.memory_plan import plan
 
-QWEN_05B = {"model_type": "qwen2", "num_hidden_layers": 24, "hidden_size": 896, "num_attention_heads": 14,
-            "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True}  # fmt: skip
-
-
-def test_param_count_matches_qwen2_5_0_5b():
-    a = Arch.from_hf(QWEN_05B)
-    n = stage_params(a, tp=1, pp=1, head="lm")["first"]
-    # 494.0M parameters (HF), plus 128 padded vocab rows of 896.
-    assert abs(n - (494_032_768 + (padded_vocab(151936, 1) - 151936) * 896)) < 1e3
+H200 = 139.8 * GIB
+ONE = ParallelDims.build(1, 1, 1)
 
 
-def test_tp_and_pp_split_the_params():
-    a = Arch.from_hf(QWEN_05B)
-    full = stage_params(a, 1, 1, "lm")["first"]
-    tp2 = stage_params(a, 2, 1, "lm")["first"]
-    assert 0.5 * full < tp2 < 0.51 * full  # norms are replicated
-    pp2 = stage_params(a, 1, 2, "lm")
-    # tied embeddings at PP=2: the last stage holds a copy of the embedding as the LM head
-    assert pp2["first"] == pytest.approx(pp2["last"], rel=1e-3)
+def grpo(budget=24576, shape="qwen2.5-3b") -> tuple[JobConfig, ModelArgs]:
+    """issue 15's GRPO workload: 64 prompts x 8, 256 + 512 tokens, one optimizer step, bf16."""
+    cfg = JobConfig()
+    cfg.model.dtype, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens = "bfloat16", 256, 512
+    cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.ppo_mini_batch_size = 64, 8, 64
+    cfg.actor.use_dynamic_bsz, cfg.actor.ppo_max_token_len_per_gpu = True, budget
+    return cfg, ModelArgs.from_hf_config(hf_config(shape))
+
+
+def test_components_at_a_known_shape():
+    cfg, a = grpo(8192, "qwen2.5-0.5b")
+    n = a.stage_params()["first"]
+    b = estimate(cfg, ONE, a, 256)["bytes"]
+    assert b["params"] == 2 * n and b["grads"] == 2 * n and b["optimizer"] == 12 * n  # bf16, local AdamW
+    # 10 sequences of 768 tokens; per token and layer (bf16): 5h + 2q + kv + 3f = 5*896 + 2*896 + 256 + 3*4864
+    assert layer_activation_bytes_per_token(cfg, a, 1, "actor") == 2 * (5 * 896 + 2 * 896 + 256 + 3 * 4864)
+    assert b["activations"] == pytest.approx(10 * 768 * 24 * 2 * (5 * 896 + 2 * 896 + 256 + 3 * 4864))
+    # logits at the 10 x 512 response positions: bf16 logits + bf16 gradient + 4 bytes of backward scratch
+    assert b["logits"] == 10 * 512 * 151936 * (2 + 2 + 4)
+    assert b["kv_cache"] == 512 * 768 * a.kv_bytes_per_token()  # all 512 sequences in one wave
+
+
+def test_recompute_shrinks_the_activations():
+    cfg, a = grpo(16384)
+    full = estimate(cfg, ONE, a, 256)["bytes"]["activations"]
+    cfg.actor.recompute_granularity, cfg.actor.recompute_method, cfg.actor.recompute_num_layers = (
+        "full",
+        "uniform",
+        1,
+    )
+    uniform = estimate(cfg, ONE, a, 256)["bytes"]["activations"]
+    per_layer = layer_activation_bytes_per_token(cfg, a, 1, "actor")
+    assert uniform == pytest.approx(21 * 768 * (36 * 2048 * 2 + per_layer))  # 36 layer inputs + one layer
+    cfg.actor.recompute_granularity, cfg.actor.recompute_method, cfg.actor.recompute_num_layers = (
+        "selective", None, None)  # fmt: skip
+    cfg.actor.recompute_modules = ["mlp"]
+    assert estimate(cfg, ONE, a, 256)["bytes"]["activations"] == pytest.approx(
+        full * (1 - 3 * 11008 / (per_layer / 2))
+    )
+
+
+def test_the_3b_budget_that_died_is_no_longer_called_safe():
+    cfg, a = grpo(24576)  # issue 15: OOM in the log-prob backward at > 137 GiB
+    assert estimate(cfg, ONE, a, 256)["peaks"]["actor_update"] > H200
+    with pytest.raises(ConfigError) as err:
+        plan(cfg, ONE, a, 256, H200)
+    msg = str(err.value)
+    assert "actor.ppo_max_token_len_per_gpu=24576" in msg and "actor.ppo_max_token_len_per_gpu=19200" in msg
+    cfg.actor.ppo_max_token_len_per_gpu = 8192  # measured 74.3 GiB: within 15%
+    assert estimate(cfg, ONE, a, 256)["peaks"]["actor_update"] / GIB == pytest.approx(74.3, rel=0.15)
+    assert plan(cfg, ONE, a, 256, H200)["chosen"] == {}
+
+
+def test_auto_picks_the_largest_budget_and_slots_that_fit():
+    cfg, a = grpo("auto")
+    cfg.rollout.max_num_seqs = "auto"
+    got = plan(cfg, ONE, a, 256, H200)["chosen"]
+    assert got["actor"] % 768 == 0 and got["max_num_seqs"] == 512
+    over = copy.deepcopy(cfg)
+    over.actor.ppo_max_token_len_per_gpu = got["actor"] + 768
+    assert plan(cfg, ONE, a, 256, H200)["chosen"]["actor"] == got["actor"]
+    with pytest.raises(ConfigError, match="actor.ppo_max_token_len_per_gpu"):
+        plan(over, ONE, a, 256, H200)  # one sequence more than auto's choice is refused
+    small = plan(copy.deepcopy(cfg), ONE, a, 256, 80 * GIB)["chosen"]  # a smaller GPU: a smaller budget
+    assert small["actor"] < got["actor"]
+    with pytest.raises(ConfigError, match="trainer.gpu_memory_gb"):
+        plan(cfg, ONE, a, 256, None)  # auto without a GPU and without the key
+
+
+def test_an_8b_full_fine_tune_does_not_fit_one_gpu_and_the_dry_run_says_so(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(hf_config("llama-3.1-8b", rope_scaling=None)))
+    cfg, _ = grpo(8192)
+    cfg.model.path, cfg.trainer.output_dir, cfg.trainer.gpu_memory_gb = (
+        str(tmp_path / "m"),
+        str(tmp_path / "o"),
+        139.8,
+    )
+    with pytest.raises(ConfigError) as err:
+        dry_run(cfg, ONE)
+    assert "actor update peak" in str(err.value) and "Fix:" in str(err.value)
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "peak: actor_update" in out
+    assert "refused" in json.loads((tmp_path / "o" / "dry_run.json").read_text())
+
+
+def test_tp_and_pp_split_the_estimate():
+    cfg, a = grpo(8192, "qwen2.5-0.5b")
+    one = estimate(cfg, ONE, a, 256)["params_per_gpu"]
+    tp2 = estimate(cfg, ParallelDims.build(2, 2, 1, num_layers=24), a.with_tp(2), 256)["params_per_gpu"]
+    assert 0.5 * one < tp2 < 0.51 * one
 
 
 def test_rank_table_megatron_order():
     rows = rank_table(ParallelDims.build(8, 2, 2, num_layers=4), layers=4)
     assert [(r["tp"], r["dp"], r["pp"]) for r in rows[:4]] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
     assert rows[4]["pp"] == 1 and "layers 2-3" in rows[4]["holds"] and "LM/value head" in rows[4]["holds"]
-    assert "embedding" in rows[0]["holds"]
 
 
-def test_dry_run_prints_layout_and_memory(tmp_path, capsys):
+def test_dry_run_prints_layout_memory_and_the_auto_choice(tmp_path, capsys):
     (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text(json.dumps(QWEN_05B))
+    (tmp_path / "m" / "config.json").write_text(json.dumps(hf_config("qwen2.5-0.5b")))
     cfg = JobConfig()
     cfg.model.path, cfg.model.dtype, cfg.trainer.output_dir = (
         str(tmp_path / "m"),
         "bfloat16",
         str(tmp_path / "o"),
     )
-    cfg.algorithm.adv_estimator = "gae"
+    cfg.algorithm.adv_estimator, cfg.trainer.gpu_memory_gb = "gae", 139.8
+    cfg.critic.use_dynamic_bsz, cfg.critic.ppo_max_token_len_per_gpu = True, "auto"
     r = dry_run(cfg, ParallelDims.build(8, 2, 2, num_layers=24))
     text = capsys.readouterr().out
     assert "world=8 = TP 2 x PP 2 x DP 2" in text and "rank    7: tp=1 pp=1 dp=1" in text
-    for key in ("params", "grads", "optimizer", "kv_cache", "activations", "peak during training"):
-        assert key in text
-    b = r["memory"]["bytes"]
-    assert b["optimizer"] == pytest.approx(r["memory"]["params_per_gpu"] * 12)  # fp32 moments + main (bf16)
-    assert b["params"] == pytest.approx(r["memory"]["params_per_gpu"] * 2)
-    assert (
-        "critic" in r["batches"]
-        and json.loads((tmp_path / "o" / "dry_run.json").read_text())["layout"]["dp"] == 2
+    assert "critic.ppo_max_token_len_per_gpu: auto -> " in text and isinstance(
+        cfg.critic.ppo_max_token_len_per_gpu, int
     )
+    for key in (
+        "params",
+        "optimizer",
+        "kv_cache",
+        "activations",
+        "peak: actor_update",
+        "peak: critic_update",
+    ):
+        assert key in text
+    assert r["memory"]["bytes"]["optimizer"] == pytest.approx(r["memory"]["params_per_gpu"] * 12, rel=0.01)
+    assert json.loads((tmp_path / "o" / "dry_run.json").read_text())["layout"]["dp"] == 2
 
 
 def test_builtin_model_needs_no_files(tmp_path):
     cfg = JobConfig()
     cfg.trainer.output_dir = str(tmp_path)
-    r = dry_run(cfg, ParallelDims.build(1, 1, 1))
+    r = dry_run(cfg, ONE)
     assert r["model"]["layers"] == cfg.model.num_layers and r["batches"]["actor"]["micro_batches"] >= 1
 
 
@@ -73,13 +163,10 @@ def test_missing_config_names_the_key(tmp_path):
     cfg = JobConfig()
     cfg.model.path = str(tmp_path)
     with pytest.raises(FileNotFoundError, match="model.path="):
-        dry_run(cfg, ParallelDims.build(1, 1, 1))
+        dry_run(cfg, ONE)
 
 
 def test_cli_dry_run_exits_without_training(tmp_path):
-    import subprocess
-    import sys
-
     from tests.distributed.launch import cpu_env
 
     cmd = [
@@ -92,23 +179,21 @@ def test_cli_dry_run_exits_without_training(tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cpu_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "megatron-rl dry run: world=1" in proc.stdout and "peak during training" in proc.stdout
+    assert "megatron-rl dry run: world=1" in proc.stdout and "peak: actor_update" in proc.stdout
     assert (tmp_path / "dry_run.json").is_file() and not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_distributed_optimizer_shards_the_optimizer_estimate_over_dp(tmp_path):
-    from megatron_rl.trainer.dry_run import estimate
-
-    a = Arch.from_hf(QWEN_05B)
+def test_distributed_optimizer_shards_the_optimizer_estimate_over_dp():
+    cfg, a = grpo(8192, "qwen2.5-0.5b")
     dims = ParallelDims.build(4, 1, 1, num_layers=24)
-    cfg = JobConfig()
-    cfg.model.dtype = "bfloat16"
-    local = estimate(cfg, dims, a)["bytes"]
+    n = a.stage_params()["first"]
+    local = estimate(cfg, dims, a, 256)["bytes"]
     cfg.actor.optim.backend = "megatron"
-    mcore = estimate(cfg, dims, a)["bytes"]
+    mcore = estimate(cfg, dims, a, 256)["bytes"]
     cfg.actor.optim.use_distributed_optimizer = True
-    dist_opt = estimate(cfg, dims, a)["bytes"]
-    n = stage_params(a, 1, 1, "lm")["first"]
-    assert local["optimizer"] == mcore["optimizer"] == pytest.approx(12 * n)
-    assert dist_opt["optimizer"] == pytest.approx(12 * n / 4)  # main params + moments split over DP=4
-    assert local["grads"] == pytest.approx(2 * n) and mcore["grads"] == pytest.approx(4 * n)  # fp32 buffers
+    dist_opt = estimate(cfg, dims, a, 256)["bytes"]
+    assert local["optimizer"] == pytest.approx(12 * n) and local["grads"] == pytest.approx(2 * n)
+    assert (
+        mcore["optimizer"] == pytest.approx(16 * n) and mcore["grads"] == 0
+    )  # + fp32 grad buffers, resident
+    assert dist_opt["optimizer"] == pytest.approx(12 * n / 4 + 4 * n)  # main params + moments split over DP=4

@@ -1,0 +1,170 @@
+"""Fit the job to the GPU before any weights load: resolve ``=auto`` budgets from the memory model and
+refuse a configuration it says cannot fit, naming the key to change and a value that would fit.
+
+Resolved here: ``actor.ppo_max_token_len_per_gpu`` and ``critic.ppo_max_token_len_per_gpu`` (with
+use_dynamic_bsz; the largest whole number of sequences whose training peak fits) and
+``rollout.max_num_seqs`` (the most KV-cache slots whose generation peak fits). A phase fits when
+resident state + 1.15 x what the phase adds on top <= GPU memory - 2 GiB: the memory model is held to
+15% of the measured peak per phase, and the CUDA context, NCCL and allocator slack need the rest.
+"""
+
+from __future__ import annotations
+
+from megatron_rl.config.schema import JobConfig
+from megatron_rl.config.validate import ConfigError
+from megatron_rl.distributed.dims import ParallelDims
+from megatron_rl.models.args import ModelArgs
+from megatron_rl.trainer.memory_model import GIB, estimate, gen_slots, trained_roles
+
+AUTO = "auto"
+HEADROOM = 1.15  # the memory model's tolerance, applied to everything above the resident state
+RESERVE = 2 * GIB  # CUDA context, NCCL buffers, allocator slack
+
+
+def gpu_memory_bytes(cfg: JobConfig) -> tuple[float | None, str]:
+    """(bytes, where from): ``trainer.gpu_memory_gb`` when set, else the current CUDA device's total
+    memory, else None (a CPU run: nothing to fit)."""
+    if cfg.trainer.gpu_memory_gb:
+        return cfg.trainer.gpu_memory_gb * GIB, f"trainer.gpu_memory_gb={cfg.trainer.gpu_memory_gb}"
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return float(props.total_memory), f"{props.name}, {props.total_memory / GIB:.1f} GiB"
+    return None, "no GPU and trainer.gpu_memory_gb unset"
+
+
+def _fits(est: dict, phase: str, total: float) -> bool:
+    peak = est["peaks"][phase]
+    return est["resident"] + HEADROOM * (peak - est["resident"]) <= total - RESERVE
+
+
+def _largest(candidates: list[int], ok) -> int | None:
+    """The largest candidate (ascending list) for which ``ok`` holds, assuming ``ok`` is monotone."""
+    lo, hi, best = 0, len(candidates) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if ok(candidates[mid]):
+            best, lo = candidates[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def _token_candidates(cfg: JobConfig, dims: ParallelDims, role: str, seq_len: int) -> list[int]:
+    """Whole sequences per micro-batch, 1 .. a mini-batch's sequences per rank, as token budgets."""
+    seqs = max(1, getattr(cfg, role).ppo_mini_batch_size * cfg.rollout.n // dims.dp)
+    return [k * seq_len for k in range(1, seqs + 1)]
+
+
+def _offload_hint(cfg: JobConfig, dims: ParallelDims, a: ModelArgs, p: int, total: float, role: str) -> str:
+    """What to set when even one sequence per micro-batch cannot train: the hybrid-device optimizer with
+    the smallest host fraction that fits (if any does)."""
+    import copy
+
+    trial = copy.deepcopy(cfg)
+    o = getattr(trial, role).optim
+    keys = (f"{role}.optim.backend=megatron {role}.optim.use_distributed_optimizer=true "
+            f"{role}.optim.optimizer_cpu_offload=true")  # fmt: skip
+    if not hasattr(o, "optimizer_cpu_offload"):
+        return "the model's optimizer state does not fit on this GPU: shard it over more GPUs (TP/PP/DP)"
+    o.backend, o.use_distributed_optimizer, o.optimizer_cpu_offload = "megatron", True, True
+    for tenths in range(1, 11):
+        o.optimizer_offload_fraction = tenths / 10
+        est = estimate(trial, dims, a, p, {role: p + cfg.rollout.max_new_tokens})
+        if _fits(est, f"{role}_update", total):
+            host = est["bytes"]["optimizer_on_host"] / GIB
+            return (f"keep optimizer state on the host: {keys} {role}.optim.optimizer_offload_fraction="
+                    f"{tenths / 10} ({host:.0f} GiB of host memory per GPU), or shard over more GPUs")  # fmt: skip
+    return f"even with {keys} {role}.optim.optimizer_offload_fraction=1.0 it does not fit: use more GPUs"
+
+
+def _resolve_budget(cfg, dims, a, p, total, role, chosen, notes) -> None:
+    w = getattr(cfg, role)
+    key = f"{role}.ppo_max_token_len_per_gpu"
+    s = p + cfg.rollout.max_new_tokens
+    cands = _token_candidates(cfg, dims, role, s)
+    best = _largest(
+        cands, lambda b: _fits(estimate(cfg, dims, a, p, {**chosen, role: b}), f"{role}_update", total)
+    )
+    if not w.use_dynamic_bsz:
+        if w.ppo_max_token_len_per_gpu == AUTO:
+            raise ConfigError(
+                f"{key}=auto needs {role}.use_dynamic_bsz=true (the budget sizes dynamic micro-batches)."
+            )
+        est = estimate(cfg, dims, a, p, chosen)
+        if not _fits(est, f"{role}_update", total):
+            fit = _offload_hint(cfg, dims, a, p, total, role) if best is None else (
+                f"{role}.use_dynamic_bsz=true {key}={best}")
+            raise ConfigError(_refusal(est, f"{role}_update", total, f"{role}.ppo_micro_batch_size_per_gpu="
+                                       f"{w.ppo_micro_batch_size_per_gpu}", fit or ""))  # fmt: skip
+        return
+    if best is None:
+        est = estimate(cfg, dims, a, p, {**chosen, role: s})
+        raise ConfigError(_refusal(est, f"{role}_update", total, f"{key}={w.ppo_max_token_len_per_gpu}",
+                                   _offload_hint(cfg, dims, a, p, total, role)))  # fmt: skip
+    if w.ppo_max_token_len_per_gpu == AUTO:
+        chosen[role] = best
+        notes[key] = f"auto -> {best} ({best // s} sequences of {s} tokens; the largest that fits)"
+    elif min(int(w.ppo_max_token_len_per_gpu), cands[-1]) > best:
+        est = estimate(cfg, dims, a, p, chosen)
+        raise ConfigError(_refusal(est, f"{role}_update", total, f"{key}={w.ppo_max_token_len_per_gpu}",
+                                   f"{key}={best} (or {key}=auto)"))  # fmt: skip
+
+
+def _resolve_slots(cfg, dims, a, p, total, chosen, notes) -> None:
+    key, value = "rollout.max_num_seqs", cfg.rollout.max_num_seqs
+    seqs, _ = gen_slots(cfg, dims, 1)
+    best = _largest(list(range(1, seqs + 1)),
+                    lambda n: _fits(estimate(cfg, dims, a, p, {**chosen, "max_num_seqs": n}), "generation", total))  # fmt: skip
+    if best is None:
+        est = estimate(cfg, dims, a, p, {**chosen, "max_num_seqs": 1})
+        hint = "actor.optim.param_offload=true actor.optim.optimizer_offload=true (host while generating)"
+        raise ConfigError(_refusal(est, "generation", total, f"{key}={value}", hint))
+    if value == AUTO:
+        chosen["max_num_seqs"] = best
+        notes[key] = f"auto -> {best} KV-cache slots ({seqs} sequences per rank to generate)"
+    elif min(int(value), seqs) > best:
+        est = estimate(cfg, dims, a, p, chosen)
+        raise ConfigError(
+            _refusal(est, "generation", total, f"{key}={value}", f"{key}={best} (or {key}=auto)")
+        )
+
+
+def _refusal(est: dict, phase: str, total: float, key_value: str, fix: str) -> str:
+    return (f"The memory model puts the {phase.replace('_', ' ')} peak at {est['peaks'][phase] / GIB:.1f} GiB per "
+            f"GPU ({est['resident'] / GIB:.1f} GiB resident) with {key_value}; with its 15% headroom and "
+            f"{RESERVE / GIB:.0f} GiB reserve that does not fit the {total / GIB:.1f} GiB GPU. Fix: {fix}. "
+            f"(trainer.dry_run=true prints the whole estimate.)")  # fmt: skip
+
+
+def plan(cfg: JobConfig, dims: ParallelDims, a: ModelArgs, p: int, total: float | None) -> dict:
+    """Resolve the ``auto`` keys of ``cfg`` (returned as {"actor": .., "critic": .., "max_num_seqs": ..},
+    only those that were auto) and refuse what cannot fit. ``p``: the prompt length assumed; ``total``:
+    the GPU's bytes (None: no GPU to fit, auto keys get the configured defaults' fallbacks)."""
+    chosen, notes = {}, {}
+    roles = [r for r in trained_roles(cfg) if r != "ref"]
+    if total is None:
+        autos = [
+            f"{r}.ppo_max_token_len_per_gpu"
+            for r in roles
+            if getattr(cfg, r).ppo_max_token_len_per_gpu == AUTO
+        ]
+        autos += ["rollout.max_num_seqs"] if cfg.rollout.max_num_seqs == AUTO else []
+        if autos:
+            raise ConfigError(f"{', '.join(autos)}=auto needs the GPU's memory: run on the GPU, or set "
+                              f"trainer.gpu_memory_gb (e.g. 139.8 for an H200) to plan without one.")  # fmt: skip
+        return {"chosen": chosen, "notes": notes}
+    for role in roles:
+        _resolve_budget(cfg, dims, a, p, total, role, chosen, notes)
+    _resolve_slots(cfg, dims, a, p, total, chosen, notes)
+    return {"chosen": chosen, "notes": notes}
+
+
+def apply_plan(cfg: JobConfig, chosen: dict) -> None:
+    """Write the resolved values into ``cfg`` (in place), so everything built after sees numbers."""
+    for role in ("actor", "critic"):
+        if role in chosen:
+            getattr(cfg, role).ppo_max_token_len_per_gpu = chosen[role]
+    if "max_num_seqs" in chosen:
+        cfg.rollout.max_num_seqs = chosen["max_num_seqs"]
