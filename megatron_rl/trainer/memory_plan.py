@@ -94,8 +94,11 @@ def _resolve_budget(cfg, dims, a, p, total, role, chosen, notes) -> None:
             )
         est = estimate(cfg, dims, a, p, chosen)
         if not _fits(est, f"{role}_update", total):
-            fit = _offload_hint(cfg, dims, a, p, total, role) if best is None else (
-                f"{role}.use_dynamic_bsz=true {key}={best}")
+            fit = (
+                _offload_hint(cfg, dims, a, p, total, role)
+                if best is None
+                else (f"{role}.use_dynamic_bsz=true {key}={best}")
+            )
             raise ConfigError(_refusal(est, f"{role}_update", total, f"{role}.ppo_micro_batch_size_per_gpu="
                                        f"{w.ppo_micro_batch_size_per_gpu}", fit or ""))  # fmt: skip
         return
