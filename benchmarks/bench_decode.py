@@ -11,6 +11,10 @@ default: cache and CUDA graphs built in every call; the first pays one-time setu
 the second call reuses cache and graphs after an in-place weight update). Writes
 ``$OUT/bench_decode.json`` (or ``--out``); ``--profile`` adds torch.profiler kernel tables beside it.
 
+HF ``generate`` is timed three ways (``hf_variants``: keyword arguments, a ``GenerationConfig`` with
+``disable_compile=True`` as TRL calls it, and that plus ``min_new_tokens``); ``hf_generate`` and every
+"x HF" ratio are against the fastest, the others are kept under ``hf_generate.variants``.
+
 Run: ``python benchmarks/bench_decode.py --profile`` (needs CUDA; no megatron-core on one GPU).
 
 Tensor-parallel mode (``WORLD_SIZE`` > 1, megatron-core needed): on two GPUs of one host,
@@ -43,7 +47,7 @@ import time
 
 import torch
 
-from megatron_rl.rollout.decoder import DecoderSpec
+from megatron_rl.models.args import ModelArgs
 from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
 from megatron_rl.rollout.sampling import SamplingParams
 
@@ -79,24 +83,12 @@ def build_hf(layers: int, device: str):
         return Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
 
 
-def spec_of(cfg) -> DecoderSpec:
-    return DecoderSpec(
-        vocab_size=cfg.vocab_size,
-        padded_vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.intermediate_size,
-        num_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_key_value_heads,
-        head_dim=cfg.hidden_size // cfg.num_attention_heads,
-        rope_theta=1e6,
-        norm_eps=cfg.rms_norm_eps,
-        qkv_bias=True,
-        tie_word_embeddings=True,
-    )
+def spec_of(cfg) -> ModelArgs:
+    """The engine's view of an HF config: ``ModelArgs`` (vocab padded to a multiple of 128)."""
+    return ModelArgs.from_hf_config(cfg.to_dict())
 
 
-def mcore_params(hf, spec: DecoderSpec) -> dict[str, torch.Tensor]:
+def mcore_params(hf, spec: ModelArgs) -> dict[str, torch.Tensor]:
     """HF weights under megatron-core local-spec names (TP=1): the actor layout the engine reads."""
     sd = hf.state_dict()
     G, D = spec.num_query_groups, spec.head_dim
@@ -224,18 +216,49 @@ def profile_decode(params, spec, prompts, out_dir: str, write: bool = True, pref
         print(table[:4000], flush=True)
 
 
+def hf_variants(new_tokens: int) -> dict[str, dict]:
+    """The ways to ask HF ``generate`` for the same sampling (temperature 1, no top-k / top-p, EOS =
+    ``EOS``), timed side by side (issue 16): plain keyword arguments (this benchmark until now); a
+    ``GenerationConfig`` with ``disable_compile=True``, as TRL's GRPOTrainer calls it; and that plus
+    ``min_new_tokens`` (what TRL is given in bench_trl_grpo.py to keep every response at full length). The
+    ratio is taken against the fastest."""
+    from transformers import GenerationConfig
+
+    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=EOS, pad_token_id=0)
+    return {
+        "kwargs": dict(sampling),
+        "generation_config": {"generation_config": GenerationConfig(**sampling), "disable_compile": True},
+        "generation_config_min_new_tokens": {
+            "generation_config": GenerationConfig(**sampling, min_new_tokens=new_tokens),
+            "disable_compile": True,
+        },
+    }
+
+
 @torch.no_grad()
 def run_hf(hf, prompts, new_tokens: int) -> dict:
+    """Every variant of ``hf_variants`` on the same prompts; ``best`` names the fastest."""
     ids = torch.tensor(prompts, device=hf.device)  # [B, T] equal lengths: no padding
-    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=EOS, pad_token_id=0)
-    hf.generate(ids[:8], attention_mask=torch.ones_like(ids[:8]), max_new_tokens=8, **kwargs)  # warm-up
-    sync()
-    t0 = time.perf_counter()
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, **kwargs)
-    sync()
-    wall = time.perf_counter() - t0
-    new = count_new(out[:, ids.shape[1] :].tolist())
-    return {"new_tokens": new, "wall_s": wall, "new_tok_per_s": new / wall}
+    runs = {}
+    for name, kwargs in hf_variants(new_tokens).items():
+        warm = {**kwargs, "max_new_tokens": 8}
+        if "generation_config" in kwargs:
+            import copy
+
+            gc = copy.deepcopy(kwargs["generation_config"])
+            gc.min_new_tokens = min(gc.min_new_tokens or 0, 8) or None
+            warm["generation_config"] = gc
+        hf.generate(ids[:8], attention_mask=torch.ones_like(ids[:8]), **warm)  # warm-up
+        sync()
+        t0 = time.perf_counter()
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, **kwargs)
+        sync()
+        wall = time.perf_counter() - t0
+        new = count_new(out[:, ids.shape[1] :].tolist())
+        runs[name] = {"new_tokens": new, "wall_s": wall, "new_tok_per_s": new / wall}
+        print("hf", name, json.dumps(runs[name]), flush=True)
+    best = max(runs, key=lambda k: runs[k]["new_tok_per_s"])
+    return runs[best] | {"best": best, "variants": runs}
 
 
 def write_and_print(a, result: dict) -> None:
@@ -251,7 +274,11 @@ def write_and_print(a, result: dict) -> None:
             f"{v['ms_per_decode_step']:8.3f} {v['fraction_of_hbm_floor']:8.3f} "
             f"{v['switch_train_gen_train_s']:9.3f} {v['switch_over_generation']:7.3f}"
         )
-    print(f"{'hf_generate':18} {ref['new_tok_per_s']:9.0f}")
+    for name, v in ref.get("variants", {}).items():
+        print(
+            f"{'hf ' + name:34} {v['new_tok_per_s']:9.0f}"
+            + ("  (fastest: the x HF base)" if name == ref["best"] else "")
+        )
 
 
 def make_prompts(a) -> list[list[int]]:
@@ -321,7 +348,7 @@ def main_tp(a, world: int) -> None:
     model = build_model(args, "actor", torch.bfloat16)
     load_hf_weights(model, where[0], args)
     model = model.to(torch.bfloat16)  # the trainer's cast (megatron-core makes its norms in fp32)
-    spec = DecoderSpec.from_args(args)
+    spec = args
     params = model_params(model)  # this rank's TP shard, what the engine reads from the actor
     prompts = make_prompts(a)
     graphs_ok = graphs_match_eager(model, spec, prompts)

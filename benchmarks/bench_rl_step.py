@@ -32,21 +32,12 @@ import sys
 import time
 from pathlib import Path
 
-QWEN2_5_0_5B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-    rope_theta=1000000.0,
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-)
-TINY = dict(QWEN2_5_0_5B, vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
-TINY.update(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
-PEAK_BF16_FLOPS = 790e12
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, for megatron_rl (no install)
+from megatron_rl.models.facts import PEAK_BF16_FLOPS, PEAK_HBM_BYTES_PER_S, roofline_step_s  # noqa: E402
+from megatron_rl.models.shapes import SHAPES, hf_config, tiny_hf_config  # noqa: E402
+
+# the CPU smoke shape: the tiny test model at 2 layers, vocab 1000
+TINY = tiny_hf_config("qwen2", vocab_size=1000, num_hidden_layers=2, max_position_embeddings=2048)
 PROMPT_CHARS = string.ascii_letters + string.digits  # one token each with the char-level tokenizer
 
 
@@ -61,9 +52,21 @@ def prompts(count: int, length: int, seed: int = 0) -> list[str]:
     return ["".join(rng.choice(PROMPT_CHARS) for _ in range(length)) for _ in range(count)]
 
 
-def prepare(model_dir: str, data_dir: str, tiny: bool, num_prompts: int, prompt_len: int) -> None:
-    """A random-weight Qwen2-shape model (bf16, HF format) with the synthetic 151936-id tokenizer (or the
-    tiny shape), and ``<data_dir>/train.parquet`` of plain-text prompts; skipped when already there."""
+def shape_config(shape: str) -> dict:
+    """The HF config dict of ``--shape`` (``megatron_rl.models.shapes``; "tiny" for the CPU smoke).
+    Llama-3.1's llama3 rope scaling is dropped: the rollout decoder does not build it yet, and it changes
+    only the rotary frequencies, not a FLOP or a byte of the step."""
+    if shape == "tiny":
+        return dict(TINY)
+    cfg = hf_config(shape)
+    cfg.pop("rope_scaling", None)
+    return cfg
+
+
+def prepare(model_dir: str, data_dir: str, shape: str, num_prompts: int, prompt_len: int) -> None:
+    """A random-weight model of ``shape`` (bf16, HF format, initialised on the GPU when there is one) with
+    the synthetic tokenizer of its vocab size, and ``<data_dir>/train.parquet`` of plain-text prompts;
+    each skipped when already there."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
@@ -71,14 +74,20 @@ def prepare(model_dir: str, data_dir: str, tiny: bool, num_prompts: int, prompt_
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from make_synthetic_gsm8k import tokenizer
 
-    shape = TINY if tiny else QWEN2_5_0_5B
+    hf = shape_config(shape)
     if not (Path(model_dir) / "config.json").is_file():
-        from transformers import Qwen2Config, Qwen2ForCausalLM
+        import transformers
 
         torch.manual_seed(0)
-        cfg = Qwen2Config(**shape, eos_token_id=0, pad_token_id=0, bos_token_id=0)
-        Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(model_dir)
-        tokenizer(shape["vocab_size"]).save_pretrained(model_dir)
+        arch = hf.pop("architectures")[0]
+        cfg = transformers.AutoConfig.for_model(**hf, eos_token_id=0, pad_token_id=0, bos_token_id=0)
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+        with torch.device(dev):  # random init on the GPU: minutes faster at 7-8B than on the host
+            model = getattr(transformers, arch)(cfg).to(dtype)
+        model.save_pretrained(model_dir)
+        del model
+        tokenizer(hf["vocab_size"]).save_pretrained(model_dir)
     train = Path(data_dir) / "train.parquet"
     if train.is_file() and pq.read_metadata(train).num_rows >= num_prompts:
         return
@@ -102,7 +111,7 @@ def overrides(a: argparse.Namespace) -> list[str]:
         f"algorithm={a.algo}",
         "model=qwen2_5_0_5b",
         f"model.path={a.model_dir}",
-        f"model.dtype={'float32' if a.tiny else 'bfloat16'}",
+        f"model.dtype={'float32' if a.shape == 'tiny' else 'bfloat16'}",
         f"data.train_files={a.data_dir}/train.parquet",
         "data.val_files=null",
         "data.apply_chat_template=false",
@@ -202,6 +211,38 @@ def _global_max(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
+def decode_numbers(c, dims, sequences: float, a) -> dict:
+    """This step's generation: new tokens per second per GPU over the decode steps, and the decode step
+    against its HBM floor (the actor's bf16 weights + the mean live KV of the slots, read once per step
+    at PEAK_HBM_BYTES_PER_S)."""
+    s = c.engine.last_stats
+    weights = c.args.stage_params(dims.tp, 1)["first"] * 2
+    mean_ctx = a.prompt_len + a.response_len / 2
+    step_s = s.decode_s / max(s.decode_steps, 1)
+    floor_s = (weights + s.slots * mean_ctx * c.args.kv_bytes_per_token(dims.tp)) / PEAK_HBM_BYTES_PER_S
+    return {"tok_per_s": s.new_tokens / max(s.generate_s, 1e-9), "decode_steps": s.decode_steps,
+            "ms_per_decode_step": 1e3 * step_s, "hbm_floor_ms_per_step": 1e3 * floor_s,
+            "fraction_of_hbm_floor": floor_s / max(step_s, 1e-12), "slots": s.slots,
+            "prefill_s": s.prefill_s, "decode_s": s.decode_s}  # fmt: skip
+
+
+def roofline(c, dims, counts, a) -> dict:
+    """The step's roofline time (``models.facts.roofline_step_s``) written out: N (6N per trained token,
+    2N per prefilled prompt token) and the decode bytes (weights + live KV per decode step)."""
+    n = c.args.matmul_params()
+    prompt_t, response_t, seqs = float(counts[0]), float(counts[1]), float(counts[2])
+    weights = c.args.stage_params(dims.tp, 1)["first"] * 2 * dims.world_size  # every GPU reads its copy
+    kv = c.args.kv_bytes_per_token(dims.tp) * dims.tp
+    steps = a.response_len  # one decode step per new token, all sequences together
+    decode_bytes = steps * weights + seqs * kv * sum(a.prompt_len + j for j in range(steps))
+    r = roofline_step_s(n, (prompt_t + response_t) / dims.world_size, prompt_t / dims.world_size,
+                        decode_bytes / dims.world_size)  # fmt: skip
+    formula = (f"6 x {n:.4g} x {prompt_t + response_t:.0f} / {PEAK_BF16_FLOPS:.3g} + 2 x {n:.4g} x {prompt_t:.0f} "
+               f"/ {PEAK_BF16_FLOPS:.3g} + {decode_bytes:.4g} B / {PEAK_HBM_BYTES_PER_S:.3g} B/s")  # fmt: skip
+    return r | {"N": n, "trained_tokens": prompt_t + response_t, "prompt_tokens": prompt_t,
+                "decode_bytes": decode_bytes, "formula": formula}  # fmt: skip
+
+
 def run(a: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
@@ -212,7 +253,8 @@ def run(a: argparse.Namespace) -> dict:
     from megatron_rl.distributed import init_distributed
     from megatron_rl.logging import Timer
     from megatron_rl.trainer.build import build_components
-    from megatron_rl.trainer.run import _actor_params, train_step
+    from megatron_rl.trainer.memory_model import estimate
+    from megatron_rl.trainer.run import train_step
 
     quiet_third_party()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
@@ -227,7 +269,9 @@ def run(a: argparse.Namespace) -> dict:
     mem = PhaseMemory()
     instrument(c, mem)
     cuda = torch.cuda.is_available()
-    n_params = _actor_params(c)
+    n_params = c.args.matmul_params()
+    # the memory model at the values the run resolved (auto budgets included), for the measured peaks
+    dry = estimate(cfg, dims, c.args, a.prompt_len)
     steps = []
     for step in range(a.steps):
         timer = Timer()
@@ -262,7 +306,10 @@ def run(a: argparse.Namespace) -> dict:
             / max(update_s, 1e-9)
             / PEAK_BF16_FLOPS,
             "actor_grad_norm": metrics.get("actor/grad_norm"),
+            "decode": decode_numbers(c, dims, float(counts[2]), a),
+            "roofline": roofline(c, dims, counts, a),
         }
+        row["step_over_roofline"] = seconds / row["roofline"]["total_s"]
         steps.append(row)
         if dist.get_rank() == 0:
             print(json.dumps(row), flush=True)
@@ -271,6 +318,11 @@ def run(a: argparse.Namespace) -> dict:
         "step_s": statistics.median(r["step_s"] for r in timed),
         "tok_per_s_per_gpu": statistics.median(r["tok_per_s_per_gpu"] for r in timed),
         "actor_update_mfu": statistics.median(r["actor_update_mfu"] for r in timed),
+        "step_over_roofline": statistics.median(r["step_over_roofline"] for r in timed),
+        "decode_tok_per_s": statistics.median(r["decode"]["tok_per_s"] for r in timed),
+        "decode_fraction_of_hbm_floor": statistics.median(
+            r["decode"]["fraction_of_hbm_floor"] for r in timed
+        ),
         "timing_s": {
             k: statistics.median(r["timing_s"].get(k, 0.0) for r in timed) for k in timed[0]["timing_s"]
         },
@@ -285,7 +337,7 @@ def run(a: argparse.Namespace) -> dict:
             "micro_batch_per_gpu": min(a.micro, a.prompts * a.n),
             "kl_coef": a.kl_coef,
             "ignore_eos": a.ignore_eos,
-            "model": "tiny" if a.tiny else "Qwen2.5-0.5B shape, random bf16",
+            "model": f"{a.shape} shape, random {'fp32' if a.shape == 'tiny' else 'bf16'}",
             "actor_params": n_params,
         },
         "world_size": dims.world_size,
@@ -293,6 +345,12 @@ def run(a: argparse.Namespace) -> dict:
         "build_s": build_s,
         "steps": steps,
         "median_after_warmup": med,
+        "resolved": {
+            "actor.ppo_max_token_len_per_gpu": cfg.actor.ppo_max_token_len_per_gpu,
+            "rollout.max_num_seqs": cfg.rollout.max_num_seqs,
+        },
+        "dry_run_gib_by_phase": {k: v / 2**30 for k, v in dry["peaks"].items()},
+        "dry_run_bytes": dry["bytes"],
     }
     if cuda:
         result["peak_allocated_gib_by_phase"] = _global_max(mem.peak)
@@ -314,7 +372,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--kl-coef", type=float, default=0.0, help="GRPO KL-loss coefficient (0: no reference)")
     p.add_argument("--keep-eos", dest="ignore_eos", action="store_false", help="stop at the tokenizer's EOS")
     p.add_argument(
-        "--tiny", action="store_true", help="tiny model (hidden 64, 2 layers, vocab 1000): CPU smoke"
+        "--shape", default="qwen2.5-0.5b", choices=[*SHAPES, "tiny"], help="model shape, random weights"
+    )
+    p.add_argument(
+        "--tiny", action="store_true", help="= --shape tiny (hidden 64, 2 layers, vocab 1000): CPU smoke"
     )
     p.add_argument("--model-dir", default=None)
     p.add_argument("--data-dir", default=None)
@@ -326,7 +387,8 @@ def parse(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.prompts = a.prompts or (64 if a.algo == "grpo" else 512)
     a.n = a.n or (8 if a.algo == "grpo" else 1)
-    tag = "tiny" if a.tiny else "qwen2_5_0_5b"
+    a.shape = "tiny" if a.tiny else a.shape
+    tag = a.shape.replace(".", "_").replace("-", "_")
     a.model_dir = a.model_dir or f"/tmp/bench_{tag}_random"
     a.data_dir = a.data_dir or f"/tmp/bench_{tag}_prompts{a.prompt_len}"
     a.output_dir = a.output_dir or f"/tmp/bench_rl_{a.algo}_{tag}"
@@ -337,7 +399,7 @@ def main(argv=None) -> dict:
     a = parse(argv)
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
-        prepare(a.model_dir, a.data_dir, a.tiny, max(a.prompts, 512), a.prompt_len)
+        prepare(a.model_dir, a.data_dir, a.shape, max(a.prompts, 512), a.prompt_len)
     else:
         while not (Path(a.data_dir) / "train.parquet").is_file():
             time.sleep(1)

@@ -2,7 +2,7 @@
 ``bench_rl_step.py`` — same random-weight model directory, same 256-token prompts, 8 samples per prompt,
 64 prompts (512 completions) per optimizer step, 512 new tokens every time (``min_new_tokens`` keeps EOS
 from being sampled), bf16, a random reward, one optimizer step per rollout (``steps_per_generation`` =
-``gradient_accumulation_steps``, ``num_iterations=1``), no gradient checkpointing.
+``gradient_accumulation_steps``, ``num_iterations=1``), no gradient checkpointing (``--gradient-checkpointing`` turns it on).
 
 Step time is measured between ``on_step_begin`` and ``on_step_end`` (device synchronised); the first
 step is warm-up and excluded from the median. Generation (``_generate``) and rollout
@@ -29,7 +29,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rl_step import prepare, prompts  # noqa: E402
+from bench_rl_step import SHAPES, prepare, prompts  # noqa: E402
 
 
 def _sync() -> None:
@@ -114,7 +114,7 @@ def run(a: argparse.Namespace) -> dict:
         learning_rate=1e-6,
         bf16=cuda,
         use_cpu=not cuda,
-        gradient_checkpointing=False,
+        gradient_checkpointing=a.gradient_checkpointing,
         use_vllm=False,
         max_steps=a.steps,
         logging_steps=1,
@@ -147,7 +147,8 @@ def run(a: argparse.Namespace) -> dict:
             "micro_batch_per_gpu": a.micro,
             "gradient_accumulation_steps": accum,
             "kl_coef": a.kl_coef,
-            "model": "tiny" if a.tiny else "Qwen2.5-0.5B shape, random bf16",
+            "model": f"{a.shape} shape, random {'fp32' if a.shape == 'tiny' else 'bf16'}",
+            "gradient_checkpointing": a.gradient_checkpointing,
         },
         "versions": {
             "trl": trl.__version__,
@@ -217,13 +218,16 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="optimizer steps; the first is warm-up")
     p.add_argument("--kl-coef", type=float, default=0.0, help="GRPOConfig.beta (0: no reference model)")
     p.add_argument(
-        "--tiny", action="store_true", help="tiny model (hidden 64, 2 layers, vocab 1000): CPU smoke"
+        "--shape", default="qwen2.5-0.5b", choices=[*SHAPES, "tiny"], help="model shape, random weights"
     )
+    p.add_argument("--tiny", action="store_true", help="= --shape tiny: CPU smoke")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="GRPOConfig.gradient_checkpointing")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--output-dir", default="/tmp/bench_trl_grpo")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_trl_grpo.json"))
     a = p.parse_args(argv)
-    tag = "tiny" if a.tiny else "qwen2_5_0_5b"
+    a.shape = "tiny" if a.tiny else a.shape
+    tag = a.shape.replace(".", "_").replace("-", "_")
     a.model_dir = a.model_dir or f"/tmp/bench_{tag}_random"
     return a
 
@@ -234,8 +238,8 @@ def main(argv=None) -> dict:
     if rank == 0:
         prepare(
             a.model_dir,
-            f"/tmp/bench_{'tiny' if a.tiny else 'qwen2_5_0_5b'}_prompts{a.prompt_len}",
-            a.tiny,
+            f"/tmp/bench_{a.shape.replace('.', '_').replace('-', '_')}_prompts{a.prompt_len}",
+            a.shape,
             512,
             a.prompt_len,
         )

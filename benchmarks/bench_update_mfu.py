@@ -50,12 +50,10 @@ def timed(fn, warmup: int, iters: int) -> list[float]:
 
 
 def param_count(cfg) -> int:
-    """N for 6N per token: every matrix and bias, the (tied) embedding once as the LM head."""
-    h, f, L, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
-    d = h // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    attn = h * (q + 2 * kv) + (q + 2 * kv) + q * h
-    return L * (attn + 3 * h * f + 2 * h) + h + v * h
+    """N for 6N per token (``ModelArgs.matmul_params``: the weight matrices, the LM head once)."""
+    from megatron_rl.models import ModelArgs
+
+    return ModelArgs.from_hf_config(cfg.to_dict()).matmul_params()
 
 
 def synthetic_batch(n: int, seq_len: int, prompt_len: int, vocab: int, device):
@@ -171,7 +169,7 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     tag = "tiny" if a.tiny else "qwen2_5_0_5b"
     model_dir = a.model_dir or f"/tmp/bench_{tag}_random"
-    prepare(model_dir, f"/tmp/bench_{tag}_prompts256", a.tiny, 512, 256)
+    prepare(model_dir, f"/tmp/bench_{tag}_prompts256", "tiny" if a.tiny else "qwen2.5-0.5b", 512, 256)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     hf = run_hf(a, model_dir, dtype)
     if torch.cuda.is_available():

@@ -9,7 +9,7 @@ MODEL=${MODEL:-/tmp/qwen2_5_0_5b_random}; DATA=/tmp/gsm8k_synth; RUN=${RUN:-/tmp
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 WANDB_MODE=disabled PYTHONPATH=${PYTHONPATH:-}:$PWD
 rm -rf "$RUN"
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from bench_rl_step import prepare; \
-prepare('$MODEL', '/tmp/recipe_memory_prompts', ${TINY:-0} == 1, 8, 16)"
+prepare('$MODEL', '/tmp/recipe_memory_prompts', 'tiny' if ${TINY:-0} == 1 else 'qwen2.5-0.5b', 8, 16)"
 python3 benchmarks/make_synthetic_gsm8k.py --model-dir "$MODEL" --data-dir $DATA \
   --vocab-size "$(python3 -c "import json; print(json.load(open('$MODEL/config.json'))['vocab_size'])")"
 ARGS=(experiment=gsm8k_qwen2_5_0_5b_grpo model.path="$MODEL" data.train_files=$DATA/train.parquet

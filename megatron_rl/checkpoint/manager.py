@@ -105,11 +105,10 @@ def _host_state(c, step: int) -> dict:
 
 def _hf_source_dir(c) -> Path | None:
     """The HF directory the run was built from (config.json + tokenizer), via the tokenizer's origin."""
-    src = Path(getattr(c.tokenizer, "name_or_path", "") or ".")
-    for cand in (src, src / "hf_config"):
-        if (cand / "config.json").is_file():
-            return cand
-    return None
+    from megatron_rl.models.args import find_hf_config
+
+    found = find_hf_config(Path(getattr(c.tokenizer, "name_or_path", "") or "."))
+    return None if found is None else found.parent
 
 
 def save_hf(c, out_dir: Path) -> None:

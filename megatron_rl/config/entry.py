@@ -26,9 +26,11 @@ def model_num_layers(model: ModelConfig) -> int:
     """Layer count of the configured model, read cheaply (config.json only) before any heavy work."""
     if model.path is None:
         return model.num_layers
-    for candidate in (Path(model.path) / "config.json", Path(model.path) / "hf_config" / "config.json"):
-        if candidate.is_file():
-            return int(json.loads(candidate.read_text())["num_hidden_layers"])
+    from megatron_rl.models.args import find_hf_config
+
+    found = find_hf_config(model.path)
+    if found is not None:
+        return int(json.loads(found.read_text())["num_hidden_layers"])
     raise ConfigError(
         f"model.path={model.path!r} has no config.json (looked in {model.path} and {model.path}/hf_config). "
         f"Point model.path at an HF model directory or a megatron_rl checkpoint."

@@ -14,6 +14,7 @@ Tensor-parallel pieces (``tp`` is the generation TP size, ``group`` its process 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,35 +22,20 @@ import torch.nn.functional as F
 
 from megatron_rl.kernels import decode_attention as decode_kernel
 
+if TYPE_CHECKING:  # the engine needs no megatron-core import at run time
+    from megatron_rl.models.args import ModelArgs
 
-@dataclass(frozen=True)
-class DecoderSpec:
-    """Architecture facts the decoder needs (a subset of ``models.ModelArgs``; built with ``from_args``)."""
 
-    vocab_size: int
-    padded_vocab_size: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_query_groups: int
-    head_dim: int
-    rope_theta: float
-    norm_eps: float
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    tie_word_embeddings: bool = False
-
-    @classmethod
-    def from_args(cls, args) -> DecoderSpec:
-        """Read the fields of any object with these attribute names (``ModelArgs``, a namespace)."""
-        for unsupported in ("rope_scaling_factor", "sliding_window"):
-            if getattr(args, unsupported, None):
-                raise NotImplementedError(
-                    f"The rollout decoder does not implement {unsupported}={getattr(args, unsupported)} yet; "
-                    f"generation would not match the trained model. Use a model without it."
-                )
-        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
+def check_decodable(args: ModelArgs) -> ModelArgs:
+    """``args`` if this decoder builds that model exactly, else an error naming what it lacks (the engine
+    reads the architecture straight from ``models.ModelArgs``, one definition of the model's facts)."""
+    for unsupported in ("rope_scaling_factor", "sliding_window"):
+        if getattr(args, unsupported, None):
+            raise NotImplementedError(
+                f"The rollout decoder does not implement {unsupported}={getattr(args, unsupported)} yet; "
+                f"generation would not match the trained model. Use a model without it."
+            )
+    return args
 
 
 @dataclass
@@ -125,7 +111,7 @@ def embed(tokens: torch.Tensor, w: GenWeights) -> torch.Tensor:
     return _all_reduce(h, w)
 
 
-def logits(h: torch.Tensor, w: GenWeights, spec: DecoderSpec) -> torch.Tensor:
+def logits(h: torch.Tensor, w: GenWeights, spec: ModelArgs) -> torch.Tensor:
     """h [B, h] (already final-normed) -> logits [B, V] over the true vocab in the weights' dtype (the
     samplers upcast), gathered across TP."""
     local = h @ w.output.t()  # [B, Vp/tp]
@@ -136,7 +122,7 @@ def logits(h: torch.Tensor, w: GenWeights, spec: DecoderSpec) -> torch.Tensor:
     return local[:, : spec.vocab_size]
 
 
-def _qkv(x: torch.Tensor, layer: dict, spec: DecoderSpec) -> torch.Tensor:
+def _qkv(x: torch.Tensor, layer: dict, spec: ModelArgs) -> torch.Tensor:
     """x [B, T, h] -> qkv [B, T, Gl, rep+2, D] (megatron-core layout: per group rep q heads, k, v) with
     qk-norm applied, before RoPE."""
     B, T, _ = x.shape
@@ -170,7 +156,7 @@ def decode_attention(q, k, v, mask, positions) -> torch.Tensor:
 
 def prefill(
     w: GenWeights,
-    spec: DecoderSpec,
+    spec: ModelArgs,
     cache: torch.Tensor,
     tokens: torch.Tensor,
     lengths: torch.Tensor,
@@ -204,7 +190,7 @@ def prefill(
 
 def decode(
     w: GenWeights,
-    spec: DecoderSpec,
+    spec: ModelArgs,
     cache: torch.Tensor,
     tokens: torch.Tensor,
     positions: torch.Tensor,

@@ -18,15 +18,19 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.kernels import decode_attention as decode_kernel
 from megatron_rl.rollout import decoder, reshard
-from megatron_rl.rollout.decoder import DecoderSpec, GenWeights
+from megatron_rl.rollout.decoder import GenWeights, check_decodable
 from megatron_rl.rollout.kv_cache import KV_KEYS, KVCache, bytes_per_token, plan_cache
 from megatron_rl.rollout.sampling import SamplingParams, sample_row_keys, sample_with_logprobs
+
+if TYPE_CHECKING:
+    from megatron_rl.models.args import ModelArgs
 
 
 class GenerationOOM(RuntimeError):
@@ -103,9 +107,9 @@ class RolloutEngine:
     """Generates with the actor's own parameters. ``model``: the actor GPTModel (possibly wrapped) or a
     dict of its parameters by local-spec name (read at every ``generate``, so optimizer updates show)."""
 
-    def __init__(self, model, spec: DecoderSpec, config: EngineConfig | None = None):
+    def __init__(self, model, spec: ModelArgs, config: EngineConfig | None = None):
         self.model = model
-        self.spec = spec
+        self.spec = check_decodable(spec)
         self.config = config or EngineConfig()
         self.last_stats = GenerationStats()
         self._state: _DecodeState | None = None  # kept between calls with config.keep_cache
@@ -230,7 +234,7 @@ class _DecodeState:
     tensors (updated in place by the optimizer) reuse the graphs with no new capture.
     """
 
-    def __init__(self, spec: DecoderSpec, plan, local_groups: int, dtype, device, use_graphs: bool):
+    def __init__(self, spec: ModelArgs, plan, local_groups: int, dtype, device, use_graphs: bool):
         self.spec, self.use_graphs = spec, use_graphs
         # the Triton decode kernel stops at each sequence's own position: no length buckets needed
         self.reads_live_only = decode_kernel.serves(device, dtype, spec.head_dim)

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl.rollout.decoder import DecoderSpec
 from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
 from megatron_rl.rollout.reshard import split_range
 from megatron_rl.rollout.sampling import SamplingParams
@@ -62,7 +61,7 @@ def _load_actor(model_path: str, dtype: torch.dtype, tp: int, pp: int):
         load_checkpoint_weights(model, info)
     else:
         load_hf_weights(model, model_path, args)
-    return model, DecoderSpec.from_args(args)
+    return model, args
 
 
 def _trainer_checkpoint(model_path: str):

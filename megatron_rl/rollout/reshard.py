@@ -18,11 +18,15 @@ TP_g < TP_t the merged shards are new tensors (the merge needs contiguous storag
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.rollout.decoder import DecoderSpec, GenWeights
+from megatron_rl.rollout.decoder import GenWeights
+
+if TYPE_CHECKING:
+    from megatron_rl.models.args import ModelArgs
 
 # generation key -> megatron-core local-spec suffix (TE-spec fused-norm fallback second)
 LAYER_NAMES = {
@@ -144,7 +148,7 @@ def model_params(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _layer_keys(spec: DecoderSpec) -> list[str]:
+def _layer_keys(spec: ModelArgs) -> list[str]:
     keys = ["ln1", "qkv_w", "proj", "ln2", "fc1", "fc2"]
     keys += ["qkv_b"] if spec.qkv_bias else []
     return keys + (["q_norm", "k_norm"] if spec.qk_norm else [])
@@ -178,7 +182,7 @@ def _merge(key: str, shard: torch.Tensor, lay: GenLayout) -> torch.Tensor:
     return torch.cat(parts, dim=1 if key in _CAT_DIM1 else 0)
 
 
-def gather_weights(params: dict[str, torch.Tensor], spec: DecoderSpec, lay: GenLayout) -> GenWeights:
+def gather_weights(params: dict[str, torch.Tensor], spec: ModelArgs, lay: GenLayout) -> GenWeights:
     """Assemble this rank's generation shard of the full model from the actor's own parameters.
 
     ``params`` are this rank's training-layout parameters by local-spec name (``model_params``). Runs

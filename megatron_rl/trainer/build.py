@@ -15,7 +15,6 @@ from megatron_rl.distributed import ParallelDims
 from megatron_rl.logging import MetricsLogger
 from megatron_rl.models import ModelArgs, build_model, load_hf_weights
 from megatron_rl.rewards import build_reward_fn
-from megatron_rl.rollout.decoder import DecoderSpec
 from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
 from megatron_rl.trainer.advantage import build_kl_controller
 from megatron_rl.trainer.builtin_task import prepare_builtin_task
@@ -150,7 +149,7 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
             cfg.actor.ppo_micro_batch_size_per_gpu,
             args.vocab_size,
         )
-    engine = RolloutEngine(actor.model, DecoderSpec.from_args(args), engine_cfg)
+    engine = RolloutEngine(actor.model, args, engine_cfg)
     logger = MetricsLogger(
         cfg.trainer.logger,
         cfg.trainer.output_dir,

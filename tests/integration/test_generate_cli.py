@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_rl.data import build_char_tokenizer
+from megatron_rl.models.shapes import TINY
 from tests.distributed.launch import cpu_env
 
 
@@ -16,16 +17,8 @@ def test_generate_cli_greedy_matches_transformers(tmp_path):
 
     tok = build_char_tokenizer("0123456789=+ abc")
     torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id,
-    )
+    shape = dict(TINY, vocab_size=len(tok), num_hidden_layers=2, max_position_embeddings=32768)
+    cfg = Qwen2Config(**shape, tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
     model_dir = tmp_path / "m"
     Qwen2ForCausalLM(cfg).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)

@@ -48,10 +48,26 @@ def test_no_eos_tokenizer_hides_only_eos():
     assert t.eos_token_id is None and t.pad_token_id == 0
 
 
-def test_param_count_matches_the_model_with_the_tied_embedding_once():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def test_param_count_is_the_models_weight_matrices_with_the_tied_embedding_once():
+    from transformers import AutoConfig, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(**bench_rl_step.TINY)
+    cfg = AutoConfig.for_model(**{k: v for k, v in bench_rl_step.TINY.items() if k != "architectures"})
+    cfg.tie_word_embeddings = True
     model = Qwen2ForCausalLM(cfg)
-    unique = {p.data_ptr(): p.numel() for p in model.parameters()}
-    assert bench_update_mfu.param_count(cfg) == sum(unique.values())
+    matrices = {p.data_ptr(): p.numel() for p in model.parameters() if p.dim() == 2}
+    assert bench_update_mfu.param_count(cfg) == sum(matrices.values())
+
+
+def test_roofline_is_written_out_and_adds_up():
+    from megatron_rl.models.facts import roofline_step_s
+
+    r = roofline_step_s(10**9, 4000, 1000, 4.8e12)
+    assert r["update_s"] == pytest.approx(6e9 * 4000 / 790e12) and r["decode_s"] == pytest.approx(1.0)
+    assert r["total_s"] == pytest.approx(r["update_s"] + r["prefill_s"] + r["decode_s"])
+
+
+def test_shapes_build_the_benchmark_configs():
+    assert bench_rl_step.shape_config("llama-3.1-8b").get("rope_scaling") is None  # dropped for the decoder
+    assert bench_rl_step.shape_config("qwen2.5-7b")["vocab_size"] == 152064
+    a = bench_rl_step.parse(["--shape", "qwen2.5-3b"])
+    assert a.model_dir == "/tmp/bench_qwen2_5_3b_random"

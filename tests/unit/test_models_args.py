@@ -5,17 +5,9 @@ import json
 import pytest
 
 from megatron_rl.models import ModelArgs, UnsupportedModelError, padded_vocab
+from megatron_rl.models.shapes import TINY
 
-BASE = dict(
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=250,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=128,
-)
+BASE = dict(TINY, vocab_size=250)
 
 
 def test_llama_transformers5_rope_parameters():

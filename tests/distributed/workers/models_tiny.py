@@ -1,4 +1,5 @@
-"""Tiny random HF models for the model tests (hidden 64, 4 layers, 4 heads / 2 KV heads, ffn 128)."""
+"""Tiny random HF models for the model tests (``megatron_rl.models.shapes.TINY``: hidden 64, 4 layers,
+4 heads / 2 KV heads, ffn 128)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,8 @@ from pathlib import Path
 
 import torch
 
-COMMON = dict(
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-)
+from megatron_rl.models.shapes import TINY as COMMON  # noqa: E402  (the one tiny test shape)
+
 KINDS = ("llama", "qwen2", "qwen3")
 
 

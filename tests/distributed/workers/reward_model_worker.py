@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.distributed import init_distributed
+from megatron_rl.models.shapes import TINY
 from megatron_rl.rollout.engine import Completion
 from megatron_rl.trainer.batch import build_batch
 from megatron_rl.trainer.reward_model import RewardModelScorer
@@ -16,16 +17,8 @@ def make_rm(path: Path) -> None:
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=50,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_labels=1,
-        pad_token_id=0,
-    )
+    shape = dict(TINY, vocab_size=50, num_hidden_layers=2, max_position_embeddings=32768, rms_norm_eps=1e-6)
+    cfg = Qwen2Config(**shape, num_labels=1, pad_token_id=0)
     Qwen2ForSequenceClassification(cfg).save_pretrained(path)
 
 

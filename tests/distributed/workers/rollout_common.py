@@ -12,7 +12,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from megatron_rl.rollout.decoder import DecoderSpec
+from megatron_rl.models.args import ModelArgs
+from megatron_rl.models.shapes import TINY
 
 VOCAB, EOS = 320, 319
 FAMILIES = {
@@ -27,18 +28,13 @@ def tiny_hf(family: str, seed: int = 0, heads: int = 4, kv_heads: int = 2):
     64 / heads; 8 / 4 splits over TP=4); a wide init spreads the logits so greedy decoding has no
     near-ties. EOS is the last id (greedy practically never picks it)."""
     config_cls, model_cls, tied = FAMILIES[family]
+    shape = dict(TINY, num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256)
     cfg = config_cls(
+        **shape,
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
         head_dim=64 // heads,
-        max_position_embeddings=256,
         initializer_range=0.1,
         rope_theta=10000.0,
-        rms_norm_eps=1e-6,
         bos_token_id=0,
         eos_token_id=EOS,
         pad_token_id=0,
@@ -50,27 +46,11 @@ def tiny_hf(family: str, seed: int = 0, heads: int = 4, kv_heads: int = 2):
     return model_cls(cfg).eval()
 
 
-def spec_of(hf, tp: int = 1) -> DecoderSpec:
-    c = hf.config
-    multiple = 128 * tp
-    return DecoderSpec(
-        vocab_size=c.vocab_size,
-        padded_vocab_size=-(-c.vocab_size // multiple) * multiple,
-        hidden_size=c.hidden_size,
-        ffn_hidden_size=c.intermediate_size,
-        num_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_query_groups=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        rope_theta=float(c.rope_parameters["rope_theta"]),
-        norm_eps=c.rms_norm_eps,
-        qkv_bias=c.model_type == "qwen2",
-        qk_norm=c.model_type == "qwen3",
-        tie_word_embeddings=c.tie_word_embeddings,
-    )
+def spec_of(hf, tp: int = 1) -> ModelArgs:
+    return ModelArgs.from_hf_config(hf.config.to_dict(), tp=tp)
 
 
-def hf_to_mcore(hf, spec: DecoderSpec, tp: int, tp_rank: int, pp: int, pp_rank: int) -> dict:
+def hf_to_mcore(hf, spec: ModelArgs, tp: int, tp_rank: int, pp: int, pp_rank: int) -> dict:
     """One (tp_rank, pp_rank) shard of the HF weights under megatron-core local-spec names."""
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     G, D, rep = spec.num_query_groups, spec.head_dim, spec.num_attention_heads // spec.num_query_groups

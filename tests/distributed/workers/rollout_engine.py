@@ -25,7 +25,6 @@ from rollout_common import hf_greedy, random_prompts, tiny_hf  # noqa: E402
 
 from megatron_rl.distributed import init_distributed  # noqa: E402
 from megatron_rl.models import ModelArgs, build_model, forward_pipeline, load_hf_weights  # noqa: E402
-from megatron_rl.rollout.decoder import DecoderSpec  # noqa: E402
 from megatron_rl.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
 from megatron_rl.rollout.reshard import model_params  # noqa: E402
 from megatron_rl.rollout.sampling import SamplingParams  # noqa: E402
@@ -85,7 +84,7 @@ def check_layout(path, hf, tp, pp, prompts, refs, slots):
     args = ModelArgs.from_hf_config(path, tp=tp)
     model = build_model(args, role="actor")
     load_hf_weights(model, path, args)
-    spec = DecoderSpec.from_args(args)
+    spec = args
     before = {k: p.detach().clone() for k, p in model_params(model).items()}
     from megatron.core import parallel_state as ps
 
