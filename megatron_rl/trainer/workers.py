@@ -23,8 +23,8 @@ from megatron_rl.algos import (
     vocab_parallel_log_probs_and_entropy,
 )
 from megatron_rl.config.schema import ActorConfig, CriticConfig
+from megatron_rl.optim import build_optimizer
 from megatron_rl.trainer.batch import RolloutBatch, split_by_tokens, split_micro_batches
-from megatron_rl.trainer.optim import build_optimizer, optimizer_step
 from megatron_rl.trainer.pipeline import broadcast_from_last_stage, gather_positions, run_micro_batches
 
 
@@ -67,7 +67,8 @@ class _TrainedModel:
         self.model = model
         self.cfg = cfg
         self.response_len = response_len
-        self.opt, self.sched = build_optimizer(model, cfg.optim, total_steps)
+        self.opt = build_optimizer(model, cfg.optim, total_steps)
+        self.sched = self.opt.scheduler  # the optimizer owns it; checkpoint/manager.py still reads it here
 
     response_logits = False  # policies: the loss gets logits at the response-scoring positions only
 
@@ -99,7 +100,7 @@ class _TrainedModel:
                 denom = global_loss_denominators([m.response_mask for m in mbs], ps.get_data_parallel_group())
                 loss = partial(loss_fn, denom)
                 per_micro += run_micro_batches(self.model, mbs, loss, False, self.response_logits)
-                step_info.append(optimizer_step(self.model, self.opt, self.sched, self.cfg.optim.clip_grad))
+                step_info.append(self.opt.step())
                 steps += 1
         metrics = broadcast_from_last_stage(_reduce_update_metrics(per_micro, steps))
         out = {f"{prefix}/{k}": v for k, v in metrics.items()}
