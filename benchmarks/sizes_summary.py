@@ -100,7 +100,8 @@ def main(parts: str, out: str, sizes: str) -> None:
     import torch
 
     rows, raw = [], {}
-    for shape in sizes.split():
+    order = ["tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "llama-3.1-8b"]
+    for shape in sorted(sizes.split(), key=lambda s: order.index(s) if s in order else len(order)):
         tag = shape.replace(".", "_").replace("-", "_")
         ours, trl = _load(Path(parts) / f"ours_{tag}.json"), _load(Path(parts) / f"trl_{tag}.json")
         raw[shape] = {"ours": ours, "trl": trl}
