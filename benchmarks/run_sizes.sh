@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
 PARTS=${PARTS:-/tmp/run_sizes_parts}; mkdir -p "$PARTS"
 SIZES=${SIZES:-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b qwen2.5-7b llama-3.1-8b}
-TRL_SIZES=${TRL_SIZES:-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b}; TRL_GC_SIZES=${TRL_GC_SIZES:-qwen2.5-7b llama-3.1-8b}
+TRL_SIZES=${TRL_SIZES-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b}; TRL_GC_SIZES=${TRL_GC_SIZES-qwen2.5-7b llama-3.1-8b}
 STEPS=${STEPS:-3}; TRL_STEPS=${TRL_STEPS:-2}; BUDGET_S=${BUDGET_S:-570}
 OFFLOAD_KEYS=${OFFLOAD_KEYS:-actor.optim.backend=megatron actor.optim.use_distributed_optimizer=true \
 actor.optim.optimizer_cpu_offload=true actor.optim.optimizer_offload_fraction=0.5}

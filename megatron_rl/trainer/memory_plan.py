@@ -3,7 +3,8 @@ refuse a configuration it says cannot fit, naming the key to change and a value 
 
 Resolved here: ``actor.ppo_max_token_len_per_gpu`` and ``critic.ppo_max_token_len_per_gpu`` (with
 use_dynamic_bsz; the largest whole number of sequences whose training peak fits) and
-``rollout.max_num_seqs`` (the most KV-cache slots whose generation peak fits). A phase fits when
+``rollout.max_num_seqs`` (the most KV-cache slots whose generation peak fits; the KV cache,
+``rollout.kv_cache_tokens``, is then sized for exactly those slots). A phase fits when
 resident state + 1.15 x what the phase adds on top <= GPU memory - 2 GiB: the memory model is held to
 15% of the measured peak per phase, and the CUDA context, NCCL and allocator slack need the rest.
 """
@@ -127,6 +128,12 @@ def _resolve_slots(cfg, dims, a, p, total, chosen, notes) -> None:
     if value == AUTO:
         chosen["max_num_seqs"] = best
         notes[key] = f"auto -> {best} KV-cache slots ({seqs} sequences per rank to generate)"
+        if not cfg.rollout.kv_cache_tokens:  # size the cache for those slots, not from free memory, which the
+            # allocator's cached blocks shrink after an update (measured: 512 planned, 208-467 decoded)
+            chosen["kv_cache_tokens"] = best * (p + cfg.rollout.max_new_tokens)
+            notes["rollout.kv_cache_tokens"] = (
+                f"{chosen['kv_cache_tokens']} (the auto slots x {p} + max_new_tokens)"
+            )
     elif min(int(value), seqs) > best:
         est = estimate(cfg, dims, a, p, chosen)
         raise ConfigError(
@@ -171,3 +178,5 @@ def apply_plan(cfg: JobConfig, chosen: dict) -> None:
             getattr(cfg, role).ppo_max_token_len_per_gpu = chosen[role]
     if "max_num_seqs" in chosen:
         cfg.rollout.max_num_seqs = chosen["max_num_seqs"]
+    if "kv_cache_tokens" in chosen:
+        cfg.rollout.kv_cache_tokens = chosen["kv_cache_tokens"]

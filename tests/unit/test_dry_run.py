@@ -17,7 +17,7 @@ from megatron_rl.models import ModelArgs
 from megatron_rl.models.shapes import hf_config
 from megatron_rl.trainer.dry_run import dry_run, rank_table
 from megatron_rl.trainer.memory_model import GIB, estimate, layer_activation_bytes_per_token
-from megatron_rl.trainer.memory_plan import plan
+from megatron_rl.trainer.memory_plan import apply_plan, plan
 
 H200 = 139.8 * GIB
 ONE = ParallelDims.build(1, 1, 1)
@@ -81,6 +81,13 @@ def test_auto_picks_the_largest_budget_and_slots_that_fit():
     cfg.rollout.max_num_seqs = "auto"
     got = plan(cfg, ONE, a, 256, H200)["chosen"]
     assert got["actor"] % 768 == 0 and got["max_num_seqs"] == 512
+    assert got["kv_cache_tokens"] == 512 * 768  # the cache sized for the slots, not from free memory
+    fitted = copy.deepcopy(cfg)
+    apply_plan(fitted, got)
+    assert (fitted.actor.ppo_max_token_len_per_gpu, fitted.rollout.kv_cache_tokens) == (
+        got["actor"],
+        512 * 768,
+    )
     over = copy.deepcopy(cfg)
     over.actor.ppo_max_token_len_per_gpu = got["actor"] + 768
     assert plan(cfg, ONE, a, 256, H200)["chosen"]["actor"] == got["actor"]
