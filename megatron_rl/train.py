@@ -15,9 +15,12 @@ def main(dcfg: DictConfig) -> None:
     cfg = to_job_config(dcfg)
     dims = checked_layout(cfg)  # exits with a message before any process group or GPU work
 
+    from megatron_rl.distributed.shutdown import ended_children, install_stop_handlers, own_children
     from megatron_rl.trainer.run import run_training
 
-    with reported_errors(cfg.trainer.output_dir):
+    install_stop_handlers()  # SIGTERM/SIGINT: every rank finishes the step, saves, exits EXIT_SIGNALLED
+    own_children()
+    with ended_children(), reported_errors(cfg.trainer.output_dir):
         run_training(cfg, dims)
 
 
