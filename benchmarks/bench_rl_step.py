@@ -211,7 +211,6 @@ def run(a: argparse.Namespace) -> dict:
     from megatron_rl.config.store import CONFIG_DIR, to_job_config
     from megatron_rl.distributed import init_distributed
     from megatron_rl.logging import Timer
-    from megatron_rl.logging.perf import actor_params
     from megatron_rl.trainer.build import build_components
     from megatron_rl.trainer.run import train_step
 
@@ -228,7 +227,7 @@ def run(a: argparse.Namespace) -> dict:
     mem = PhaseMemory()
     instrument(c, mem)
     cuda = torch.cuda.is_available()
-    n_params = actor_params(c.args)
+    n_params = c.args.matmul_params()
     steps = []
     for step in range(a.steps):
         timer = Timer()

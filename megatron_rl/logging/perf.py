@@ -4,16 +4,7 @@ from __future__ import annotations
 
 import torch
 
-PEAK_BF16_FLOPS = 790e12  # H200 dense bf16, the reference the benchmarks use
-
-
-def actor_params(args) -> int:
-    """Parameter count N of a model with ``ModelArgs`` ``args``, from the shape (the 6N-per-token training
-    estimate; attention's T^2 term is left out, as in the usual MFU convention)."""
-    a = args
-    attn = a.hidden_size * (a.num_attention_heads + 2 * a.num_query_groups) * a.head_dim
-    attn += a.num_attention_heads * a.head_dim * a.hidden_size
-    return a.num_layers * (attn + 3 * a.hidden_size * a.ffn_hidden_size) + a.vocab_size * a.hidden_size
+from megatron_rl.models.facts import PEAK_BF16_FLOPS
 
 
 def step_perf(
@@ -22,7 +13,8 @@ def step_perf(
     """perf/throughput: prompt+response tokens per second per GPU over the step; perf/mfu: the actor
     update's model FLOPs utilisation against the H200's dense bf16 peak (GPU runs only).
 
-    ``tokens``: the step's prompt+response token count over all DP ranks (already reduced)."""
+    ``tokens``: the step's prompt+response token count over all DP ranks (already reduced); ``num_params``:
+    the N of the 6N-per-trained-token estimate (``ModelArgs.matmul_params()``)."""
     per_gpu = float(tokens) / max(seconds, 1e-9) / world_size
     out = {"perf/throughput": per_gpu}
     if torch.cuda.is_available():

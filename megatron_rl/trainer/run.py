@@ -16,7 +16,7 @@ from megatron_rl.distributed import ParallelDims, destroy_distributed, device, i
 from megatron_rl.distributed.phase_watchdog import phase, set_error_dir
 from megatron_rl.distributed.shutdown import EXIT_SIGNALLED, agreed_stop
 from megatron_rl.logging import Timer
-from megatron_rl.logging.perf import actor_params, step_perf
+from megatron_rl.logging.perf import step_perf
 from megatron_rl.logging.timer import PhaseTimer
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.advantage import batch_metrics, compute_advantages, score_responses
@@ -132,7 +132,7 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
 def _perf(c: Components, batch: RolloutBatch, seconds: float, update_s: float) -> dict[str, float]:
     tokens = torch.tensor(float((batch.prompt_lens + batch.response_lens).sum()), device=device())
     torch.distributed.all_reduce(tokens, group=ps.get_data_parallel_group())
-    return step_perf(tokens, seconds, update_s, world_size=c.dims.world_size, num_params=actor_params(c.args),
+    return step_perf(tokens, seconds, update_s, world_size=c.dims.world_size, num_params=c.args.matmul_params(),
                      epochs=c.cfg.actor.ppo_epochs)  # fmt: skip
 
 
