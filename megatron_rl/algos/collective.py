@@ -69,16 +69,25 @@ def _grouped_outcome(
 ) -> tuple[Tensor, Tensor]:
     """Run a grouped estimator on the scores of the whole DP group; keep this rank's rows.
 
-    Grouped estimators see rewards only through row sums (scores), so ``[B_global, 1]`` rewards with
-    a mask of ones reproduce them exactly; this rank's mask is applied afterwards.
+    Grouped estimators see rewards only through row sums (scores) and the response lengths (assistant
+    tokens, passed as ``response_length``), so ``[B_global, 1]`` rewards with a mask of ones reproduce
+    them exactly; this rank's mask is applied afterwards.
     """
     if index is None:
         raise ValueError(f"Advantage estimator {name!r} groups samples by prompt: pass index=[B] group ids.")
-    scores, offset = _all_gather_rows(token_level_rewards.sum(-1), dp_group)  # [B_global]
+    local = torch.stack(
+        [token_level_rewards.sum(-1), response_mask.to(token_level_rewards.dtype).sum(-1)], -1
+    )
+    gathered, offset = _all_gather_rows(local, dp_group)  # [B_global, 2]: score, length
+    scores, lengths = gathered.unbind(-1)
     all_index = _all_gather_index(index, dp_group)
     ones = torch.ones_like(scores).unsqueeze(-1)  # [B_global, 1]
     adv, _ = get_advantage_estimator(name)(
-        token_level_rewards=scores.unsqueeze(-1), response_mask=ones, index=all_index, **kwargs
+        token_level_rewards=scores.unsqueeze(-1),
+        response_mask=ones,
+        index=all_index,
+        response_length=lengths,
+        **kwargs,
     )  # [B_global, 1]
     local = adv[offset : offset + token_level_rewards.shape[0]]  # [B, 1]
     return (local * response_mask.to(local.dtype),) * 2

@@ -104,12 +104,26 @@ def index_for(name: str, batch, rows: slice):
 
 
 def check_advantages(batch, groups, rank: int) -> None:
-    for name in ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+    """Every estimator, on a mask with interior gaps (multi-turn tool tokens) in the rows long enough."""
+    mask = batch["mask"].clone()
+    mask[batch["mask"].sum(-1) > 3, 1] = 0.0
+    baselines = 0.1 * torch.arange(B, dtype=torch.float64)  # ReMax greedy-sample scores
+    for name in (
+        "gae",
+        "grpo",
+        "rloo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "opo",
+        "gpg",
+        "remax",
+    ):
         want_adv, want_ret = get_advantage_estimator(name)(
             token_level_rewards=batch["rewards"],
-            response_mask=batch["mask"],
+            response_mask=mask,
             values=batch["values"],
             index=index_for(name, batch, slice(0, B)),
+            reward_baselines=baselines,
             **ESTIMATOR_KWARGS,
         )
         for layout, dp_group, rows in layouts(groups, rank):
@@ -117,9 +131,10 @@ def check_advantages(batch, groups, rank: int) -> None:
                 name,
                 dp_group=dp_group,
                 token_level_rewards=batch["rewards"][rows],
-                response_mask=batch["mask"][rows],
+                response_mask=mask[rows],
                 values=batch["values"][rows],
                 index=index_for(name, batch, rows),
+                reward_baselines=baselines[rows],
                 **ESTIMATOR_KWARGS,
             )
             msg = f"{name} {layout} rank {rank}"
