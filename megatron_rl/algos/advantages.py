@@ -34,18 +34,21 @@ class EstimatorTraits:
 
     grouped: bool  # outcome-level: uses rewards only via row sums, and needs whole groups (``index``)
     whitened: bool  # whitens over the batch's response tokens (accepts ``whiten=False``)
+    greedy_baseline: bool = False  # needs ``reward_baselines``: the score of a greedy sample per prompt
 
 
 _ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 _TRAITS: dict[str, EstimatorTraits] = {}
 
 
-def register_advantage_estimator(name: str, *, grouped: bool = False, whitened: bool = False):
+def register_advantage_estimator(
+    name: str, *, grouped: bool = False, whitened: bool = False, greedy_baseline: bool = False
+):
     """Decorator adding an estimator to the registry under ``name`` (a name taken twice is an error)."""
 
     def wrap(fn: AdvantageEstimator) -> AdvantageEstimator:
         _ESTIMATORS.add(name, fn)
-        _TRAITS[name] = EstimatorTraits(grouped=grouped, whitened=whitened)
+        _TRAITS[name] = EstimatorTraits(grouped=grouped, whitened=whitened, greedy_baseline=greedy_baseline)
         return fn
 
     return wrap
@@ -295,7 +298,7 @@ def compute_grpo_passk_outcome_advantage(
     return _outcome(per_sample, response_mask)
 
 
-@register_advantage_estimator("remax")
+@register_advantage_estimator("remax", greedy_baseline=True)
 def compute_remax_outcome_advantage(
     *, token_level_rewards: Tensor, response_mask: Tensor, reward_baselines: Tensor, **_: Any
 ) -> tuple[Tensor, Tensor]:

@@ -6,6 +6,8 @@
 - ``global_loss_denominators``: response tokens and non-empty sequences of a whole optimizer step
   (every micro-batch on every DP rank), the denominators ``aggregation.agg_loss`` wants.
 - ``all_reduce_metrics``: weighted means, sums, maxima and minima of scalar metrics across DP.
+- ``informative_groups_dp``: DAPO's group filter when a group's samples sit on different DP ranks.
+- ``all_reduce_sum``: a sum over the group (the moments behind global means, e.g. IS normalisation).
 
 A ``group`` of None means a single process (no collective runs), not the default world group.
 """
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_rl.algos.advantages import get_advantage_estimator, get_estimator_traits
+from megatron_rl.algos.dapo import informative_groups
 from megatron_rl.algos.masked import masked_moments, whiten_from_moments
 
 
@@ -125,6 +128,19 @@ def compute_advantages_dp(
     advantages = global_masked_whiten(advantages, response_mask, dp_group)
     # Grouped estimators return their advantages as returns (no critic); the others keep raw returns.
     return advantages, (advantages if traits.grouped else returns)
+
+
+def all_reduce_sum(tensor: Tensor, group) -> Tensor:
+    """``tensor`` summed over the ranks of ``group`` (in place; returned)."""
+    return _all_reduce(tensor, group)
+
+
+def informative_groups_dp(scores: Tensor, index: Tensor | Sequence[Any], dp_group) -> tuple[Tensor, dict]:
+    """``informative_groups`` on the scores [B] and group ids [B] of every rank of ``dp_group``; returns
+    this rank's ``keep`` [B] and the global metrics."""
+    all_scores, offset = _all_gather_rows(scores, dp_group)  # [B_global]
+    keep, metrics = informative_groups(all_scores, _all_gather_index(index, dp_group))
+    return keep[offset : offset + scores.shape[0]], metrics
 
 
 def global_loss_denominators(response_masks: Sequence[Tensor], dp_group) -> tuple[Tensor, Tensor]:

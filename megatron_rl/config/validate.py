@@ -5,21 +5,24 @@ Every error names the config key(s) at fault and a value that would work.
 
 from __future__ import annotations
 
+from megatron_rl import algos
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.distributed.dims import LayoutError, ParallelDims, divisors
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_KINDS = ("k1", "k2", "k3", "abs", "low_var_kl", "kl", "mse")
+# Algorithm choices come from the registries in megatron_rl.algos (one list per concept).
+ADV_ESTIMATORS = algos.advantage_estimator_names()
+LOSS_AGG_MODES = algos.LOSS_AGG_MODES
+KL_KINDS = algos.kl_kind_names()
 OPTIM_BACKENDS = ("local", "megatron")
 CHOICES = {
     "algorithm.adv_estimator": ADV_ESTIMATORS,
     "algorithm.kl_penalty": KL_KINDS,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "actor.loss_agg_mode": LOSS_AGG_MODES,
-    "actor.policy_loss": ("vanilla", "gspo"),
+    "actor.policy_loss": algos.policy_loss_names(),
     "actor.kl_loss_type": KL_KINDS,
-    "actor.tis_mode": (None, "token", "sequence"),
+    "actor.tis_mode": (None, *algos.IS_MODES.names()),
+    "actor.rollout_rs": (None, *algos.REJECTION_MODES.names()),
     "critic.loss_agg_mode": LOSS_AGG_MODES,
     "data.truncation": ("error", "left", "right", "filter"),
     "model.dtype": ("float32", "bfloat16"),
