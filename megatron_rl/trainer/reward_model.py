@@ -19,14 +19,14 @@ class RewardModelScorer:
         args = ModelArgs.from_hf_config(path, tp=tp)
         if args.vocab_size != actor_vocab_size:
             raise ValueError(
-                f"reward.reward_model.path={path} has a vocabulary of {args.vocab_size} tokens but the actor has "
+                f"reward.reward_model_path={path} has a vocabulary of {args.vocab_size} tokens but the actor has "
                 f"{actor_vocab_size}; the reward model must share the actor's tokenizer."
             )
         model = build_model(args, "reward", dtype)
         missing = load_hf_weights(model, path, args, role="reward")
         if missing:
             raise KeyError(
-                f"reward.reward_model.path={path} has no score head ({missing}); give an HF "
+                f"reward.reward_model_path={path} has no score head ({missing}); give an HF "
                 f"*ForSequenceClassification checkpoint with num_labels=1."
             )
         self.model = model.to(dtype).eval()

@@ -70,17 +70,8 @@ class PhaseTimer(Timer):
 
 
 def _sampling(c: Components, temperature: float, n: int, seed: int) -> SamplingParams:
-    r = c.cfg.rollout
-    stops = [c.tokenizer.eos_token_id, *r.stop_token_ids]
-    return SamplingParams(
-        temperature=temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        n=n,
-        max_new_tokens=r.max_new_tokens,
-        stop_token_ids=[s for s in stops if s is not None],
-        seed=seed,
-        layout_invariant=r.layout_invariant_sampling,
+    return SamplingParams.from_config(
+        c.cfg.rollout, temperature=temperature, n=n, seed=seed, eos_token_id=c.tokenizer.eos_token_id
     )
 
 
