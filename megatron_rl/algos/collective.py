@@ -135,6 +135,11 @@ def all_reduce_sum(tensor: Tensor, group) -> Tensor:
     return _all_reduce(tensor, group)
 
 
+def all_reduce_max(tensor: Tensor, group) -> Tensor:
+    """``tensor``'s element-wise maximum over the ranks of ``group`` (in place; returned)."""
+    return _all_reduce(tensor, group, dist.ReduceOp.MAX)
+
+
 def informative_groups_dp(scores: Tensor, index: Tensor | Sequence[Any], dp_group) -> tuple[Tensor, dict]:
     """``informative_groups`` on the scores [B] and group ids [B] of every rank of ``dp_group``; returns
     this rank's ``keep`` [B] and the global metrics."""

@@ -30,7 +30,10 @@ def informative_groups(scores: Tensor, index: Tensor | Sequence[Any]) -> tuple[T
     hi = torch.full_like(lo, -torch.inf).scatter_reduce(0, ids, scores, "amax")
     count = torch.zeros_like(lo).index_add_(0, ids, torch.ones_like(scores))
     kept = (hi > lo) | (count == 1)  # [G]
-    metrics = {"dynamic_sampling/groups": torch.tensor(float(num_groups)), "dynamic_sampling/kept_groups": kept.sum()}
+    metrics = {
+        "dynamic_sampling/groups": torch.tensor(float(num_groups)),
+        "dynamic_sampling/kept_groups": kept.sum(),
+    }
     return kept[ids], metrics
 
 

@@ -18,9 +18,8 @@ from dataclasses import fields
 
 import numpy as np
 import torch
-from megatron.core import parallel_state as ps
 
-from megatron_rl.algos.collective import all_reduce_sum, informative_groups_dp
+from megatron_rl.algos.collective import all_reduce_max, all_reduce_sum, informative_groups_dp
 from megatron_rl.trainer.batch import RolloutBatch
 
 ROUND_KEY_STRIDE = 1 << 40  # group ids of round r start at r * stride: unique within a step
@@ -72,12 +71,12 @@ def _scores(batch: RolloutBatch) -> torch.Tensor:
 
 
 def fill_with_informative_groups(
-    first: RolloutBatch, next_round: Callable[[int], RolloutBatch], max_rounds: int, pad_id: int
+    first: RolloutBatch, next_round: Callable[[int], RolloutBatch], max_rounds: int, pad_id: int, dp_group
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """The scored batch ``first`` (this rank's share) with its uninformative groups replaced by
     informative ones from ``next_round(r)`` (a scored batch of the same size), r = 1, 2, ...;
-    see the module doc. Returns the batch (as many groups as ``first``) and DP-summed metrics."""
-    dp_group = ps.get_data_parallel_group()
+    see the module doc. Returns the batch (as many groups as ``first``) and metrics over ``dp_group``
+    (None: this process alone)."""
     quota = int(torch.unique(first.group_index).numel())
     kept_parts, have, batch, totals = [], 0, first, torch.zeros(4, dtype=torch.float64)
     first_keep = None
@@ -93,8 +92,7 @@ def fill_with_informative_groups(
         totals[:2] += counts.double().cpu()
         totals[2] = round_ + 1
         short = torch.tensor([float(quota - have)], dtype=torch.float64, device=first.response_mask.device)
-        torch.distributed.all_reduce(short, op=torch.distributed.ReduceOp.MAX, group=dp_group)
-        if float(short) <= 0:
+        if float(all_reduce_max(short, dp_group)) <= 0:  # every rank has its share
             break
     padded = quota - have
     if padded > 0:  # still short after max_rounds: top up with dropped groups of the first round

@@ -159,7 +159,7 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     if cfg.algorithm.filter_groups.enable:
         batch, ds_metrics = fill_with_informative_groups(
             batch, lambda r: _extra_round(c, step, r, timer), cfg.algorithm.filter_groups.max_num_gen_batches,
-            c.tokenizer.pad_token_id or 0,
+            c.tokenizer.pad_token_id or 0, ps.get_data_parallel_group(),
         )  # fmt: skip
         metrics |= ds_metrics
     if not on_policy(cfg):
