@@ -197,3 +197,34 @@ def test_registry_refuses_a_second_registration_and_lists_every_loss():
 
         register_policy_loss("cispo")(lambda **_: None)
     assert get_policy_loss("cispo").__name__ == "cispo_loss"
+
+
+@pytest.mark.parametrize(
+    "mode",
+    ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum"],
+)
+def test_aggregation_counts_only_assistant_tokens_across_gaps(mode):
+    """A response with a tool output inside: length normalisation counts its mask=1 tokens only."""
+    lp, _, _, mask = make_batch(5)
+    loss_mat = torch.randn(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    loss_mat[mask == 0] = 1e6  # tool/padding values must never leak in
+    got = compute_policy_loss(
+        "gpg",
+        old_log_prob=lp,
+        log_prob=lp,
+        advantages=-loss_mat / lp,
+        response_mask=mask,
+        loss_agg_mode=mode,
+        seq_len_norm=10,
+    )[0]
+    seqs = [[loss_mat[b, t].item() for t in range(T) if mask[b, t]] for b in range(B)]
+    seqs = [s for s in seqs if s]
+    assert any(mask[b, 2] == 0 and mask[b, 4] == 1 for b in range(B))  # an interior gap is present
+    want = {
+        "token-mean": sum(map(sum, seqs)) / sum(map(len, seqs)),
+        "seq-mean-token-sum": sum(map(sum, seqs)) / len(seqs),
+        "seq-mean-token-mean": sum(sum(s) / len(s) for s in seqs) / len(seqs),
+        "seq-mean-token-sum-norm": sum(map(sum, seqs)) / (len(seqs) * 10),
+        "token-sum": sum(map(sum, seqs)),
+    }[mode]
+    assert math.isclose(got.item(), want, rel_tol=1e-12)
