@@ -1,5 +1,6 @@
-"""RL algorithms: pure functions (advantages, KL, policy/value/entropy losses, aggregation), the
-vocab-parallel log-prob/entropy kernels, and the thin collective layer that calls them across DP."""
+"""RL algorithms: pure functions (advantages, KL, policy/value/entropy losses, aggregation, rollout/training
+mismatch corrections, DAPO's group filter and overlong shaping) behind registries that refuse duplicate
+names, the vocab-parallel log-prob/entropy kernels, and the thin collective layer that calls them across DP."""
 
 from megatron_rl.algos import policy_loss_variants  # noqa: F401  (registers cispo, sapo, ...)
 from megatron_rl.algos.advantages import (
