@@ -15,9 +15,9 @@ from megatron_rl.data import dp_share
 from megatron_rl.distributed import ParallelDims, destroy_distributed, device, init_distributed
 from megatron_rl.distributed.phase_watchdog import phase, set_error_dir
 from megatron_rl.logging import Timer
+from megatron_rl.rollout.batch import RolloutBatch, build_batch
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.advantage import batch_metrics, compute_advantages, score_responses
-from megatron_rl.trainer.batch import RolloutBatch, build_batch
 from megatron_rl.trainer.build import Components, build_components
 
 
