@@ -1,6 +1,6 @@
 """Reference forward passes for tests and GPU checks: one stage (PP=1) and a simple whole-pipeline
 forward (blocking p2p between stages). The trainer itself runs megatron-core's schedules
-(``megatron_rl/trainer/pipeline.py``); this second path exists only to check models against transformers.
+(``megatron_rl/models/pipeline.py``); this second path exists only to check models against transformers.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from megatron_rl.algos.collective import all_reduce_sum
 from megatron_rl.algos.dapo import overlong_filter, overlong_penalty
 from megatron_rl.config.schema import ActorConfig, AlgorithmConfig, JobConfig, OverlongBufferConfig
 from megatron_rl.rewards import score_batch
-from megatron_rl.trainer.batch import RolloutBatch
+from megatron_rl.rollout.batch import RolloutBatch
 
 
 def build_kl_controller(cfg: AlgorithmConfig):

@@ -15,12 +15,12 @@ from megatron_rl.distributed import ParallelDims
 from megatron_rl.logging import MetricsLogger
 from megatron_rl.models import ModelArgs, build_model, load_hf_weights
 from megatron_rl.rewards import build_reward_fn
+from megatron_rl.rewards.reward_model import RewardModelScorer
 from megatron_rl.rollout.decoder import DecoderSpec
 from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
 from megatron_rl.rollout.sampling import logprob_temperature
 from megatron_rl.trainer.advantage import build_kl_controller
 from megatron_rl.trainer.builtin_task import prepare_builtin_task
-from megatron_rl.trainer.reward_model import RewardModelScorer
 from megatron_rl.trainer.workers import CriticWorker, PolicyWorker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

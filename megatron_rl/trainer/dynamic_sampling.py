@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from megatron_rl.algos.collective import all_reduce_max, all_reduce_sum, informative_groups_dp
-from megatron_rl.trainer.batch import RolloutBatch
+from megatron_rl.rollout.batch import RolloutBatch
 
 ROUND_KEY_STRIDE = 1 << 40  # group ids of round r start at r * stride: unique within a step
 

@@ -16,6 +16,7 @@ from megatron_rl.data import dp_share
 from megatron_rl.distributed import ParallelDims, destroy_distributed, device, init_distributed
 from megatron_rl.distributed.phase_watchdog import phase, set_error_dir
 from megatron_rl.logging import Timer
+from megatron_rl.rollout.batch import RolloutBatch, build_batch
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.advantage import (
     apply_overlong_penalty,
@@ -25,7 +26,6 @@ from megatron_rl.trainer.advantage import (
     rollout_correction,
     score_responses,
 )
-from megatron_rl.trainer.batch import RolloutBatch, build_batch
 from megatron_rl.trainer.build import Components, build_components
 from megatron_rl.trainer.dynamic_sampling import (
     ROUND_KEY_STRIDE,

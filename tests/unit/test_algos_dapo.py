@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_rl.algos.dapo import informative_groups, overlong_filter, overlong_penalty
-from megatron_rl.trainer.batch import RolloutBatch
+from megatron_rl.rollout.batch import RolloutBatch
 from megatron_rl.trainer.dynamic_sampling import (
     concat_batches,
     extra_prompt_indices,

@@ -33,7 +33,7 @@ from megatron_rl.algos import (
 )
 from megatron_rl.algos.collective import informative_groups_dp
 from megatron_rl.algos.dapo import informative_groups
-from megatron_rl.trainer.batch import RolloutBatch
+from megatron_rl.rollout.batch import RolloutBatch
 from megatron_rl.trainer.dynamic_sampling import fill_with_informative_groups
 
 B, T, V, D = 16, 6, 13, 8

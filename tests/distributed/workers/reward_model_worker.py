@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.distributed import init_distributed
+from megatron_rl.rewards.reward_model import RewardModelScorer
+from megatron_rl.rollout.batch import build_batch
 from megatron_rl.rollout.engine import Completion
-from megatron_rl.trainer.batch import build_batch
-from megatron_rl.trainer.reward_model import RewardModelScorer
 
 
 def make_rm(path: Path) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.models import ModelArgs, build_model, load_hf_weights
-from megatron_rl.trainer.batch import RolloutBatch, split_micro_batches
-from megatron_rl.trainer.pipeline import broadcast_from_last_stage, run_micro_batches
+from megatron_rl.models.pipeline import broadcast_from_last_stage, run_micro_batches
+from megatron_rl.rollout.batch import RolloutBatch, split_micro_batches
 
 
 class RewardModelScorer:
