@@ -49,7 +49,7 @@ def _handle(signum: int, frame) -> None:
         os.kill(os.getpid(), signum)
         return
     _state["received"] = signum
-    rank = os.environ.get("RANK", "0")
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
     name = signal.Signals(signum).name
     # os.write, not print: a handler may interrupt a print to the same stream
     os.write(2, f"megatron-rl: rank {rank} got {name}: finishing this step on every rank, then saving and "
