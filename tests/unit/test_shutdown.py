@@ -20,6 +20,8 @@ RECORD = textwrap.dedent("""
     from megatron_rl.distributed.shutdown import agreed_stop, install_stop_handlers
     install_stop_handlers()
     assert agreed_stop() is None
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: recorded, no KeyboardInterrupt
+    print("after SIGINT:", agreed_stop(), flush=True)
     os.kill(os.getpid(), signal.SIGTERM)  # recorded, the process goes on
     print("after first:", agreed_stop(), flush=True)
     os.kill(os.getpid(), signal.SIGTERM)  # a second one stops it at once
@@ -46,10 +48,11 @@ def _env() -> dict:
     return {"PYTHONPATH": str(REPO), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1"}
 
 
-def test_first_signal_is_recorded_second_one_stops_at_once(tmp_path):
+def test_signals_are_recorded_a_second_one_stops_at_once(tmp_path):
     (tmp_path / "record.py").write_text(RECORD)
     proc = subprocess.run([sys.executable, str(tmp_path / "record.py")], capture_output=True, text=True,
                           timeout=60, env=_env())  # fmt: skip
+    assert "after SIGINT: SIGINT" in proc.stdout, proc.stderr[-2000:]
     assert "after first: SIGTERM" in proc.stdout and "not reached" not in proc.stdout
     assert proc.returncode == -signal.SIGTERM and EXIT_SIGNALLED not in (0, 1, 2, 3)
     assert "rank 0 got SIGTERM: finishing this step on every rank" in proc.stderr
