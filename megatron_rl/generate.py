@@ -11,14 +11,14 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from megatron_rl.config.entry import checked_layout, fail, quiet_third_party, reported_errors
-from megatron_rl.config.store import CONFIG_DIR, to_job_config
+from megatron_rl.config.entry import checked_layout, fail, job_config, quiet_third_party, reported_errors
+from megatron_rl.config.store import CONFIG_DIR
 
 
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="config")
 def main(dcfg: DictConfig) -> None:
     quiet_third_party()
-    cfg = to_job_config(dcfg)
+    cfg = job_config(dcfg)
     missing = [
         k
         for k, v in (
@@ -37,27 +37,15 @@ def main(dcfg: DictConfig) -> None:
 
     import torch
 
-    from megatron_rl.rollout.engine import EngineConfig
     from megatron_rl.rollout.generate_job import generate_from_config, read_prompts
-    from megatron_rl.rollout.sampling import SamplingParams
 
-    r = cfg.rollout
-    sampling = SamplingParams(
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        n=r.n,
-        max_new_tokens=r.max_new_tokens,
-        stop_token_ids=tuple(r.stop_token_ids),
-        seed=cfg.trainer.seed,
-    )
     with reported_errors(cfg.trainer.output_dir):
         rows = generate_from_config(
             cfg.model.path,
             read_prompts(cfg.generate.prompts),
-            sampling,
+            cfg.rollout,
+            seed=cfg.trainer.seed,
             chat_template=cfg.generate.chat_template,
-            engine_config=EngineConfig.from_config(r),
             tp=dims.tp,
             pp=dims.pp,
             dtype=getattr(torch, cfg.model.dtype),

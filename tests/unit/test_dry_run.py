@@ -206,3 +206,14 @@ def test_distributed_optimizer_shards_the_optimizer_estimate_over_dp():
         mcore["optimizer"] == pytest.approx(16 * n) and mcore["grads"] == 0
     )  # + fp32 grad buffers, resident
     assert dist_opt["optimizer"] == pytest.approx(12 * n / 4 + 4 * n)  # main params + moments split over DP=4
+
+
+def test_cli_train_refuses_a_job_that_cannot_fit_before_building_models(tmp_path):
+    from tests.distributed.launch import cpu_env
+
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "trainer.gpu_memory_gb=0.001",
+           "trainer.val_before_train=false", f"trainer.output_dir={tmp_path}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cpu_env(), cwd=tmp_path)
+    assert proc.returncode != 0 and "does not fit the 0.0 GiB GPU" in proc.stderr, proc.stderr[-2000:]
+    assert "actor.ppo_micro_batch_size_per_gpu=4" in proc.stderr  # the key at fault, named
+    assert not (tmp_path / "metrics.jsonl").exists()
