@@ -215,5 +215,5 @@ def test_cli_train_refuses_a_job_that_cannot_fit_before_building_models(tmp_path
            "trainer.val_before_train=false", f"trainer.output_dir={tmp_path}"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cpu_env(), cwd=tmp_path)
     assert proc.returncode != 0 and "does not fit the 0.0 GiB GPU" in proc.stderr, proc.stderr[-2000:]
-    assert "actor.ppo_micro_batch_size_per_gpu=4" in proc.stderr  # the key at fault, named
+    assert "with actor.ppo_micro_batch_size_per_gpu=" in proc.stderr  # the key at fault, named
     assert not (tmp_path / "metrics.jsonl").exists()

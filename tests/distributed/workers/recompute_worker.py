@@ -14,7 +14,7 @@ from megatron.core.tensor_parallel import random as mcore_random
 from megatron_rl.config.schema import ActorConfig
 from megatron_rl.distributed import init_distributed
 from megatron_rl.models import ModelArgs, build_model, load_hf_weights
-from megatron_rl.trainer.pipeline import run_micro_batches
+from megatron_rl.models.pipeline import run_micro_batches
 from megatron_rl.trainer.workers import PolicyWorker
 from tests.distributed.workers.models_tiny import make_tiny_hf
 from tests.distributed.workers.trainer_grads_worker import ragged_batch
