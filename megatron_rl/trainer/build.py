@@ -18,6 +18,7 @@ from megatron_rl.rewards import build_reward_fn
 from megatron_rl.rewards.reward_model import RewardModelScorer
 from megatron_rl.rollout.decoder import DecoderSpec
 from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
+from megatron_rl.rollout.multi_turn import MultiTurn, build_multi_turn
 from megatron_rl.rollout.sampling import logprob_temperature
 from megatron_rl.trainer.advantage import build_kl_controller
 from megatron_rl.trainer.builtin_task import prepare_builtin_task
@@ -43,6 +44,7 @@ class Components:
     kl_ctrl: object
     logger: MetricsLogger
     total_steps: int
+    multi_turn: MultiTurn | None = None  # rollout.multi_turn.enable: tools, parser, the tool thread pool
 
 
 def _resolve_paths(cfg: JobConfig) -> tuple[str, str | None, str | None, bool]:
@@ -111,6 +113,7 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
     reward_fn = _reward_fn(cfg)  # a bad custom function path fails before models are built
     model_dir, train_files, val_files, chat = _resolve_paths(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    multi_turn = build_multi_turn(cfg.rollout.multi_turn, tokenizer)  # a bad tool file fails here
     data = cfg.data
     dataset_kw = dict(
         tokenizer=tokenizer,
@@ -118,6 +121,7 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
         max_prompt_length=data.max_prompt_length,
         truncation=data.truncation,
         apply_chat_template=chat,
+        tools=multi_turn.tool_set.schemas if multi_turn else None,
     )
     train_ds = PromptDataset(train_files, files_key="data.train_files", **dataset_kw)
     loader = PromptDataLoader(
@@ -163,4 +167,5 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
         build_kl_controller(cfg.algorithm),
         logger,
         total,
+        multi_turn,
     )

@@ -1,0 +1,146 @@
+"""Tools of multi-turn rollouts: loading a tool file, the hermes parser and its registry, the calculator's
+safe evaluation, and the executor's concurrency, timeouts and error answers."""
+
+import threading
+import time
+
+import pytest
+
+from megatron_rl.rollout import calculator
+from megatron_rl.rollout.tool_parsers import ToolCall, get_parser, parse_hermes, register_parser
+from megatron_rl.rollout.tools import TOOL_SETS, Tool, ToolExecutor, load_tool_set
+
+TOOL_FILE = """
+from megatron_rl.rollout.tools import Interaction, Tool
+
+
+class Lookup(Tool):
+    name = "lookup"
+    schema = {"type": "function", "function": {"name": "lookup", "description": "the secret",
+              "parameters": {"type": "object", "properties": {}}}}
+
+    def call(self, args, state):
+        return str(state["ground_truth"]), 0.1, False
+
+
+class Nudge(Interaction):
+    def respond(self, turn_text, state):
+        return ("try again", 0.0, False) if state["turn"] < 2 else (None, 0.0, True)
+
+
+def get_tools():
+    return [Lookup()]
+
+
+def get_interaction():
+    return Nudge()
+"""
+
+
+def test_a_tool_file_loads_with_its_interaction(tmp_path):
+    f = tmp_path / "my_tools.py"
+    f.write_text(TOOL_FILE)
+    ts = load_tool_set(str(f))
+    assert list(ts.tools) == ["lookup"] and ts.schemas[0]["function"]["name"] == "lookup"
+    assert ts.tools["lookup"].call({}, {"ground_truth": 42}) == ("42", 0.1, False)
+    assert ts.interaction.respond("x", {"turn": 1}) == ("try again", 0.0, False)
+    assert "calculator" in TOOL_SETS and list(load_tool_set("calculator").tools) == ["calculate"]
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        (None, "rollout.multi_turn.tool_path"),
+        ("x = 1\n", "defines no get_tools"),
+        ("def get_tools():\n    return []\n", "non-empty list of Tool"),
+        (
+            "from megatron_rl.rollout.tools import Tool\nclass T(Tool):\n    name = 't'\n"
+            "def get_tools():\n    return [T()]\n",
+            "needs `schema`",
+        ),
+        ("raise RuntimeError('boom')\n", "importing rollout.multi_turn.tool_path.*boom"),
+    ],
+)
+def test_bad_tool_files_fail_with_the_key_and_the_fix(tmp_path, text, match):
+    path = None
+    if text is not None:
+        path = tmp_path / "t.py"
+        path.write_text(text)
+    with pytest.raises((ValueError, TypeError, AttributeError, ImportError), match=match):
+        load_tool_set(str(path) if path else None)
+    with pytest.raises(FileNotFoundError, match="neither a file nor a built-in tool set"):
+        load_tool_set(str(tmp_path / "missing.py"))
+
+
+def test_hermes_parser_reads_calls_and_reports_malformed_ones():
+    text = (
+        'I will compute.\n<tool_call>\n{"name": "calculate", "arguments": {"expression": "2*3"}}\n</tool_call>'
+        '<tool_call>{"name": "calculate", "arguments": "{\\"expression\\": \\"1\\"}"}</tool_call>'
+        "<tool_call>{not json}</tool_call><tool_call>[1]</tool_call>"
+    )
+    calls = parse_hermes(text)
+    assert calls[0] == ToolCall("calculate", {"expression": "2*3"})
+    assert calls[1] == ToolCall("calculate", {"expression": "1"})
+    assert "not valid JSON" in calls[2].error and "needs" in calls[3].error
+    assert parse_hermes("no call here") == [] and get_parser("hermes") is parse_hermes
+    with pytest.raises(ValueError, match="already registered"):
+        register_parser("hermes", parse_hermes)
+    with pytest.raises(ValueError, match="rollout.multi_turn.parser='nope'"):
+        get_parser("nope")
+
+
+def test_calculator_evaluates_arithmetic_and_refuses_code():
+    calc = calculator.Calculator()
+    assert calc.call({"expression": "(48 / 2) * 3 - 2**3 % 5"}, {}) == ("69", 0.0, False)
+    assert calc.call({"expression": "7 / 2"}, {})[0] == "3.5"
+    for bad, why in [
+        ("__import__('os').system('true')", "not Call"),
+        ("().__class__", "not Attribute"),
+        ("x + 1", "not Name"),
+        ("9**9**9", "exponent"),
+        ("1/0", "division by zero"),
+        ("2 +", "not an arithmetic expression"),
+    ]:
+        text, reward, done = calc.call({"expression": bad}, {})
+        assert text.startswith("Error:") and why in text and (reward, done) == (0.0, False)
+    assert calc.call({"expr": "1"}, {})[0].startswith("Error: calculate needs")
+
+
+class Slow(Tool):
+    name = "slow"
+    schema = {"type": "function", "function": {"name": "slow"}}
+
+    def __init__(self):
+        self.running, self.peak, self.lock = 0, 0, threading.Lock()
+
+    def call(self, args, state):
+        with self.lock:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+        time.sleep(args["s"])
+        with self.lock:
+            self.running -= 1
+        if args.get("raise"):
+            raise KeyError("bad key")
+        return "done", 1.0, True
+
+
+def test_executor_runs_calls_concurrently_with_a_timeout_and_error_answers():
+    tool = Slow()
+    ex = ToolExecutor({"slow": tool}, timeout_s=0.5, max_workers=3)
+    calls = [(ToolCall("slow", {"s": 0.2}), {}) for _ in range(3)]
+    calls += [
+        (ToolCall("slow", {"s": 0.0, "raise": True}), {}),
+        (ToolCall("slow", {"s": 3.0}), {}),  # runs past the timeout
+        (ToolCall("other", {}), {}),
+        (ToolCall("", error="tool call is not valid JSON"), {}),
+    ]
+    t0 = time.monotonic()
+    out = ex.run(calls)
+    took = time.monotonic() - t0
+    assert [r.status for r in out] == ["ok"] * 3 + ["error", "timeout", "error", "error"]
+    assert out[0].text == "done" and out[0].reward == 1.0 and out[0].done
+    assert "raised KeyError" in out[3].text and "timed out after 0.5 s" in out[4].text
+    assert "unknown tool 'other'" in out[5].text and "not valid JSON" in out[6].text
+    assert tool.peak == 3 and took < 1.5  # three at once; the slow call was abandoned at its timeout
+    ex.close()
