@@ -73,6 +73,11 @@ def register_tool_set(name: str, factory: Callable[[], ToolSet]) -> None:
 
 
 def _import_file(file: Path):
+    # a file already imported (e.g. also named as the custom reward function) is not run twice: its
+    # registrations (a tool-call parser) would then be duplicates
+    for module in list(sys.modules.values()):
+        if getattr(module, "__file__", None) and Path(module.__file__).resolve() == file:
+            return module
     module_name = f"megatron_rl_tools_{hashlib.sha1(str(file).encode()).hexdigest()[:12]}"
     spec = importlib.util.spec_from_file_location(module_name, file)
     if spec is None or spec.loader is None:
