@@ -3,10 +3,14 @@ safe evaluation, and the executor's concurrency, timeouts and error answers."""
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from megatron_rl.config.schema import MultiTurnConfig
+from megatron_rl.data import build_char_tokenizer
 from megatron_rl.rollout import calculator
+from megatron_rl.rollout.multi_turn import TurnRenderer
 from megatron_rl.rollout.tool_parsers import ToolCall, get_parser, parse_hermes, register_parser
 from megatron_rl.rollout.tools import TOOL_SETS, Tool, ToolExecutor, load_tool_set
 
@@ -144,3 +148,58 @@ def test_executor_runs_calls_concurrently_with_a_timeout_and_error_answers():
     assert "unknown tool 'other'" in out[5].text and "not valid JSON" in out[6].text
     assert tool.peak == 3 and took < 1.5  # three at once; the slow call was abandoned at its timeout
     ex.close()
+
+
+def test_the_readme_tool_example_is_the_shipped_file_and_it_works():
+    repo = Path(__file__).resolve().parents[2]
+    code = (repo / "examples/tools/lookup_tool.py").read_text()
+    body = code[code.index("from megatron_rl.rollout.tools") :].strip()
+    assert body in (repo / "README.md").read_text()
+    ts = load_tool_set(str(repo / "examples/tools/lookup_tool.py"))
+    state = {"turn": 1}
+    assert ts.tools["convert_units"].call({"value": 2, "from_unit": "km", "to_unit": "m"}, state) == (
+        "2000 m",
+        0.0,
+        False,
+    )
+    assert state["conversions"] == 1
+    assert ts.interaction.respond("so #### 4", state) == (None, 0.0, True)
+    assert ts.interaction.respond("so 4", state)[0].startswith("Please end")
+
+
+def test_multi_turn_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="rollout.multi_turn.max_turns=0"):
+        MultiTurnConfig(max_turns=0)
+    with pytest.raises(ValueError, match="rollout.multi_turn.tool_timeout_s"):
+        MultiTurnConfig(tool_timeout_s=0)
+
+
+# Qwen2.5's way of rendering tool answers (a user turn of <tool_response> blocks), on the char tokenizer
+QWEN_LIKE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_turn_renderer_appends_what_the_template_writes_after_the_model_stopped():
+    tok = build_char_tokenizer(chat_template=QWEN_LIKE)
+    r = TurnRenderer(tok, None)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    two = [{"role": "tool", "content": "4"}, {"role": "tool", "content": "9"}]
+    # the model produced <|im_end|>: the template's "\n" after it is still owed
+    assert r.text(two, im_end) == (
+        "\n<|im_start|>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\n9\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    # the turn ended elsewhere (e.g. at </tool_call>): the whole closing is appended
+    assert r.text([{"role": "user", "content": "go on"}], tok.convert_tokens_to_ids("x")) == (
+        "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert r.ids(two, im_end) == tok(r.text(two, im_end), add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError, match="chat template"):
+        TurnRenderer(build_char_tokenizer(chat_template=None), None)
