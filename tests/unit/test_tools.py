@@ -203,3 +203,25 @@ def test_turn_renderer_appends_what_the_template_writes_after_the_model_stopped(
     assert r.ids(two, im_end) == tok(r.text(two, im_end), add_special_tokens=False)["input_ids"]
     with pytest.raises(ValueError, match="chat template"):
         TurnRenderer(build_char_tokenizer(chat_template=None), None)
+
+
+def test_builtin_tool_task_pieces(tmp_path):
+    from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.rollout.multi_turn import build_multi_turn
+    from megatron_rl.trainer import builtin_tool_task as task
+
+    model_dir, train, _ = task.prepare_tool_task(ModelConfig(), tmp_path, seed=0)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    mt = build_multi_turn(MultiTurnConfig(enable=True, tool_path=task.TOOL_SET, parser="secret_call"), tok)
+    assert mt.turn_stop_ids == (tok.convert_tokens_to_ids("?"),)  # a turn ends at the call marker
+    state = {"extra_info": {"prompt": "123"}}
+    assert mt.tool_set.tools["secret"].call({}, state) == (task.secret("123"), 0.3, False)
+    assert mt.tool_set.tools["secret"].call({}, state)[1] == 0.0  # the shaping reward is paid once
+    assert mt.parser("?") == [ToolCall("secret", {})] and mt.parser("7") == []
+    answer = mt.renderer.text([{"role": "tool", "content": "7"}], tok.convert_tokens_to_ids("?"))
+    solved = "?" + tok.decode(tok(answer)["input_ids"], skip_special_tokens=True) + "7"
+    assert task.compute_score("", solved, "7") == 1.0 and task.compute_score("", solved, "3") == 0.0
+    assert task.compute_score("", "7", "7") == 1.0  # a lucky guess without the tool
+    mt.close()
