@@ -39,6 +39,8 @@ class RolloutBatch:
     token_level_rewards: torch.Tensor | None = None  # [B, R]
     advantages: torch.Tensor | None = None  # [B, R]
     returns: torch.Tensor | None = None  # [B, R]
+    reward_baselines: torch.Tensor | None = None  # [B] ReMax: score of the prompt's greedy sample
+    rollout_is_weights: torch.Tensor | None = None  # [B, R] IS weights computed for the whole batch
     # multi-turn rollouts only: assistant turns [B], tools' reward deltas [B], (calls, errors, timeouts) [B, 3]
     turns: torch.Tensor | None = None
     tool_reward: torch.Tensor | None = None
