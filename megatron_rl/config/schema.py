@@ -177,6 +177,35 @@ class OptimConfig:
         "backend=megatron only: shard fp32 main params and Adam moments over DP (grads reduce-scattered, "
         "params all-gathered after each step).",
     )
+    param_offload: bool = doc(
+        False,
+        "Move the fp32 main params to (pinned) host memory while generating and back for the update; the "
+        "bf16 weights generation reads stay (with fp32 weights there are no separate main params).",
+    )
+    optimizer_offload: bool = doc(
+        False, "Move the Adam moments (exp_avg, exp_avg_sq) to (pinned) host memory while generating."
+    )
+    grad_offload: bool = doc(
+        False,
+        "Free the gradient buffers while generating (they are zero between steps: re-zeroed, not copied). "
+        "backend=megatron keeps fp32 grad buffers for the whole run; backend=local frees its grads after "
+        "each step anyway, so there it has nothing to move.",
+    )
+    optimizer_cpu_offload: bool = doc(
+        False,
+        "backend=megatron with use_distributed_optimizer only: megatron-core's hybrid-device optimizer keeps "
+        "optimizer_offload_fraction of the fp32 main params and Adam moments on the host and steps them "
+        "there with torch's CPU AdamW (for models whose optimizer state does not fit on the GPU).",
+    )
+    optimizer_offload_fraction: float = doc(
+        1.0,
+        "With optimizer_cpu_offload: the fraction (0..1) of this rank's optimizer state kept on the host.",
+    )
+    overlap_cpu_optimizer_d2h_h2d: bool = doc(
+        False,
+        "With optimizer_cpu_offload: one CPU optimizer per parameter, so grad copies down, CPU steps and "
+        "param copies up overlap (CUDA streams).",
+    )
 
 
 @dataclass

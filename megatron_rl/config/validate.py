@@ -172,6 +172,43 @@ def _check_optim(cfg: JobConfig, role: str) -> None:
             f"backend keeps full optimizer state on every rank). Set {role}.optim.backend=megatron, or "
             f"{role}.optim.use_distributed_optimizer=false."
         )
+    if optim.optimizer_cpu_offload:
+        _check_hybrid_optim(cfg, optim, role)
+
+
+def _check_hybrid_optim(cfg: JobConfig, optim, role: str) -> None:
+    """megatron-core's hybrid-device optimizer: inside its distributed optimizer, on bf16 weights (0.16.1
+    hands it non-leaf views of fp32 weights, which torch optimizers refuse), not yet in checkpoints."""
+    k = f"{role}.optim"
+    if optim.backend != "megatron" or not optim.use_distributed_optimizer:
+        raise ConfigError(
+            f"{k}.optimizer_cpu_offload=true is megatron-core's hybrid-device optimizer, which runs inside its "
+            f"distributed optimizer: set {k}.backend=megatron {k}.use_distributed_optimizer=true, or "
+            f"{k}.optimizer_cpu_offload=false."
+        )
+    if not 0.0 <= optim.optimizer_offload_fraction <= 1.0:
+        raise ConfigError(
+            f"{k}.optimizer_offload_fraction={optim.optimizer_offload_fraction} must lie in [0, 1]: the fraction "
+            f"of the optimizer state that {k}.optimizer_cpu_offload=true keeps on the host."
+        )
+    on = [f"{k}.{n}=true" for n in ("param_offload", "optimizer_offload") if getattr(optim, n)]
+    if on:
+        raise ConfigError(
+            f"{' '.join(on)} with {k}.optimizer_cpu_offload=true: the hybrid optimizer already keeps the "
+            f"offloaded fraction on the host and holds its main params itself; use one or the other (raise "
+            f"{k}.optimizer_offload_fraction instead)."
+        )
+    if cfg.model.dtype != "bfloat16":
+        raise ConfigError(
+            f"{k}.optimizer_cpu_offload=true needs model.dtype=bfloat16 (megatron-core's hybrid optimizer keeps "
+            f"its own fp32 main params of bf16 weights; it cannot step fp32 weights), got "
+            f"model.dtype={cfg.model.dtype}. Set model.dtype=bfloat16 or {k}.optimizer_cpu_offload=false."
+        )
+    if cfg.trainer.save_freq > 0:
+        raise ConfigError(
+            f"{k}.optimizer_cpu_offload=true cannot be checkpointed yet (the hybrid optimizer's state is not "
+            f"wired into the checkpoint): set trainer.save_freq=-1 or {k}.optimizer_cpu_offload=false."
+        )
 
 
 def _check_algorithm_settings(cfg: JobConfig) -> None:

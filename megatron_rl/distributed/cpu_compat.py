@@ -28,6 +28,15 @@ task) runs through. This module patches exactly those, and only when CUDA is abs
    format) moves its shards with ``Tensor.cuda()`` for the all-gather; while it runs, as in 5,
    ``Tensor.cuda`` returns the tensor itself.
 
+9. megatron-core's hybrid-device optimizer (``optimizer.cpu_offloading.hybrid_optimizer``,
+   ``optim.optimizer_cpu_offload``) orders its copies with CUDA streams and events and allocates pinned
+   grad buffers; in that module the streams and events are no-ops and ``pin_memory`` is dropped (CPU
+   memory is the host). It decides which params to offload by ``param.is_cuda`` and offloads with
+   ``.cpu().pin_memory()``; while ``_get_sub_optimizer_param_groups`` runs, ``Tensor.is_cuda`` answers
+   False for those pinned copies (and tensors derived from them by detach/clone/float/cpu) and True for
+   every other tensor, so the CPU part and the "device" part are split as on a GPU, and the same
+   arithmetic runs on both sides.
+
 What is *not* patched, by design: the stock ``DotProductAttention`` (our ModuleSpec uses SDPA core
 attention instead), fp16 loss scaling (``grad_scaler``; the trainer has no fp16 mode), overlapped grad
 reduce / param gather (CUDA streams).
@@ -39,6 +48,7 @@ per patched behaviour.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 
@@ -134,6 +144,98 @@ def _cuda_type_names(fn):
     return wrapper
 
 
+class _NoStream:
+    """A CUDA stream / event stand-in: ordering is trivial on one CPU thread."""
+
+    def wait_stream(self, *_a) -> None:
+        pass
+
+    def record_event(self, *_a):
+        return self
+
+    def wait(self, *_a) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CpuStreams:
+    """``torch.cuda`` as the hybrid optimizer uses it: streams and ``torch.cuda.stream(s)``."""
+
+    Stream = _NoStream
+
+    @staticmethod
+    def current_stream(*_a):
+        return _NoStream()
+
+    @staticmethod
+    def stream(*_a):
+        return contextlib.nullcontext()
+
+
+class _TorchForHybridOnCpu(_TorchWithCudaOnCpu):
+    """Item 9: ``torch`` inside the hybrid optimizer's module."""
+
+    cuda = _CpuStreams()
+
+    @staticmethod
+    def empty(*args, device=None, pin_memory=False, **kwargs):
+        return torch.empty(*args, device=_cuda_to_cpu(device), **kwargs)
+
+
+_HOST = "_cpu_compat_host_copy"
+_DERIVING = ("detach", "clone", "float", "cpu")
+
+
+def _host_copies_not_cuda(fn):
+    """Run ``fn`` with ``Tensor.is_cuda`` False only for ``pin_memory()`` copies and what derives from them."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        names = (*_DERIVING, "pin_memory", "is_cuda")
+        originals = {name: getattr(torch.Tensor, name) for name in names}
+        shadowed = {name: torch.Tensor.__dict__[name] for name in names if name in torch.Tensor.__dict__}
+
+        def deriving(name):
+            def method(self, *a, **k):
+                out = originals[name](self, *a, **k)
+                if getattr(self, _HOST, False):
+                    setattr(out, _HOST, True)
+                return out
+
+            return method
+
+        def pin(self, *a, **k):
+            out = self.clone() if getattr(self, _HOST, False) else self
+            setattr(out, _HOST, True)
+            return out
+
+        for name in _DERIVING:
+            setattr(torch.Tensor, name, deriving(name))
+        torch.Tensor.pin_memory = pin
+        torch.Tensor.is_cuda = property(lambda self: not getattr(self, _HOST, False))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for name in names:
+                if name in shadowed:
+                    setattr(torch.Tensor, name, shadowed[name])
+                else:
+                    delattr(torch.Tensor, name)
+
+    return wrapper
+
+
+def _patch_hybrid_optimizer() -> None:
+    """Item 9 of the module docstring."""
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+    hybrid_optimizer.torch = _TorchForHybridOnCpu()
+    hdo = hybrid_optimizer.HybridDeviceOptimizer
+    hdo._get_sub_optimizer_param_groups = _host_copies_not_cuda(hdo._get_sub_optimizer_param_groups)
+
+
 def _patch_optimizers() -> None:
     """Items 6 to 8 of the module docstring."""
     from megatron.core import utils as mcore_utils
@@ -186,5 +288,6 @@ def apply() -> bool:
         LanguageModule.setup_embeddings_and_output_layer
     )
     _patch_optimizers()
+    _patch_hybrid_optimizer()
     _applied = True
     return True

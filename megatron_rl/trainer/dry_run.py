@@ -233,8 +233,8 @@ def estimate(cfg: JobConfig, dims: ParallelDims, a: Arch, p: int | None = None) 
         if optim.backend == "megatron":  # fp32 grad buffers, allocated for the whole run
             resident_grads += n * 4
             opt_b += n * (8 + main_b) / (dims.dp if optim.use_distributed_optimizer else 1)
-        else:  # bf16 .grad during training only
-            grads_b += n * dtype_b
+        else:  # fp32 main_grad during training only (optim.local frees it after each step)
+            grads_b += n * 4
             opt_b += n * (8 + main_b)
     tp_g = cfg.rollout.tensor_model_parallel_size or dims.tp
     gathered = stage_params(a, tp_g, 1, "lm")["first"] - counts["actor"][worst]

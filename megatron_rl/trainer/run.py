@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -44,9 +45,28 @@ def _sampling(c: Components, temperature: float, n: int, seed: int) -> SamplingP
     )
 
 
+@contextlib.contextmanager
+def _optimizer_state_on_host(c: Components, timer: Timer):
+    """``{actor,critic}.optim.{param,optimizer,grad}_offload``: that optimizer state sits in host memory while
+    the engine generates (``timing_s/offload``, ``timing_s/reload``: the transfer time per step)."""
+    opts = [w.opt for w in (c.actor, c.critic) if w is not None and w.opt.offload_enabled]
+    if not opts:
+        yield
+        return
+    with timer("offload"):
+        for opt in opts:
+            opt.offload()
+    try:
+        yield
+    finally:
+        with timer("reload"):
+            for opt in opts:
+                opt.reload()
+
+
 def rollout(c: Components, rows, group_offset: int, params: SamplingParams, timer: Timer) -> RolloutBatch:
     """This DP rank's prompts -> completions (engine, in place) -> batch tensors; scores attached."""
-    with timer("gen"):
+    with _optimizer_state_on_host(c, timer), timer("gen"):
         keys = [group_offset + i for i in range(len(rows))]  # global prompt ids: layout-invariant noise
         session = c.multi_turn.session([episode_state(r) for r in rows]) if c.multi_turn else None
         completions = c.engine.generate([r.prompt_ids for r in rows], params, keys, session)

@@ -25,8 +25,8 @@ from megatron_rl.algos import (
 )
 from megatron_rl.config.schema import ActorConfig, CriticConfig
 from megatron_rl.models.pipeline import broadcast_from_last_stage, gather_positions, run_micro_batches
+from megatron_rl.optim import build_optimizer
 from megatron_rl.rollout.batch import RolloutBatch, split_by_tokens, split_micro_batches
-from megatron_rl.trainer.optim import build_optimizer, optimizer_step
 
 
 def response_log_probs(logits, mb: RolloutBatch, temperature: float, vocab_size: int, with_entropy: bool):
@@ -68,7 +68,8 @@ class _TrainedModel:
         self.model = model
         self.cfg = cfg
         self.response_len = response_len
-        self.opt, self.sched = build_optimizer(model, cfg.optim, total_steps)
+        self.opt = build_optimizer(model, cfg.optim, total_steps)
+        self.sched = self.opt.scheduler  # the optimizer owns it; checkpoint/manager.py still reads it here
 
     response_logits = False  # policies: the loss gets logits at the response-scoring positions only
 
@@ -100,7 +101,7 @@ class _TrainedModel:
                 denom = global_loss_denominators([m.response_mask for m in mbs], ps.get_data_parallel_group())
                 loss = partial(loss_fn, denom)
                 per_micro += run_micro_batches(self.model, mbs, loss, False, self.response_logits)
-                step_info.append(optimizer_step(self.model, self.opt, self.sched, self.cfg.optim.clip_grad))
+                step_info.append(self.opt.step())
                 steps += 1
         metrics = broadcast_from_last_stage(_reduce_update_metrics(per_micro, steps))
         out = {f"{prefix}/{k}": v for k, v in metrics.items()}

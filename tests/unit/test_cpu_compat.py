@@ -110,3 +110,37 @@ def test_distributed_optimizer_dp_zero_gather_runs_without_tensor_cuda():
     from megatron.core.optimizer import distrib_optimizer
 
     assert hasattr(distrib_optimizer.DistributedOptimizer.get_parameter_state_dp_zero, "__wrapped__")
+
+
+def test_hybrid_optimizer_streams_are_no_ops_and_pinned_buffers_plain():
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+    shim = hybrid_optimizer.torch
+    stream = shim.cuda.Stream()
+    stream.wait_stream(shim.cuda.current_stream())
+    with shim.cuda.stream(stream):
+        buf = shim.empty((3,), dtype=torch.float32, pin_memory=True, device="cpu")
+    stream.record_event().synchronize()
+    assert buf.device.type == "cpu" and buf.shape == (3,)
+
+
+def test_hybrid_optimizer_splits_params_by_host_copies():
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    split = HybridDeviceOptimizer._get_sub_optimizer_param_groups
+    assert hasattr(split, "__wrapped__")
+    params = [torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16)) for _ in range(4)]
+    before = dict(torch.Tensor.__dict__)
+    opt = HybridDeviceOptimizer(params, offload_fraction=0.5, cpu_optimizer_cls=torch.optim.AdamW,
+                                gpu_optimizer_cls=torch.optim.AdamW, param_update_in_fp32=True, lr=0.1)  # fmt: skip
+    on_host = [p for o in opt.cpu_optimizers for g in o.param_groups for p in g["params"]]
+    on_device = [p for g in opt.gpu_optimizer.param_groups for p in g["params"]]
+    assert len(on_host) == len(on_device) == 2, "half the params on each side"
+    assert all(p.dtype == torch.float32 for p in on_host + on_device), "fp32 copies of bf16 params"
+    assert not set(map(id, on_host)) & set(map(id, params)), "the host part holds copies"
+    assert dict(torch.Tensor.__dict__) == before, "Tensor methods restored after the split"
+    assert not torch.ones(1).is_cuda
+    for p in params:
+        p.grad = torch.full((4,), 0.5, dtype=torch.bfloat16)
+    opt.step()
+    assert all(torch.all(p < 1) for p in params), "both parts stepped and copied back"

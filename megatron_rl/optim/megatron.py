@@ -14,13 +14,19 @@
   TE/apex FusedAdam when importable, else torch AdamW, which we switch to ``fused=True`` on GPU.
   ``config_overrides={}``: weight decay applies to every parameter, as in the local backend
   (megatron-core's default would exempt biases and norms).
+- ``optim.optimizer_cpu_offload``: megatron-core's HybridDeviceOptimizer inside the distributed optimizer
+  keeps ``optim.optimizer_offload_fraction`` of this rank's fp32 main params and Adam moments on the host
+  and steps them there with torch's CPU AdamW (gradients go down, updated params come back up; with
+  ``optim.overlap_cpu_optimizer_d2h_h2d`` per-parameter CPU optimizers overlap those copies). It runs on
+  megatron-core's precision-aware code path (``use_precision_aware_optimizer``; main params held by the
+  hybrid optimizer, gradients in ``decoupled_grad``), which is why it needs the distributed optimizer.
 - One step: ``finalize_model_grads`` (DP all-reduce or reduce-scatter of the buffers, TP sum of the q/k
   layernorm and sequence-parallel norm grads, tied-embedding sum over the PP embedding group), then
   megatron-core's ``prepare_grads`` / ``get_grad_norm`` / clip / ``step_with_ready_grads`` (the
   distributed optimizer all-gathers the updated params there). That is ``ChainedOptimizer.step`` except
   that a non-finite grad norm skips the update, as the local backend does (bf16 has no loss scaler to
   catch it). Then the grad buffers are zeroed.
-- LR: torch ``LambdaLR`` with ``optim.lr_lambda`` over the inner optimizer's param groups, the same
+- LR: torch ``LambdaLR`` with ``schedule.lr_lambda`` over the inner optimizer's param groups, the same
   warmup/decay as the local backend.
 - Checkpoints: ``sharded_state_dict`` is megatron-core's. Every optimizer tensor is tied to its model
   parameter's ShardedTensor, so it reshards across TP/PP/DP like the weights; the distributed optimizer
@@ -30,6 +36,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 
 import torch
@@ -40,9 +47,12 @@ from megatron.core.distributed import (
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer import clip_grads as mcore_clip_grads
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
 from megatron_rl.config.schema import OptimConfig
 from megatron_rl.models import unwrap
+from megatron_rl.optim.base import Optimizer, OptimizerKind, ensure_adam_state
+from megatron_rl.optim.schedule import build_scheduler
 
 # The distributed optimizer's checkpoint format: gathered over DP at save into one tensor per (param, state)
 # with the param's ShardedTensor metadata, so it reshards across TP/PP/DP. (megatron-core 0.16's default,
@@ -55,12 +65,40 @@ def _torch_adam(inner) -> bool:
     return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
 
 
-class MegatronCoreOptimizer:
+def mcore_optimizer_config(cfg: OptimConfig, bf16: bool) -> OptimizerConfig:
+    """megatron-core's OptimizerConfig for ``cfg`` (weights in bf16 or fp32)."""
+    hybrid = bool(cfg.optimizer_cpu_offload)
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.lr * cfg.min_lr_ratio,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=float(cfg.betas[0]),
+        adam_beta2=float(cfg.betas[1]),
+        adam_eps=cfg.eps,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=bool(cfg.use_distributed_optimizer),
+        clip_grad=cfg.clip_grad,
+        optimizer_cpu_offload=hybrid,
+        optimizer_offload_fraction=float(cfg.optimizer_offload_fraction) if hybrid else 0.0,
+        overlap_cpu_optimizer_d2h_h2d=bool(cfg.overlap_cpu_optimizer_d2h_h2d) if hybrid else False,
+    )
+    if hybrid:
+        # The hybrid optimizer runs on the precision-aware code path (Megatron-LM's arguments require the
+        # pair). OptimizerConfig.__post_init__ would ask Transformer Engine's version for it, which fails
+        # when TE is absent; with cpu offload it does nothing else, so the flags are set as it would set them
+        # without TE (store_param_remainders is a TE FusedAdam option).
+        config.use_precision_aware_optimizer = True
+        config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+        config.store_param_remainders = False
+    return config
+
+
+class MegatronOptimizer(Optimizer):
     """megatron-core DDP wrapper + MegatronOptimizer of one trained model (see the module docstring)."""
 
-    backend = "megatron"
-
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig):
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, total_steps: int):
         core = unwrap(model)
         params = [p for p in core.parameters() if p.requires_grad]
         if not params:
@@ -68,40 +106,39 @@ class MegatronCoreOptimizer:
         dtypes = {p.dtype for p in params}
         if not dtypes <= {torch.float32, torch.bfloat16}:
             raise ValueError(f"optim.backend=megatron supports float32/bfloat16 params, got {dtypes}")
-        bf16 = torch.bfloat16 in dtypes
-        self.use_distributed_optimizer = bool(cfg.use_distributed_optimizer)
+        if cfg.optimizer_cpu_offload and dtypes != {torch.bfloat16}:
+            raise ValueError(
+                "optim.optimizer_cpu_offload=true needs bf16 weights (megatron-core's hybrid optimizer keeps "
+                f"their fp32 main params itself), got {dtypes}; set model.dtype=bfloat16"
+            )
+        self.cfg, self.params = cfg, params
+        self.kind = OptimizerKind("megatron", bool(cfg.use_distributed_optimizer))
         config = core.config
         config.calculate_per_token_loss = True  # DP sum: gradient_scaling_factor 1.0
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
             overlap_param_gather=False,
-            use_distributed_optimizer=self.use_distributed_optimizer,
+            use_distributed_optimizer=self.kind.use_distributed_optimizer,
         )
         self.ddp = DistributedDataParallel(config, ddp_config, core)
-        self.config = OptimizerConfig(
-            optimizer="adam",
-            lr=cfg.lr,
-            min_lr=cfg.lr * cfg.min_lr_ratio,
-            weight_decay=cfg.weight_decay,
-            adam_beta1=float(cfg.betas[0]),
-            adam_beta2=float(cfg.betas[1]),
-            adam_eps=cfg.eps,
-            bf16=bf16,
-            params_dtype=torch.bfloat16 if bf16 else torch.float32,
-            use_distributed_optimizer=self.use_distributed_optimizer,
-            clip_grad=cfg.clip_grad,
-        )
+        self.config = mcore_optimizer_config(cfg, torch.bfloat16 in dtypes)
         self.opt = get_megatron_optimizer(self.config, [self.ddp], config_overrides={})
+        if cfg.optimizer_cpu_offload:
+            # megatron-core first builds a hybrid optimizer over the whole bf16 model (host copies of the
+            # offloaded fraction, fp32 copies of all of it), then the distributed optimizer replaces it with
+            # one over this rank's shards; the first one sits in a reference cycle (its step hooks), so
+            # collect it now rather than at some later GC pass.
+            gc.collect()
         subs = getattr(self.opt, "chained_optimizers", [self.opt])
         if len(subs) != 1:
             raise ValueError(
                 f"optim.backend=megatron expects one optimizer (no expert params), got {len(subs)}"
             )
-        self.inner = subs[0].optimizer  # the torch / TE / apex Adam that holds the param groups
+        self.inner = subs[0].optimizer  # the torch / TE / apex / hybrid Adam that holds the param groups
         self.on_cuda = params[0].is_cuda
         self._fuse()
-        self.param_groups = self.inner.param_groups
+        self.scheduler = build_scheduler(self.inner, cfg, total_steps)
 
     def _fuse(self) -> None:
         """megatron-core's torch fallback builds a plain (foreach) AdamW; use the fused kernel on GPU. Set
@@ -112,47 +149,57 @@ class MegatronCoreOptimizer:
                 group["fused"], group["foreach"] = self.on_cuda, None
             self.inner.defaults["fused"] = self.on_cuda
 
+    def _adams(self) -> list[torch.optim.Optimizer]:
+        """The optimizers that hold Adam state: the inner one, or the hybrid optimizer's CPU and GPU parts."""
+        if isinstance(self.inner, HybridDeviceOptimizer):
+            return list(self.inner.sub_optimizers)
+        return [self.inner]
+
     @property
     def adam_class(self) -> str:
         kind = type(self.inner)
         fused = " (fused)" if self.inner.param_groups[0].get("fused") else ""
         return f"{kind.__module__}.{kind.__name__}{fused}"
 
-    def step(self, sched, clip_grad: float) -> dict[str, torch.Tensor]:
+    def step(self) -> dict[str, torch.Tensor]:
         """Reduce, clip and apply the gradients in the DDP buffers; step the LR; zero the buffers."""
         finalize_model_grads([self.ddp])
         opt = self.opt
         found_inf = opt.prepare_grads()
         grad_norm = float(opt.get_grad_norm())
-        lr = self.param_groups[0]["lr"]
+        lr = self.inner.param_groups[0]["lr"]
         if not found_inf and math.isfinite(grad_norm):
-            if clip_grad > 0:
+            if self.cfg.clip_grad > 0:
                 for sub in getattr(opt, "chained_optimizers", [opt]):
                     params = sub.get_parameters()
                     if params:
                         mcore_clip_grads.clip_grad_by_total_norm_fp32(
                             params,
-                            max_norm=clip_grad,
+                            max_norm=self.cfg.clip_grad,
                             total_norm=grad_norm,
                             use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
                         )
             opt.step_with_ready_grads()
-        sched.step()
+        self.scheduler.step()
         self.zero_grad()
         return {"grad_norm": torch.tensor(grad_norm), "lr": torch.tensor(lr)}
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
-        self.opt.zero_grad(set_to_none=set_to_none)
+        self.opt.zero_grad(set_to_none=True)
 
     # --- checkpoints -------------------------------------------------------------------------------
 
     def _ensure_state(self) -> None:
         """torch Adam's lazily created state (zeros, step 0), exactly what its first step would create:
         megatron-core's state dicts assume it exists (the distributed optimizer reads one common step)."""
+        if isinstance(self.inner, HybridDeviceOptimizer):
+            raise NotImplementedError(
+                "checkpoints of optim.optimizer_cpu_offload=true are not supported yet (megatron-core's "
+                "hybrid optimizer state is not wired into the checkpoint); set trainer.save_freq=-1 or "
+                "optim.optimizer_cpu_offload=false"
+            )
         if _torch_adam(self.inner):
-            from megatron_rl.checkpoint.state import ensure_adam_state
-
             ensure_adam_state(self.inner)
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
@@ -161,9 +208,8 @@ class MegatronCoreOptimizer:
         metadata = {"distrib_optim_sharding_type": DIST_OPT_SHARDING}
         return self.opt.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
 
-    def load_state_dict(self, loaded: dict) -> None:
-        """Apply what ``dist_checkpointing.load`` returned for ``sharded_state_dict(..., is_loading=True)``."""
-        if self.use_distributed_optimizer and "param_state" in loaded:
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        if self.kind.use_distributed_optimizer and "param_state" in loaded:
             # megatron-core 0.16.1 copies *every* state key of a param from the checkpoint's tensors, which
             # have no per-param "step" (torch Adam keeps one; TE/apex FusedAdam do not): KeyError. So the
             # param state is applied with the steps set aside (they come from the common param_groups).
@@ -198,18 +244,46 @@ class MegatronCoreOptimizer:
 
     def adam_step(self) -> int:
         """The optimizer's step count (every param shares it)."""
-        if _torch_adam(self.inner):
-            steps = {float(s["step"]) for s in self.inner.state.values() if "step" in s}
-        else:  # TE / apex FusedAdam keep it per param group
-            steps = {float(g["step"]) for g in self.inner.param_groups if g.get("step") is not None}
+        steps = set()
+        for adam in self._adams():
+            if _torch_adam(adam):
+                steps |= {float(s["step"]) for s in adam.state.values() if "step" in s}
+            else:  # TE / apex FusedAdam keep it per param group
+                steps |= {float(g["step"]) for g in adam.param_groups if g.get("step") is not None}
         if len(steps) > 1:
             raise RuntimeError(f"Adam params are at different steps {sorted(steps)}; a checkpoint stores one")
         return int(steps.pop()) if steps else 0
 
+    def host_state(self) -> dict:
+        """lr, initial_lr and the step also travel in megatron-core's common state (``sharded_state_dict``)."""
+        return {
+            **self.kind.to_json(),
+            "adam_step": self.adam_step(),
+            "scheduler": self.scheduler.state_dict(),
+        }
 
-def build_mcore_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int):
-    from megatron_rl.trainer.optim import lr_lambda
+    def load_host_state(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
 
-    opt = MegatronCoreOptimizer(model, cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt.inner, lr_lambda(cfg, total_steps))
-    return opt, sched
+    # --- offload -------------------------------------------------------------------------------------
+
+    def offload_tensors(self) -> dict[str, list[torch.Tensor]]:
+        sub = getattr(self.opt, "chained_optimizers", [self.opt])[0]
+        # fp32 main params: Float16Optimizer's fp32_from_float16_groups, the distributed optimizer's
+        # shard_fp32_from_float16_groups (fp32 weights have none: the weights are the main params)
+        groups = getattr(sub, "shard_fp32_from_float16_groups", None) or getattr(
+            sub, "fp32_from_float16_groups", []
+        )
+        mains = [t for g in groups for t in g if t is not None]
+        moments = [t for adam in self._adams() for st in adam.state.values()
+                   for k, t in st.items() if torch.is_tensor(t) and k != "step"]  # fmt: skip
+        grads = [b.grad_data for b in (*self.ddp.buffers, *self.ddp.expert_parallel_buffers)]
+        return {"param": mains, "optimizer": moments, "grad": grads}
+
+    def model_storages(self) -> set[int]:
+        weights = [p for p in self.params] + [
+            b.param_data
+            for b in (*self.ddp.buffers, *self.ddp.expert_parallel_buffers)
+            if b.param_data is not None
+        ]
+        return {t.untyped_storage().data_ptr() for t in weights}

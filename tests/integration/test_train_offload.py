@@ -1,0 +1,25 @@
+"""The trainer offloads the actor's and critic's optimizer state around generation
+(``{actor,critic}.optim.{param,optimizer,grad}_offload``): same metrics as without, bit for bit, and the
+transfer time per step is reported (CPU, PPO, bf16 weights so that fp32 main params exist)."""
+
+from __future__ import annotations
+
+from tests.integration.cli import metrics, train
+from tests.integration.test_checkpoint_resume import SMALL, _comparable
+
+PPO = ["algorithm=ppo", "model.dtype=bfloat16", "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=4", "trainer.save_freq=-1",
+       "trainer.total_training_steps=2"]  # fmt: skip
+OFFLOAD = [f"{role}.optim.{key}=true" for role in ("actor", "critic")
+           for key in ("param_offload", "optimizer_offload", "grad_offload")]  # fmt: skip
+
+
+def test_offload_while_generating_is_bit_identical_and_timed(tmp_path):
+    plain, offloaded = tmp_path / "plain", tmp_path / "offload"
+    for out, extra in ((plain, []), (offloaded, OFFLOAD)):
+        proc = train(out, *SMALL, *PPO, *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ref, got = metrics(plain), metrics(offloaded)
+    assert _comparable(got) == _comparable(ref) and sorted(_comparable(got)) == [1, 2]
+    for row in got:
+        assert row["timing_s/offload"] >= 0 and row["timing_s/reload"] >= 0, row
+    assert all("timing_s/offload" not in row for row in ref)
