@@ -228,6 +228,14 @@ class TrainerConfig:
         30.0,
         "Collective timeout (on NCCL also the limit of one phase); a hang past it is reported with phase and rank.",
     )
+    skip_nonfinite_steps: bool = doc(
+        False,
+        "Skip an update whose loss or gradient norm is NaN/Inf and count it (actor/nonfinite_skipped) instead "
+        "of stopping with an error naming the step and phase.",
+    )
+    force_unlock: bool = doc(
+        False, "Take over the output_dir lock of another run (only when that run is known to be gone)."
+    )
 
 
 @dataclass

@@ -9,7 +9,7 @@ import time
 import torch
 from megatron.core import parallel_state as ps
 
-from megatron_rl.checkpoint import resume, save_checkpoint
+from megatron_rl.checkpoint.run_lock import lock_output_dir
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.data import dp_share
 from megatron_rl.distributed import ParallelDims, destroy_distributed, device, init_distributed
@@ -19,6 +19,7 @@ from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.advantage import batch_metrics, compute_advantages, score_responses
 from megatron_rl.trainer.batch import RolloutBatch, build_batch
 from megatron_rl.trainer.build import Components, build_components
+from megatron_rl.trainer.workers import at_step
 
 
 class PhaseTimer(Timer):
@@ -198,9 +199,8 @@ def _finish_step(c: Components, done: int, metrics: dict, batch: RolloutBatch, t
     c.logger.log(metrics, step=done)
     if tr.log_generations_freq > 0 and done % tr.log_generations_freq == 0:
         c.logger.log_generations(_samples(c, batch, c.cfg.logger.num_generations_to_log), step=done)
-    if tr.save_freq > 0 and (done % tr.save_freq == 0 or done == c.total_steps):
-        with phase("save_checkpoint", tr.timeout_minutes):
-            save_checkpoint(c, done)
+    with phase("save_checkpoint", tr.timeout_minutes):
+        c.checkpointer.maybe_save(done, last=done == c.total_steps)
 
 
 def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
@@ -215,14 +215,16 @@ def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
     set_error_dir(tr.output_dir)  # where a stuck phase (NCCL) reports before ending the process
     init_distributed(dims.tp, dims.pp, seed=tr.seed, sequence_parallel=cfg.parallel.sequence_parallel,
                      timeout_minutes=tr.timeout_minutes)  # fmt: skip
+    lock_output_dir(tr.output_dir, tr.force_unlock)  # before any work: one run per output directory
     c = build_components(cfg, dims)
-    start = resume(c)
+    start = c.checkpointer.resume()
     with c.logger:
         if tr.val_before_train and start == 0:
             c.logger.log(validate(c, 0, PhaseTimer(tr.timeout_minutes)), step=0)
         for step in range(start, c.total_steps):
             timer, t0 = PhaseTimer(tr.timeout_minutes), time.perf_counter()
-            metrics, batch = train_step(c, step, timer)
+            with at_step(step + 1):
+                metrics, batch = train_step(c, step, timer)
             _finish_step(c, step + 1, metrics, batch, timer, t0)
     # every rank finished: tear the process groups down before the interpreter exits (letting gloo's
     # threads die during interpreter teardown aborted a rank now and then: "terminate called without an

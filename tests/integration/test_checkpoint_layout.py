@@ -10,8 +10,8 @@ import pytest
 from megatron_rl.checkpoint import (
     CheckpointError,
     check_complete,
-    find_checkpoint,
     newest_complete,
+    resume_candidates,
     truncate_metrics,
 )
 from megatron_rl.checkpoint.layout import (
@@ -48,7 +48,7 @@ def test_rotate_keeps_newest_complete(tmp_path):
     for s in (1, 2, 3):
         _ckpt(tmp_path, s)
     _ckpt(tmp_path, 4, complete=False)
-    rotate(tmp_path, 2)
+    rotate(tmp_path, 2, tmp_path / "global_step_3")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_2", "global_step_3", "global_step_4"]
 
 
@@ -71,6 +71,13 @@ def test_truncate_metrics_keeps_up_to_step(tmp_path):
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
     truncate_metrics(tmp_path, 0)
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def find_checkpoint(cfg):
+    """The newest candidate ``trainer.resume_mode`` selects (the checkpointer verifies them in order)."""
+    tr = cfg.trainer
+    found = resume_candidates(tr.resume_mode, tr.output_dir, tr.resume_from_path)
+    return found[0] if found else None
 
 
 def _cfg(out, mode, path=None):
