@@ -37,27 +37,15 @@ def main(dcfg: DictConfig) -> None:
 
     import torch
 
-    from megatron_rl.rollout.engine import EngineConfig
     from megatron_rl.rollout.generate_job import generate_from_config, read_prompts
-    from megatron_rl.rollout.sampling import SamplingParams
 
-    r = cfg.rollout
-    sampling = SamplingParams(
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        n=r.n,
-        max_new_tokens=r.max_new_tokens,
-        stop_token_ids=tuple(r.stop_token_ids),
-        seed=cfg.trainer.seed,
-    )
     with reported_errors(cfg.trainer.output_dir):
         rows = generate_from_config(
             cfg.model.path,
             read_prompts(cfg.generate.prompts),
-            sampling,
+            cfg.rollout,
+            seed=cfg.trainer.seed,
             chat_template=cfg.generate.chat_template,
-            engine_config=EngineConfig.from_config(r),
             tp=dims.tp,
             pp=dims.pp,
             dtype=getattr(torch, cfg.model.dtype),

@@ -52,7 +52,11 @@ class RolloutConfig:
     """Generation with the in-place resharded engine."""
 
     n: int = doc(1, "Samples per prompt (GRPO group size).")
-    temperature: float = doc(1.0, "Sampling temperature; 0 = greedy. Training log-probs use it too.")
+    temperature: float = doc(
+        1.0,
+        "Sampling temperature; training log-probs use it too. 0 = greedy rollouts, whose log-probs (rollout "
+        "and training) are then scored at temperature 1.0.",
+    )
     top_p: float = doc(1.0, "Nucleus sampling threshold (1.0 = off).")
     top_k: int = doc(-1, "Top-k sampling (-1 = off).")
     max_new_tokens: int = doc(16, "Response length limit (verl: data.max_response_length).")

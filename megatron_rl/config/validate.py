@@ -5,6 +5,9 @@ Every error names the config key(s) at fault and a value that would work.
 
 from __future__ import annotations
 
+import warnings
+
+from megatron_rl.config.rollout_rules import check_engine, check_sampling
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.distributed.dims import LayoutError, ParallelDims, divisors
 
@@ -63,6 +66,27 @@ def _check_positive(cfg: JobConfig, keys: tuple[str, ...]) -> None:
     for key in keys:
         if _get(cfg, key) < 1:
             raise ConfigError(f"{key}={_get(cfg, key)} must be >= 1.")
+
+
+def _check_rollout(cfg: JobConfig, training: bool) -> None:
+    """The engine's and the sampler's own rules (``rollout_rules``) on the configured values, for the
+    training and the validation temperature; a note when greedy rollouts are trained on."""
+    r = cfg.rollout
+    try:
+        check_engine(gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs,
+                     max_prefill_tokens=r.max_prefill_tokens, kv_cache_tokens=r.kv_cache_tokens)  # fmt: skip
+        for key in ("rollout.temperature", "rollout.val_temperature"):
+            check_sampling(temperature=_get(cfg, key), top_p=r.top_p, top_k=r.top_k, n=r.n,
+                           max_new_tokens=r.max_new_tokens, key=key)  # fmt: skip
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if training and r.temperature == 0:
+        warnings.warn(
+            "rollout.temperature=0: greedy rollouts. Rollout and training log-probs are scored at temperature "
+            "1.0 (a greedy choice has no temperature to divide by); with rollout.n > 1 every sample of a "
+            "prompt is the same, so group-relative advantages are 0. Set rollout.temperature > 0 to explore.",
+            stacklevel=2,
+        )
 
 
 def _check_update_batches(cfg: JobConfig, role: str, dp: int) -> int:
@@ -130,16 +154,13 @@ def validate_job(
         cfg,
         (
             "data.train_batch_size",
-            "rollout.n",
-            "rollout.max_new_tokens",
-            "rollout.max_num_seqs",
-            "rollout.max_prefill_tokens",
             "data.max_prompt_length",
             "actor.ppo_epochs",
             "critic.ppo_epochs",
             "trainer.total_training_steps",
         ),
     )
+    _check_rollout(cfg, training)
     if par.sequence_parallel and par.tensor_model_parallel_size == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1.")
     tp_g = cfg.rollout.tensor_model_parallel_size

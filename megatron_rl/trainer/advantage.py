@@ -16,7 +16,7 @@ from megatron_rl.algos import (
 )
 from megatron_rl.config.schema import AlgorithmConfig
 from megatron_rl.rewards import score_batch
-from megatron_rl.trainer.batch import RolloutBatch
+from megatron_rl.rollout.batch import RolloutBatch
 
 
 def build_kl_controller(cfg: AlgorithmConfig):

@@ -15,9 +15,9 @@ from megatron_rl.data import dp_share
 from megatron_rl.distributed import ParallelDims, destroy_distributed, device, init_distributed
 from megatron_rl.distributed.phase_watchdog import phase, set_error_dir
 from megatron_rl.logging import Timer
+from megatron_rl.rollout.batch import RolloutBatch, build_batch
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.advantage import batch_metrics, compute_advantages, score_responses
-from megatron_rl.trainer.batch import RolloutBatch, build_batch
 from megatron_rl.trainer.build import Components, build_components
 from megatron_rl.trainer.workers import at_step
 
@@ -58,17 +58,8 @@ class PhaseTimer(Timer):
 
 
 def _sampling(c: Components, temperature: float, n: int, seed: int) -> SamplingParams:
-    r = c.cfg.rollout
-    stops = [c.tokenizer.eos_token_id, *r.stop_token_ids]
-    return SamplingParams(
-        temperature=temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        n=n,
-        max_new_tokens=r.max_new_tokens,
-        stop_token_ids=[s for s in stops if s is not None],
-        seed=seed,
-        layout_invariant=r.layout_invariant_sampling,
+    return SamplingParams.from_config(
+        c.cfg.rollout, temperature=temperature, n=n, seed=seed, eos_token_id=c.tokenizer.eos_token_id
     )
 
 

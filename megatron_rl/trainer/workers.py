@@ -25,9 +25,9 @@ from megatron_rl.algos import (
     vocab_parallel_log_probs_and_entropy,
 )
 from megatron_rl.config.schema import ActorConfig, CriticConfig
-from megatron_rl.trainer.batch import RolloutBatch, split_by_tokens, split_micro_batches
+from megatron_rl.models.pipeline import broadcast_from_last_stage, gather_positions, run_micro_batches
+from megatron_rl.rollout.batch import RolloutBatch, split_by_tokens, split_micro_batches
 from megatron_rl.trainer.optim import build_optimizer, optimizer_step
-from megatron_rl.trainer.pipeline import broadcast_from_last_stage, gather_positions, run_micro_batches
 
 
 def response_log_probs(logits, mb: RolloutBatch, temperature: float, vocab_size: int, with_entropy: bool):
