@@ -99,7 +99,6 @@ def stop_when_every_checkpoint_is_unusable(c, base, work) -> dict:
 def refuse_malicious_metadata(c, base, work) -> dict:
     from megatron_rl.checkpoint import load_model_weights
     from megatron_rl.rollout.generate_job import generate_from_config
-    from megatron_rl.rollout.sampling import SamplingParams
 
     out = copy_run(base, work, "malicious")
     marker = work / "PWNED"
@@ -107,11 +106,10 @@ def refuse_malicious_metadata(c, base, work) -> dict:
     (ckpt / "dist" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     write_manifest(ckpt, 2)  # a crafted checkpoint is self-consistent
     ck = checkpointer(c, out, resume_mode="path", resume_from_path=str(ckpt))
-    params = SamplingParams(temperature=1.0, n=1, max_new_tokens=2)
     return {
         "resume": error_of(ck.resume),
         "weights": error_of(lambda: load_model_weights(c.actor.model, ckpt)),
-        "generate": error_of(lambda: generate_from_config(str(ckpt), ["1+1="], params)),
+        "generate": error_of(lambda: generate_from_config(str(ckpt), ["1+1="], c.cfg.rollout)),
         "marker": marker.exists(),
         "checkpoint": str(ckpt),
     }
@@ -168,6 +166,7 @@ def nonfinite_gradient_stops_or_skips(c) -> dict:
 
     p = next(c.actor.model.parameters())
     hook = p.register_hook(lambda g: g * float("nan"))
+
     def step_3():
         with at_step(3):
             train_step(c, 2, PhaseTimer(5))
