@@ -89,6 +89,16 @@ def test_changed_betas_are_refused_naming_key_and_values(results):
     assert "actor.optim.betas: [0.9, 0.999] -> [0.5, 0.999]" in err and "trainer.resume_mode=disable" in err
 
 
+def test_changed_lr_is_applied_to_the_schedule_and_logged(results):
+    r = results["lr"]
+    assert r["step"] == 2 and r["base"] == r["old"] * 0.5
+    assert r["lr"] == pytest.approx(r["old"] * 0.5)  # the built-in run's schedule is constant
+    assert (
+        f"actor.optim.lr: {r['old']!r} -> {r['old'] * 0.5!r} since the checkpoint; applied to the LR"
+        in r["log"]
+    )
+
+
 def test_nonfinite_gradient_stops_naming_step_and_phase_or_is_skipped(results):
     r = results["nonfinite"]
     assert r["error"].startswith("NonFiniteUpdate: step 3: update_actor: non-finite"), r["error"]

@@ -158,6 +158,23 @@ def refuse_changed_betas(c, base, work) -> dict:
     return {"error": step}
 
 
+def apply_changed_lr(c, base, work) -> dict:
+    """A new actor.optim.lr on resume is applied to the LR schedule and said so."""
+    import contextlib
+    import io
+
+    out = copy_run(base, work, "lr")
+    config = json.loads(json.dumps(c.checkpointer.config))
+    old = config["actor"]["optim"]["lr"]
+    config["actor"]["optim"]["lr"] = old * 0.5
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        step = checkpointer(c, out, config=config).resume()
+    sched = c.checkpointer.roles["actor"].sched
+    return {"step": step, "old": old, "lr": sched.optimizer.param_groups[0]["lr"], "base": sched.base_lrs[0],
+            "log": log.getvalue()}  # fmt: skip
+
+
 def nonfinite_gradient_stops_or_skips(c) -> dict:
     """A gradient hook turns the actor's gradients NaN: the step stops naming step and phase, or with
     trainer.skip_nonfinite_steps the update is skipped (weights unchanged) and counted."""
@@ -198,6 +215,7 @@ def main() -> None:
         "disk_full": disk_full_during_save(c, base, work),
         "nan_save": refuse_nonfinite_save(c, base, work),
         "betas": refuse_changed_betas(c, base, work),
+        "lr": apply_changed_lr(c, base, work),
         "nonfinite": nonfinite_gradient_stops_or_skips(c),
     }
     print("RESULTS " + json.dumps(results), flush=True)
