@@ -8,11 +8,11 @@ The exceptions are values the checkpoint restores over the config:
   scheduler is replaced (``apply_schedule``) and the LR is recomputed for the resumed step;
 - AdamW's betas / eps / weight decay: refused (the moments were accumulated with the old values, and the
   megatron backend restores its param groups from the checkpoint);
-- the KL controller: refused (its current coefficient is training state);
-- keys whose change is refused with its own message further on: the data order and batch size
-  (``data.seed``, ``data.shuffle``, ``data.train_batch_size``), the optimizer kind
-  (``*.optim.backend``, ``*.optim.use_distributed_optimizer``) and the trained roles
-  (``algorithm.adv_estimator``).
+- the KL controller: refused (its current coefficient is training state).
+
+Some changes are refused further on with their own message: the data order and batch size (the data
+loader), the optimizer kind (``check_optimizer_backend``), a role the checkpoint lacks. The applied
+changes are logged only once the checkpoint has loaded, so a refused resume prints no "applied" line.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ REFUSED = {
     "optim.weight_decay": "the megatron backend restores weight decay from the checkpoint's param groups",
     "algorithm.kl_ctrl.": "the KL controller's coefficient is training state restored from the checkpoint",
 }
-CHECKED_LATER = ("data.seed", "data.shuffle", "data.train_batch_size", "optim.backend",
-                 "optim.use_distributed_optimizer", "algorithm.adv_estimator")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -84,8 +82,6 @@ def review(found: list[Change], path) -> list[str]:
         )
     notes = []
     for c in found:
-        if any(_matches(c.key, p) for p in CHECKED_LATER):
-            continue
         how = "applied to the LR schedule from the resumed step" if is_schedule(c.key) else "applied"
         notes.append(f"megatron-rl: resume: {c.show()} since the checkpoint; {how}")
     return notes
