@@ -11,14 +11,14 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from megatron_rl.config.entry import checked_layout, fail, quiet_third_party, reported_errors
-from megatron_rl.config.store import CONFIG_DIR, to_job_config
+from megatron_rl.config.entry import checked_layout, fail, job_config, quiet_third_party, reported_errors
+from megatron_rl.config.store import CONFIG_DIR
 
 
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="config")
 def main(dcfg: DictConfig) -> None:
     quiet_third_party()
-    cfg = to_job_config(dcfg)
+    cfg = job_config(dcfg)
     missing = [
         k
         for k, v in (

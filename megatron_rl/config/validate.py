@@ -7,33 +7,40 @@ from __future__ import annotations
 
 import warnings
 
+from megatron_rl import algos
 from megatron_rl.config.rollout_rules import check_engine, check_sampling
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.distributed.dims import LayoutError, ParallelDims, divisors
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_KINDS = ("k1", "k2", "k3", "abs", "low_var_kl", "kl", "mse")
 OPTIM_BACKENDS = ("local", "megatron")
-CHOICES = {
-    "algorithm.adv_estimator": ADV_ESTIMATORS,
-    "algorithm.kl_penalty": KL_KINDS,
-    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
-    "actor.loss_agg_mode": LOSS_AGG_MODES,
-    "actor.policy_loss": ("vanilla", "gspo"),
-    "actor.kl_loss_type": KL_KINDS,
-    "actor.tis_mode": (None, "token", "sequence"),
-    "critic.loss_agg_mode": LOSS_AGG_MODES,
-    "data.truncation": ("error", "left", "right", "filter"),
-    "model.dtype": ("float32", "bfloat16"),
-    "trainer.resume_mode": ("auto", "disable", "path"),
-    "reward.reward_fn": ("auto", "gsm8k", "math", "custom", "builtin", "model"),
-    "reward.gsm8k_mode": ("strict", "flexible"),
-    "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
-    "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
-    "actor.optim.backend": OPTIM_BACKENDS,
-    "critic.optim.backend": OPTIM_BACKENDS,
-}
+
+
+def choices() -> dict[str, tuple]:
+    """Allowed values per key. Algorithm choices are read from the registries in megatron_rl.algos at
+    check time (one list per concept), so a newly registered estimator, loss or mode is accepted."""
+    agg, kl = algos.LOSS_AGG_MODES, algos.kl_kind_names()
+    return {
+        "algorithm.adv_estimator": algos.advantage_estimator_names(),
+        "algorithm.kl_penalty": kl,
+        "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+        "actor.loss_agg_mode": agg,
+        "actor.policy_loss": algos.policy_loss_names(),
+        "actor.kl_loss_type": kl,
+        "actor.tis_mode": (None, *algos.IS_MODES.names()),
+        "actor.rollout_rs": (None, *algos.REJECTION_MODES.names()),
+        "critic.loss_agg_mode": agg,
+        "data.truncation": ("error", "left", "right", "filter"),
+        "model.dtype": ("float32", "bfloat16"),
+        "trainer.resume_mode": ("auto", "disable", "path"),
+        "reward.reward_fn": ("auto", "gsm8k", "math", "custom", "builtin", "model"),
+        "reward.gsm8k_mode": ("strict", "flexible"),
+        "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
+        "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
+        "actor.optim.backend": OPTIM_BACKENDS,
+        "critic.optim.backend": OPTIM_BACKENDS,
+    }
+
+
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
 
@@ -49,7 +56,7 @@ def _get(cfg: JobConfig, dotted: str):
 
 
 def _check_choices(cfg: JobConfig) -> None:
-    for key, allowed in CHOICES.items():
+    for key, allowed in choices().items():
         value = _get(cfg, key)
         if value not in allowed:
             shown = " | ".join("null" if a is None else str(a) for a in allowed)
@@ -129,14 +136,72 @@ def _check_update_batches(cfg: JobConfig, role: str, dp: int) -> int:
     return seqs_per_rank // micro
 
 
+# (test, the range in words, a value that works) per optimizer key; lr=0 freezes the weights (allowed),
+# clip_grad=0 turns clipping off
+OPTIM_RANGES = {
+    "lr": (lambda v: v >= 0, ">= 0", "1e-6"),
+    "weight_decay": (lambda v: v >= 0, ">= 0", "0.01"),
+    "eps": (lambda v: v > 0, "> 0", "1e-8"),
+    "clip_grad": (lambda v: v >= 0, ">= 0 (0 = no clipping)", "1.0"),
+    "lr_warmup_steps": (lambda v: v >= 0, ">= 0", "0"),
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]", "0.0"),
+}
+
+
+def _check_optim_values(optim, role: str) -> None:
+    for name, (ok, allowed, example) in OPTIM_RANGES.items():
+        value = getattr(optim, name)
+        if not ok(value):
+            raise ConfigError(
+                f"{role}.optim.{name}={value} must be {allowed}; e.g. {role}.optim.{name}={example}."
+            )
+    betas = list(optim.betas)
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ConfigError(
+            f"{role}.optim.betas={betas} must be two values in [0, 1) (Adam's beta1, beta2); "
+            f"e.g. {role}.optim.betas=[0.9,0.999]."
+        )
+
+
 def _check_optim(cfg: JobConfig, role: str) -> None:
     optim = _get(cfg, f"{role}.optim")
+    _check_optim_values(optim, role)
     if optim.use_distributed_optimizer and optim.backend != "megatron":
         raise ConfigError(
             f"{role}.optim.use_distributed_optimizer=true needs {role}.optim.backend=megatron (the local "
             f"backend keeps full optimizer state on every rank). Set {role}.optim.backend=megatron, or "
             f"{role}.optim.use_distributed_optimizer=false."
         )
+
+
+def _check_algorithm_settings(cfg: JobConfig) -> None:
+    """Bounds of the DAPO / estimator / rollout-correction settings that only fail deep inside a step."""
+    n, max_new = cfg.rollout.n, cfg.rollout.max_new_tokens
+    buffer = cfg.reward.overlong_buffer.len
+    if not 0 <= buffer < max_new:
+        raise ConfigError(
+            f"reward.overlong_buffer.len={buffer} must be in [0, rollout.max_new_tokens={max_new}); "
+            f"set it to e.g. {max(1, max_new // 4)} (or 0 to turn the overlong penalty off)."
+        )
+    needs_groups = {
+        "algorithm.filter_groups.enable=true": cfg.algorithm.filter_groups.enable,
+        "algorithm.adv_estimator=grpo_passk": cfg.algorithm.adv_estimator == "grpo_passk",
+    }
+    for what, on in needs_groups.items():
+        if on and n < 2:
+            raise ConfigError(f"{what} compares the samples of a prompt: set rollout.n >= 2 (it is {n}).")
+    if cfg.algorithm.filter_groups.max_num_gen_batches < 1:
+        raise ConfigError("algorithm.filter_groups.max_num_gen_batches must be >= 1 (1 = no extra rounds).")
+    a = cfg.actor
+    bounds = {"actor.tis_low / actor.tis_cap": (a.tis_mode, a.tis_low, a.tis_cap)}
+    bounds["actor.rollout_rs_low / actor.rollout_rs_high"] = (
+        a.rollout_rs,
+        a.rollout_rs_low,
+        a.rollout_rs_high,
+    )
+    for keys, (mode, low, high) in bounds.items():
+        if mode is not None and not 0 < low <= 1 <= high:
+            raise ConfigError(f"{keys} = {low} / {high} must satisfy 0 < low <= 1 <= high (ratio bounds).")
 
 
 def validate_job(
@@ -160,6 +225,11 @@ def validate_job(
             "trainer.total_training_steps",
         ),
     )
+    if not cfg.trainer.timeout_minutes > 0:
+        raise ConfigError(
+            f"trainer.timeout_minutes={cfg.trainer.timeout_minutes} must be > 0 (minutes, fractions allowed); "
+            "e.g. trainer.timeout_minutes=30."
+        )
     _check_rollout(cfg, training)
     if par.sequence_parallel and par.tensor_model_parallel_size == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1.")
@@ -171,6 +241,7 @@ def validate_job(
         )
     if not training:
         return dims
+    _check_algorithm_settings(cfg)
     _check_update_batches(cfg, "actor", dims.dp)
     _check_optim(cfg, "actor")
     if cfg.algorithm.adv_estimator == "gae":

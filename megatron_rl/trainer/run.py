@@ -2,59 +2,40 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
+import sys
 import time
 
 import torch
 from megatron.core import parallel_state as ps
 
+from megatron_rl.algos import get_estimator_traits
 from megatron_rl.checkpoint.run_lock import lock_output_dir
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.data import dp_share
 from megatron_rl.distributed import ParallelDims, destroy_distributed, device, init_distributed
 from megatron_rl.distributed.phase_watchdog import phase, set_error_dir
+from megatron_rl.distributed.shutdown import EXIT_SIGNALLED, agreed_stop
 from megatron_rl.logging import Timer
+from megatron_rl.logging.perf import step_perf
+from megatron_rl.logging.timer import PhaseTimer
 from megatron_rl.rollout.batch import RolloutBatch, build_batch
 from megatron_rl.rollout.sampling import SamplingParams
-from megatron_rl.trainer.advantage import batch_metrics, compute_advantages, score_responses
+from megatron_rl.trainer.advantage import (
+    apply_overlong_penalty,
+    batch_metrics,
+    compute_advantages,
+    needs_old_log_probs,
+    rollout_correction,
+    score_responses,
+)
 from megatron_rl.trainer.build import Components, build_components
+from megatron_rl.trainer.dynamic_sampling import (
+    ROUND_KEY_STRIDE,
+    extra_prompt_indices,
+    fill_with_informative_groups,
+)
 from megatron_rl.trainer.workers import at_step
-
-
-class PhaseTimer(Timer):
-    """Times each phase (``timing_s/<phase>``) and names it, so that a collective timeout inside becomes an
-    error naming the phase and the rank instead of a silent hang. On GPU it also records each phase's peak
-    allocated memory (``perf/max_memory_allocated_gb/<phase>``, GiB, this rank)."""
-
-    def __init__(self, timeout_minutes: float):
-        super().__init__()
-        self.timeout_minutes = timeout_minutes
-        self.peak_gib: dict[str, float] = {}
-        self.peak_outside_gib = 0.0  # peaks between phases (each phase resets the allocator's counter)
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        if cuda:
-            outside = torch.cuda.max_memory_allocated() / 2**30
-            self.peak_outside_gib = max(self.peak_outside_gib, outside)
-            torch.cuda.reset_peak_memory_stats()
-        with super().__call__(name), phase(name, self.timeout_minutes):
-            yield
-        if cuda:
-            peak = torch.cuda.max_memory_allocated() / 2**30
-            self.peak_gib[name] = max(self.peak_gib.get(name, 0.0), peak)
-
-    def metrics(self, reset: bool = True) -> dict[str, float]:
-        out = super().metrics(reset)
-        out |= {f"perf/max_memory_allocated_gb/{k}": v for k, v in self.peak_gib.items()}
-        if self.peak_gib and torch.cuda.is_available():
-            now = torch.cuda.max_memory_allocated() / 2**30
-            out["perf/max_memory_allocated_gb"] = max(now, self.peak_outside_gib, *self.peak_gib.values())
-        if reset:
-            self.peak_gib, self.peak_outside_gib = {}, 0.0
-        return out
 
 
 def _sampling(c: Components, temperature: float, n: int, seed: int) -> SamplingParams:
@@ -78,11 +59,16 @@ def _dp_rows(c: Components, rows):
     return dp_share(rows, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
 
 
-def validate(c: Components, step: int, timer: Timer) -> dict[str, float]:
+def validate(c: Components, step: int, timer: PhaseTimer) -> dict[str, float]:
     """Greedy (rollout.val_temperature) generation on the validation prompts, ``data.val_batch_size``
     prompts (global) at a time; the mean score over all of them."""
     if c.val_dataset is None:
         return {}
+    with timer.bounded("val"):
+        return _validate(c, timer)
+
+
+def _validate(c: Components, timer: PhaseTimer) -> dict[str, float]:
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     params = _sampling(c, c.cfg.rollout.val_temperature, 1, c.cfg.trainer.seed)
     total = torch.zeros(2, dtype=torch.float64, device=device())
@@ -95,7 +81,10 @@ def validate(c: Components, step: int, timer: Timer) -> dict[str, float]:
         else:
             weight = 1.0
         batch = rollout(c, mine, 0, params, timer)
-        scores = score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)["score"].double() * weight
+        with timer("reward"):
+            scores = (
+                score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)["score"].double() * weight
+            )
         total += torch.stack([scores.sum(), torch.tensor(weight * len(scores), dtype=torch.float64)])
     torch.distributed.all_reduce(total, group=ps.get_data_parallel_group())
     return {"val/score/mean": float(total[0] / total[1].clamp(min=1))}
@@ -108,7 +97,34 @@ def on_policy(cfg: JobConfig) -> bool:
         cfg.actor.ppo_epochs == 1
         and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
         and not cfg.algorithm.use_kl_in_reward
+        and not needs_old_log_probs(cfg)
     )
+
+
+def scored_rollout(c: Components, rows, offset: int, seed: int, timer: Timer) -> tuple[RolloutBatch, dict]:
+    """Generate, score (and, for ReMax, score a greedy sample per prompt as the baseline)."""
+    cfg = c.cfg
+    batch = rollout(c, rows, offset, _sampling(c, cfg.rollout.temperature, cfg.rollout.n, seed), timer)
+    if get_estimator_traits(cfg.algorithm.adv_estimator).greedy_baseline:
+        greedy = rollout(c, rows, offset, _sampling(c, 0.0, 1, seed), timer)
+        with timer("reward"):
+            greedy_scores = score_responses(greedy, c.reward_fn, c.tokenizer, c.reward_model)["score"]
+        by_prompt = torch.zeros(len(rows), dtype=greedy_scores.dtype, device=greedy_scores.device)
+        by_prompt[greedy.group_index - offset] = greedy_scores  # [prompts]
+        batch.reward_baselines = by_prompt[batch.group_index - offset]  # [B]
+    with timer("reward"):
+        score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)
+        metrics = apply_overlong_penalty(batch, cfg.reward.overlong_buffer, cfg.rollout.max_new_tokens)
+    return batch, metrics
+
+
+def _extra_round(c: Components, step: int, round_: int, timer: Timer) -> RolloutBatch:
+    """Dynamic sampling: a further scored round of fresh prompts (group ids unique within the step)."""
+    ds, n = c.train_loader.dataset, c.cfg.data.train_batch_size
+    global_rows = [ds[i] for i in extra_prompt_indices(len(ds), n, c.cfg.data.seed, step, round_)]
+    rows = _dp_rows(c, global_rows)
+    offset = round_ * ROUND_KEY_STRIDE + step * n + ps.get_data_parallel_rank() * len(rows)
+    return scored_rollout(c, rows, offset, c.cfg.trainer.seed + step + 7919 * round_, timer)[0]
 
 
 def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float], RolloutBatch]:
@@ -116,9 +132,13 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     global_rows = c.train_loader.global_batch(step)
     rows = _dp_rows(c, global_rows)
     offset = step * len(global_rows) + ps.get_data_parallel_rank() * len(rows)
-    batch = rollout(
-        c, rows, offset, _sampling(c, cfg.rollout.temperature, cfg.rollout.n, cfg.trainer.seed + step), timer
-    )
+    batch, metrics = scored_rollout(c, rows, offset, cfg.trainer.seed + step, timer)
+    if cfg.algorithm.filter_groups.enable:
+        batch, ds_metrics = fill_with_informative_groups(
+            batch, lambda r: _extra_round(c, step, r, timer), cfg.algorithm.filter_groups.max_num_gen_batches,
+            c.tokenizer.pad_token_id or 0, ps.get_data_parallel_group(),
+        )  # fmt: skip
+        metrics |= ds_metrics
     if not on_policy(cfg):
         with timer("old_log_prob"):
             batch.old_log_probs = c.actor.log_probs(batch)
@@ -128,10 +148,9 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     if c.critic is not None:
         with timer("values"):
             batch.values = c.critic.values(batch)
-    with timer("reward"):
-        score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)
     with timer("adv"):
-        metrics = compute_advantages(batch, cfg.algorithm, c.kl_ctrl)
+        metrics |= compute_advantages(batch, cfg.algorithm, c.kl_ctrl)
+        metrics |= rollout_correction(batch, cfg.actor)
     if c.critic is not None:
         with timer("update_critic"):
             metrics |= c.critic.update(batch, cfg.critic.ppo_mini_batch_size * cfg.rollout.n // c.dims.dp)
@@ -145,29 +164,11 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     return metrics, batch
 
 
-PEAK_BF16_FLOPS = 790e12  # H200 dense bf16, the reference the benchmarks use
-
-
-def _actor_params(c: Components) -> int:
-    """Actor parameter count N from the shape (the 6N-per-token training estimate; attention's T^2 term
-    is left out, as in the usual MFU convention)."""
-    a = c.args
-    attn = a.hidden_size * (a.num_attention_heads + 2 * a.num_query_groups) * a.head_dim
-    attn += a.num_attention_heads * a.head_dim * a.hidden_size
-    return a.num_layers * (attn + 3 * a.hidden_size * a.ffn_hidden_size) + a.vocab_size * a.hidden_size
-
-
 def _perf(c: Components, batch: RolloutBatch, seconds: float, update_s: float) -> dict[str, float]:
-    """perf/throughput: prompt+response tokens per second per GPU over the step; perf/mfu: the actor
-    update's model FLOPs utilisation against the H200's dense bf16 peak (GPU runs only)."""
     tokens = torch.tensor(float((batch.prompt_lens + batch.response_lens).sum()), device=device())
     torch.distributed.all_reduce(tokens, group=ps.get_data_parallel_group())
-    per_gpu = float(tokens) / max(seconds, 1e-9) / c.dims.world_size
-    out = {"perf/throughput": per_gpu}
-    if torch.cuda.is_available():
-        flops = 6 * _actor_params(c) * float(tokens) * c.cfg.actor.ppo_epochs / c.dims.world_size
-        out["perf/mfu"] = flops / max(update_s, 1e-9) / PEAK_BF16_FLOPS
-    return out
+    return step_perf(tokens, seconds, update_s, world_size=c.dims.world_size, num_params=c.args.matmul_params(),
+                     epochs=c.cfg.actor.ppo_epochs)  # fmt: skip
 
 
 def _samples(c: Components, batch: RolloutBatch, k: int) -> list[dict]:
@@ -178,8 +179,9 @@ def _samples(c: Components, batch: RolloutBatch, k: int) -> list[dict]:
     ]
 
 
-def _finish_step(c: Components, done: int, metrics: dict, batch: RolloutBatch, timer: Timer, t0: float):
-    """Validation (every trainer.test_freq), timing/perf metrics, logging, sample prints, checkpoint."""
+def _finish_step(c: Components, done: int, metrics: dict, batch: RolloutBatch, timer: PhaseTimer, t0: float):
+    """Validation (every trainer.test_freq), timing/perf metrics, logging, sample prints, checkpoint.
+    Returns whether it wrote a checkpoint."""
     tr = c.cfg.trainer
     if tr.test_freq > 0 and (done % tr.test_freq == 0 or done == c.total_steps):
         metrics |= validate(c, done, timer)
@@ -191,7 +193,23 @@ def _finish_step(c: Components, done: int, metrics: dict, batch: RolloutBatch, t
     if tr.log_generations_freq > 0 and done % tr.log_generations_freq == 0:
         c.logger.log_generations(_samples(c, batch, c.cfg.logger.num_generations_to_log), step=done)
     with phase("save_checkpoint", tr.timeout_minutes):
-        c.checkpointer.maybe_save(done, last=done == c.total_steps)
+        return c.checkpointer.maybe_save(done, last=done == c.total_steps) is not None
+
+
+def _stop_on_signal(c: Components, name: str, done: int, saved_at: int) -> str:
+    """Every rank agreed to stop after step ``done``: save unless that step is saved already (or
+    trainer.save_on_signal=false); returns the one-line message."""
+    tr, ckpt = c.cfg.trainer, ""
+    if tr.save_on_signal and done > saved_at:
+        with phase("save_checkpoint", tr.timeout_minutes, "a checkpoint write"):
+            ckpt = f"checkpoint {c.checkpointer.save(done)} written"
+    elif done == saved_at and done > 0:
+        ckpt = f"checkpoint of step {done} already written"
+    else:
+        why = "no step trained yet" if done == 0 else "trainer.save_on_signal=false"
+        ckpt = f"no checkpoint written ({why})"
+    return (f"megatron-rl: stopped by {name} after step {done} of {c.total_steps}: {ckpt}; the same command "
+            f"resumes (exit code {EXIT_SIGNALLED})")  # fmt: skip
 
 
 def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
@@ -209,16 +227,26 @@ def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
     lock_output_dir(tr.output_dir, tr.force_unlock)  # before any work: one run per output directory
     c = build_components(cfg, dims)
     start = c.checkpointer.resume()
+    saved_at, stopped = start, None  # the newest checkpointed step; the one-line message after a signal
     with c.logger:
         if tr.val_before_train and start == 0:
             c.logger.log(validate(c, 0, PhaseTimer(tr.timeout_minutes)), step=0)
         for step in range(start, c.total_steps):
+            if signal_name := agreed_stop(device()):  # collective: every rank stops at the same step
+                stopped = _stop_on_signal(c, signal_name, step, saved_at)
+                break
             timer, t0 = PhaseTimer(tr.timeout_minutes), time.perf_counter()
             with at_step(step + 1):
                 metrics, batch = train_step(c, step, timer)
-            _finish_step(c, step + 1, metrics, batch, timer, t0)
+            if _finish_step(c, step + 1, metrics, batch, timer, t0):
+                saved_at = step + 1
     # every rank finished: tear the process groups down before the interpreter exits (letting gloo's
     # threads die during interpreter teardown aborted a rank now and then: "terminate called without an
     # active exception" after the last step)
     torch.distributed.barrier()
+    rank = torch.distributed.get_rank()
     destroy_distributed()
+    if stopped is not None:
+        if rank == 0:
+            print(stopped, flush=True)
+        sys.exit(EXIT_SIGNALLED)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import asdict
 from functools import partial
 
 import torch
@@ -210,6 +211,9 @@ class PolicyWorker(_TrainedModel):
             rollout_log_prob=mb.rollout_log_probs,
             tis_mode=cfg.tis_mode,
             tis_cap=cfg.tis_cap,
+            tis_low=cfg.tis_low,
+            is_weights=mb.rollout_is_weights,
+            **asdict(cfg.policy_loss_params),
             **agg,
         )
         ent_loss, ent_metrics = compute_entropy_loss(entropy=ent, response_mask=mb.response_mask, **agg)

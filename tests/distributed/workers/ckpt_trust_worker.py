@@ -178,7 +178,8 @@ def apply_changed_lr(c, base, work) -> dict:
 def nonfinite_gradient_stops_or_skips(c) -> dict:
     """A gradient hook turns the actor's gradients NaN: the step stops naming step and phase, or with
     trainer.skip_nonfinite_steps the update is skipped (weights unchanged) and counted."""
-    from megatron_rl.trainer.run import PhaseTimer, train_step
+    from megatron_rl.logging.timer import PhaseTimer
+    from megatron_rl.trainer.run import train_step
     from megatron_rl.trainer.workers import at_step
 
     p = next(c.actor.model.parameters())
