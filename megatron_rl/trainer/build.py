@@ -21,7 +21,9 @@ from megatron_rl.rewards import build_reward_fn
 from megatron_rl.rewards.reward_model import RewardModelScorer
 from megatron_rl.rollout.decoder import DecoderSpec
 from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
+from megatron_rl.rollout.multi_turn import MultiTurn, build_multi_turn
 from megatron_rl.rollout.sampling import logprob_temperature
+from megatron_rl.trainer import builtin_tool_task
 from megatron_rl.trainer.advantage import build_kl_controller
 from megatron_rl.trainer.builtin_task import prepare_builtin_task
 from megatron_rl.trainer.workers import CriticWorker, PolicyWorker
@@ -47,6 +49,7 @@ class Components:
     logger: MetricsLogger
     total_steps: int
     checkpointer: Checkpointer
+    multi_turn: MultiTurn | None = None  # rollout.multi_turn.enable: tools, parser, the tool thread pool
 
 
 def _resolve_paths(cfg: JobConfig) -> tuple[str, str | None, str | None, bool]:
@@ -55,13 +58,17 @@ def _resolve_paths(cfg: JobConfig) -> tuple[str, str | None, str | None, bool]:
     if model.path is not None and data.train_files is not None:
         return model.path, data.train_files, data.val_files, data.apply_chat_template
     workdir = Path(cfg.trainer.output_dir) / "builtin_task"
-    model_dir, train, val = prepare_builtin_task(model, workdir, cfg.trainer.seed)
+    mt = cfg.rollout.multi_turn
+    tool_task = mt.enable and mt.tool_path == builtin_tool_task.TOOL_SET  # the tool-using built-in task
+    prepare = builtin_tool_task.prepare_tool_task if tool_task else prepare_builtin_task
+    model_dir, train, val = prepare(model, workdir, cfg.trainer.seed)
     builtin_data = data.train_files is None
     return (
         model.path or model_dir,
         train if builtin_data else data.train_files,
         val if builtin_data and data.val_files is None else data.val_files,
-        data.apply_chat_template and not builtin_data,  # the built-in task's prompts are plain text
+        # the built-in task's prompts are plain text; the tool task's are chat (tool answers need turns)
+        data.apply_chat_template and (tool_task or not builtin_data),
     )
 
 
@@ -130,6 +137,7 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
     check_tokenizer_fits(
         tokenizer, args.vocab_size, model_dir
     )  # before the data is tokenized or weights load
+    multi_turn = build_multi_turn(cfg.rollout.multi_turn, tokenizer)  # a bad tool file fails here
     data = cfg.data
     dataset_kw = dict(
         tokenizer=tokenizer,
@@ -137,6 +145,7 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
         max_prompt_length=data.max_prompt_length,
         truncation=data.truncation,
         apply_chat_template=chat,
+        tools=multi_turn.tool_set.schemas if multi_turn else None,
     )
     train_ds = PromptDataset(train_files, files_key="data.train_files", **dataset_kw)
     loader = PromptDataLoader(
@@ -187,4 +196,5 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
         logger,
         total,
         checkpointer,
+        multi_turn,
     )

@@ -20,6 +20,7 @@ from megatron_rl.logging import Timer
 from megatron_rl.logging.perf import step_perf
 from megatron_rl.logging.timer import PhaseTimer
 from megatron_rl.rollout.batch import RolloutBatch, build_batch
+from megatron_rl.rollout.multi_turn import episode_state
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.advantage import (
     apply_overlong_penalty,
@@ -48,7 +49,8 @@ def rollout(c: Components, rows, group_offset: int, params: SamplingParams, time
     """This DP rank's prompts -> completions (engine, in place) -> batch tensors; scores attached."""
     with timer("gen"):
         keys = [group_offset + i for i in range(len(rows))]  # global prompt ids: layout-invariant noise
-        completions = c.engine.generate([r.prompt_ids for r in rows], params, keys)
+        session = c.multi_turn.session([episode_state(r) for r in rows]) if c.multi_turn else None
+        completions = c.engine.generate([r.prompt_ids for r in rows], params, keys, session)
     batch = build_batch(
         completions, rows, group_offset, params.max_new_tokens, c.tokenizer.pad_token_id or 0, device()
     )
