@@ -356,6 +356,14 @@ class TrainerConfig:
         "On SIGTERM/SIGINT every rank finishes the current step, writes a checkpoint (if true), flushes "
         "metrics and exits with code 75; the same command resumes.",
     )
+    skip_nonfinite_steps: bool = doc(
+        False,
+        "Skip an update whose loss or gradient norm is NaN/Inf and count it (actor/nonfinite_skipped) instead "
+        "of stopping with an error naming the step and phase.",
+    )
+    force_unlock: bool = doc(
+        False, "Take over the output_dir lock of another run (only when that run is known to be gone)."
+    )
 
 
 @dataclass

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from megatron_rl.checkpoint import Checkpointer, ModelSide, TrainedRole
+from megatron_rl.checkpoint.checkpointer import hf_source_dir
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.data import PromptDataLoader, PromptDataset
 from megatron_rl.data.tokenizer_fit import check_tokenizer_fits
@@ -46,6 +48,7 @@ class Components:
     kl_ctrl: object
     logger: MetricsLogger
     total_steps: int
+    checkpointer: Checkpointer
     multi_turn: MultiTurn | None = None  # rollout.multi_turn.enable: tools, parser, the tool thread pool
 
 
@@ -115,6 +118,17 @@ def _reward_fn(cfg: JobConfig):
     )
 
 
+def build_checkpointer(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, tokenizer, actor, critic, loader,
+                       kl_ctrl, total_steps: int) -> Checkpointer:  # fmt: skip
+    """The checkpointer, handed the trained roles and every stateful part it saves."""
+    roles = {"actor": TrainedRole(actor.model, actor.opt, actor.sched)}
+    if critic is not None:
+        roles["critic"] = TrainedRole(critic.model, critic.opt, critic.sched)
+    side = ModelSide(args, tokenizer, hf_source_dir(tokenizer), dims.tp, dims.pp, dims.dp, dims.world_size)
+    return Checkpointer(cfg.trainer, roles, data_loader=loader, kl_ctrl=kl_ctrl, side=side,
+                        config=dataclasses.asdict(cfg), total_steps=total_steps)  # fmt: skip
+
+
 def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
     reward_fn = _reward_fn(cfg)  # a bad custom function path fails before models are built
     model_dir, train_files, val_files, chat = _resolve_paths(cfg)
@@ -160,6 +174,11 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
         rank=torch.distributed.get_rank(),
         total_steps=total,
     )
+    kl_ctrl = build_kl_controller(cfg.algorithm)
+    for worker in (actor, critic):
+        if worker is not None:
+            worker.skip_nonfinite = cfg.trainer.skip_nonfinite_steps
+    checkpointer = build_checkpointer(cfg, dims, args, tokenizer, actor, critic, loader, kl_ctrl, total)
     return Components(
         cfg,
         dims,
@@ -173,8 +192,9 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
         val_ds,
         reward_fn,
         reward_model,
-        build_kl_controller(cfg.algorithm),
+        kl_ctrl,
         logger,
         total,
+        checkpointer,
         multi_turn,
     )
