@@ -57,16 +57,14 @@ from megatron_rl.checkpoint.names import (
 from megatron_rl.checkpoint.safe_load import UnsafeCheckpointError, load_dist, read_metadata_file
 from megatron_rl.checkpoint.save_errors import save_failure
 from megatron_rl.checkpoint.state import (
-    apply_loaded_optim,
     capture_rng,
     check_optimizer_backend,
-    load_optimizer_json,
-    optimizer_json,
     restore_rng,
     role_sharded_state,
 )
 from megatron_rl.distributed import device
 from megatron_rl.models.hf_io import copy_hf_side_files
+from megatron_rl.optim import Optimizer
 
 FORMAT_VERSION = 1
 # Test hook: SIGKILL rank 0 in the middle of writing the checkpoint of this step (after the tensors are
@@ -77,11 +75,11 @@ STATE_KEYS = ("step", "layout", "roles", "data", "kl_ctrl", "optimizers")
 
 @dataclass
 class TrainedRole:
-    """One trained model (actor or critic) with its optimizer and LR scheduler."""
+    """One trained model (actor or critic) with its optimizer (``megatron_rl.optim.Optimizer``, which owns
+    its LR scheduler)."""
 
     model: torch.nn.Module
-    opt: object
-    sched: object
+    opt: Optimizer
 
 
 @dataclass
@@ -260,7 +258,7 @@ class Checkpointer:
             "roles": list(self.roles),
             "data": data,
             "kl_ctrl": self.kl_ctrl.state_dict(),
-            "optimizers": {n: optimizer_json(r.opt, r.sched) for n, r in self.roles.items()},
+            "optimizers": {n: r.opt.host_state() for n, r in self.roles.items()},
             "config": self.config,
         }
 
@@ -397,10 +395,10 @@ class Checkpointer:
         for name, r in self.roles.items():
             prefix = f"{name}."
             _unwrap(r.model).load_state_dict({k[len(prefix) :]: v for k, v in loaded[name]["model"].items()})
-            apply_loaded_optim(r.opt, loaded[name]["optim"])
-            load_optimizer_json(r.opt, r.sched, state["optimizers"][name])
+            r.opt.load_sharded_state_dict(loaded[name]["optim"])
+            r.opt.load_host_state(state["optimizers"][name])
             if any(resume_config.is_schedule(c.key) for c in found):
-                resume_config.apply_schedule(r.sched, resume_config.schedule_peak(found, name))
+                resume_config.apply_schedule(r.opt.scheduler, resume_config.schedule_peak(found, name))
         step = int(state["step"])
         self.data.load_state_dict(state["data"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])

@@ -121,9 +121,9 @@ def _reward_fn(cfg: JobConfig):
 def build_checkpointer(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, tokenizer, actor, critic, loader,
                        kl_ctrl, total_steps: int) -> Checkpointer:  # fmt: skip
     """The checkpointer, handed the trained roles and every stateful part it saves."""
-    roles = {"actor": TrainedRole(actor.model, actor.opt, actor.sched)}
+    roles = {"actor": TrainedRole(actor.model, actor.opt)}
     if critic is not None:
-        roles["critic"] = TrainedRole(critic.model, critic.opt, critic.sched)
+        roles["critic"] = TrainedRole(critic.model, critic.opt)
     side = ModelSide(args, tokenizer, hf_source_dir(tokenizer), dims.tp, dims.pp, dims.dp, dims.world_size)
     return Checkpointer(cfg.trainer, roles, data_loader=loader, kl_ctrl=kl_ctrl, side=side,
                         config=dataclasses.asdict(cfg), total_steps=total_steps)  # fmt: skip

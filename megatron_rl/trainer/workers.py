@@ -105,7 +105,6 @@ class _TrainedModel:
         self.cfg = cfg
         self.response_len = response_len
         self.opt = build_optimizer(model, cfg.optim, total_steps)
-        self.sched = self.opt.scheduler  # the optimizer owns it; checkpoint/manager.py still reads it here
 
     response_logits = False  # policies: the loss gets logits at the response-scoring positions only
 

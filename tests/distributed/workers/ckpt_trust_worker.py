@@ -170,7 +170,7 @@ def apply_changed_lr(c, base, work) -> dict:
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         step = checkpointer(c, out, config=config).resume()
-    sched = c.checkpointer.roles["actor"].sched
+    sched = c.checkpointer.roles["actor"].opt.scheduler
     return {"step": step, "old": old, "lr": sched.optimizer.param_groups[0]["lr"], "base": sched.base_lrs[0],
             "log": log.getvalue()}  # fmt: skip
 
