@@ -82,7 +82,7 @@ def save_ckpt(worker, ckpt: Path) -> dict:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.checkpoint.state import optimizer_json, role_sharded_state
+    from megatron_rl.checkpoint.state import role_sharded_state
     from megatron_rl.models import unwrap
 
     if dist.get_rank() == 0:
@@ -92,13 +92,13 @@ def save_ckpt(worker, ckpt: Path) -> dict:
     dist_checkpointing.save(
         {"actor": role_sharded_state("actor", unwrap(worker.model), worker.opt)}, str(ckpt)
     )
-    return optimizer_json(worker.opt, worker.sched)
+    return worker.opt.host_state()
 
 
 def load_ckpt(worker, ckpt: Path, host: dict) -> None:
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.checkpoint.state import apply_loaded_optim, load_optimizer_json, role_sharded_state
+    from megatron_rl.checkpoint.state import role_sharded_state
     from megatron_rl.models import unwrap
 
     core = unwrap(worker.model)
@@ -106,8 +106,8 @@ def load_ckpt(worker, ckpt: Path, host: dict) -> None:
         {"actor": role_sharded_state("actor", core, worker.opt, is_loading=True)}, str(ckpt)
     )
     core.load_state_dict({k[len("actor.") :]: v for k, v in loaded["actor"]["model"].items()})
-    apply_loaded_optim(worker.opt, loaded["actor"]["optim"])
-    load_optimizer_json(worker.opt, worker.sched, host)
+    worker.opt.load_sharded_state_dict(loaded["actor"]["optim"])
+    worker.opt.load_host_state(host)
 
 
 def one_run(

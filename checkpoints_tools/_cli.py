@@ -16,9 +16,11 @@ def run(name: str, fn) -> int:
     # megatron-core/torch deprecation chatter would bury the one-line report
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", module=r"megatron\..*")
+    from megatron_rl.checkpoint.layout import CheckpointError  # unusable or unsafe checkpoints
+
     try:
         line = fn()
-    except EXPECTED_ERRORS as err:
+    except (*EXPECTED_ERRORS, CheckpointError) as err:
         msg = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"{name}: error: {msg}", file=sys.stderr)
         return 2

@@ -1,29 +1,30 @@
 """Training checkpoints (megatron-core torch_dist, resharding on load) and resume; HF<->Megatron conversion
-lives in ``convert.py``.
+lives in ``convert.py``, every file name in ``names.py``.
 
-    save_checkpoint(components, step)   every rank, after step ``step``'s metrics are logged
-    resume(components) -> start_step    every rank, after build; 0 when there is nothing to resume
+    Checkpointer(...).resume() -> start_step    every rank, after build; 0 when there is nothing to resume
+    Checkpointer(...).maybe_save(step, last)    every rank, after step ``step``'s metrics are logged
 """
 
-from megatron_rl.checkpoint.layout import CheckpointError, check_complete, newest_complete, truncate_metrics
-from megatron_rl.checkpoint.manager import (
-    find_checkpoint,
-    load_checkpoint,
-    load_model_weights,
-    resume,
-    save_checkpoint,
-    save_hf,
+from megatron_rl.checkpoint.checkpointer import Checkpointer, ModelSide, TrainedRole
+from megatron_rl.checkpoint.convert import load_model_weights
+from megatron_rl.checkpoint.layout import (
+    CheckpointError,
+    check_complete,
+    newest_complete,
+    resume_candidates,
+    truncate_metrics,
 )
+from megatron_rl.checkpoint.safe_load import UnsafeCheckpointError
 
 __all__ = [
     "CheckpointError",
+    "Checkpointer",
+    "ModelSide",
+    "TrainedRole",
+    "UnsafeCheckpointError",
     "check_complete",
-    "find_checkpoint",
-    "load_checkpoint",
     "load_model_weights",
     "newest_complete",
-    "resume",
-    "save_checkpoint",
-    "save_hf",
+    "resume_candidates",
     "truncate_metrics",
 ]

@@ -1,14 +1,10 @@
 """HF <-> Megatron checkpoint conversion: megatron-core ``torch_dist`` (loadable at any TP/PP) and the legacy
 Megatron-LM layout (``iter_XXXXXXX/mp_rank_XX[_YYY]/model_optim_rng.pt``).
 
-Checkpoint directory written here::
-
-    <root>/latest_checkpointed_iteration.txt
-    <root>/iter_0000001/            torch_dist files, or mp_rank_XX[_YYY]/model_optim_rng.pt
-    <root>/megatron_rl_model.json   ModelArgs, format, TP/PP, role (so a reader needs no --hf-config)
-    <root>/hf/                      the HF config.json and tokenizer files
-
-The CLIs in ``checkpoints_tools/`` are thin wrappers around ``hf_to_megatron`` / ``megatron_to_hf``.
+The directories written here are listed in ``names.py``. ``inspect_checkpoint`` recognises them, a trainer's
+``global_step_<N>`` and torch_dist directories; ``load_checkpoint_weights`` fills a model from any of
+them but legacy ones (read whole by ``read_legacy``). Every torch_dist read goes through
+``safe_load.load_dist``. The CLIs in ``checkpoints_tools/`` are thin wrappers around ``hf_to_megatron`` / ``megatron_to_hf``.
 """
 
 from __future__ import annotations
@@ -16,22 +12,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from megatron_rl.checkpoint.names import (
+    DIST,
+    HF,
+    LEGACY_FILE,
+    LEGACY_RANK_DIR,
+    MCORE_METADATA,
+    META_FILE,
+    MODEL_SIDE,
+    POINTER,
+    iter_dir_name,
+    legacy_rank_dir,
+)
+from megatron_rl.checkpoint.safe_load import load_dist
 from megatron_rl.models.args import ModelArgs
 from megatron_rl.models.hf_io import SafetensorsReader, copy_hf_side_files, write_safetensors
 from megatron_rl.models.hf_mapping import VALUE_HEAD, hf_from_megatron_shards, megatron_shard_from_hf
 
-LATEST_FILE = "latest_checkpointed_iteration.txt"
-META_FILE = "megatron_rl_model.json"
-HF_SIDE_DIR = "hf"
-LEGACY_FILE = "model_optim_rng.pt"
 FORMATS = ("torch_dist", "legacy")
-_LEGACY_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 
 @dataclass
@@ -63,15 +66,6 @@ class ConversionReport:
         )
 
 
-def iter_dir_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
-
-
-def legacy_rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
-    """``mp_rank_XX`` (TP rank) with ``_YYY`` (PP rank) only when PP > 1, as Megatron-LM names them."""
-    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
-
-
 def role_of_hf(args: ModelArgs) -> str:
     """A SequenceClassification checkpoint converts as a critic (trunk + score head)."""
     return "critic" if any(a.endswith("SequenceClassification") for a in args.architectures) else "actor"
@@ -82,7 +76,7 @@ def write_metadata(
 ) -> None:
     """The reader-side files: iteration marker, ModelArgs/layout JSON, HF config + tokenizer copy."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / LATEST_FILE).write_text(str(iteration))
+    (root / POINTER).write_text(str(iteration))
     meta = {
         "format": fmt,
         "tp": tp,
@@ -92,7 +86,7 @@ def write_metadata(
         "model_args": args.to_dict(),
     }
     (root / META_FILE).write_text(json.dumps(meta, indent=2))
-    copy_hf_side_files(hf_src, root / HF_SIDE_DIR)
+    copy_hf_side_files(hf_src, root / HF)
 
 
 def _legacy_args(args: ModelArgs, tp: int, pp: int) -> dict:
@@ -157,7 +151,7 @@ def read_legacy(iter_dir: Path) -> tuple[dict[tuple[int, int], dict[str, torch.T
     """All shards of a legacy checkpoint as {(tp_rank, pp_rank): megatron state dict}, plus its ``args``."""
     shards, meta_args = {}, {}
     for sub in sorted(iter_dir.iterdir()):
-        m = _LEGACY_DIR.match(sub.name)
+        m = LEGACY_RANK_DIR.match(sub.name)
         if not m:
             continue
         path = sub / LEGACY_FILE
@@ -193,31 +187,29 @@ def save_torch_dist(model: torch.nn.Module, iter_dir: Path) -> None:
 
 def load_torch_dist(model: torch.nn.Module, iter_dir: Path) -> None:
     """Load a torch_dist checkpoint saved at any TP/PP into this rank's shard of ``model`` (collective)."""
-    from megatron.core import dist_checkpointing
-
     from megatron_rl.models.weights import unwrap
 
     core = unwrap(model)
-    state = dist_checkpointing.load(core.sharded_state_dict(), str(iter_dir))
+    state = load_dist(core.sharded_state_dict(), iter_dir)
     core.load_state_dict(state, strict=True)
 
 
-def find_checkpoint(path: str | Path, hf_config: str | Path | None = None) -> CheckpointInfo:
+def inspect_checkpoint(path: str | Path, hf_config: str | Path | None = None) -> CheckpointInfo:
     """Locate and auto-detect a checkpoint: a root with ``latest_checkpointed_iteration.txt``, or an
     iteration / torch_dist directory. Model args come from ``hf_config``, else the saved metadata."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist; pass --checkpoint DIR")
-    if (path / TRAINER_DIST / "metadata.json").is_file() and (path / META_FILE).is_file():
+    if (path / DIST / MCORE_METADATA).is_file() and (path / META_FILE).is_file():
         return _trainer_checkpoint(path, hf_config)  # a trainer's global_step_<N>
-    if (path / LATEST_FILE).is_file():
-        root, iter_dir = path, path / iter_dir_name(int((path / LATEST_FILE).read_text().strip()))
+    if (path / POINTER).is_file():
+        root, iter_dir = path, path / iter_dir_name(int((path / POINTER).read_text().strip()))
     else:
         iter_dir = path
         root = path.parent if (path.parent / META_FILE).is_file() else path
-    if (iter_dir / "metadata.json").is_file():
+    if (iter_dir / MCORE_METADATA).is_file():
         fmt = "torch_dist"
-    elif iter_dir.is_dir() and any(_LEGACY_DIR.match(p.name) for p in iter_dir.iterdir()):
+    elif iter_dir.is_dir() and any(LEGACY_RANK_DIR.match(p.name) for p in iter_dir.iterdir()):
         fmt = "legacy"
     else:
         raise FileNotFoundError(
@@ -225,7 +217,7 @@ def find_checkpoint(path: str | Path, hf_config: str | Path | None = None) -> Ch
             f"directories; pass the checkpoint root written by hf_to_megatron"
         )
     meta = json.loads((root / META_FILE).read_text()) if (root / META_FILE).is_file() else {}
-    side = root / HF_SIDE_DIR if (root / HF_SIDE_DIR / "config.json").is_file() else None
+    side = root / HF if (root / HF / "config.json").is_file() else None
     if hf_config is not None:
         args = ModelArgs.from_hf_config(hf_config)
         side = Path(hf_config) if Path(hf_config).is_dir() else Path(hf_config).parent
@@ -250,29 +242,35 @@ def find_checkpoint(path: str | Path, hf_config: str | Path | None = None) -> Ch
     )
 
 
-TRAINER_DIST, TRAINER_SIDE = "dist", "hf_config"  # inside a trainer checkpoint's global_step_<N>/
-
-
 def _trainer_checkpoint(step_dir: Path, hf_config: str | Path | None) -> CheckpointInfo:
     """A training checkpoint: torch_dist under ``dist/`` (keys prefixed by role), ModelArgs in META_FILE,
     config + tokenizer in ``hf_config/``."""
     meta = json.loads((step_dir / META_FILE).read_text())
     args = ModelArgs.from_dict(meta["model_args"])
-    side = step_dir / TRAINER_SIDE
+    side = step_dir / MODEL_SIDE
     if hf_config is not None:
         side = Path(hf_config) if Path(hf_config).is_dir() else Path(hf_config).parent
     return CheckpointInfo(step_dir, step_dir, "trainer", args, meta["tp"], meta["pp"], meta["role"], side)
 
 
 def load_checkpoint_weights(model: torch.nn.Module, info: CheckpointInfo) -> None:
-    """Fill ``model`` (built at this run's TP/PP) from any checkpoint ``find_checkpoint`` recognised
+    """Fill ``model`` (built at this run's TP/PP) from any checkpoint ``inspect_checkpoint`` recognised
     except legacy (read whole by ``read_legacy``)."""
     if info.format == "trainer":
-        from megatron_rl.checkpoint.manager import load_model_weights
-
         load_model_weights(model, info.iter_dir, info.role)
     else:
         load_torch_dist(model, info.iter_dir)
+
+
+def load_model_weights(model: torch.nn.Module, step_dir: str | Path, role: str = "actor") -> None:
+    """Load one model's weights from a trainer's ``global_step_<N>`` at this run's TP/PP (resharded by
+    dist_checkpointing; keys prefixed by role). Collective; for evaluation, conversion and generation."""
+    from megatron_rl.models.weights import unwrap
+
+    core = unwrap(model)
+    prefix = f"{role}."
+    loaded = load_dist({role: {"model": core.sharded_state_dict(prefix=prefix)}}, Path(step_dir) / DIST)
+    core.load_state_dict({k[len(prefix) :]: v for k, v in loaded[role]["model"].items()})
 
 
 def _with_padding(args: ModelArgs, padded: int) -> ModelArgs:
@@ -365,7 +363,7 @@ def megatron_to_hf(
 
     legacy: read by rank 0 alone. torch_dist: loaded at (tp, pp) under torchrun, (1, 1) in one process.
     """
-    info = find_checkpoint(checkpoint, hf_config)
+    info = inspect_checkpoint(checkpoint, hf_config)
     rank, _ = launch_rank_world()
     if info.format == "legacy":
         if rank != 0:

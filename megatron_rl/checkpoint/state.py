@@ -39,11 +39,6 @@ def role_sharded_state(
     return out
 
 
-def apply_loaded_optim(opt: Optimizer, loaded: dict) -> None:
-    """Copy the tensors returned by ``dist_checkpointing.load`` into the optimizer's state."""
-    opt.load_sharded_state_dict(loaded)
-
-
 def check_optimizer_backend(role: str, saved: dict, opt: Optimizer, path) -> None:
     """Refuse, before any tensor is read, optimizer state written by another optimizer kind.
 
@@ -60,17 +55,6 @@ def check_optimizer_backend(role: str, saved: dict, opt: Optimizer, path) -> Non
             f"{path} holds {err}. Resume with {was}, or keep only the weights: checkpoints_tools/"
             f"megatron_to_hf.py --checkpoint {path} --output DIR, then model.path=DIR trainer.resume_mode=disable."
         ) from err
-
-
-def optimizer_json(opt: Optimizer, sched=None) -> dict:
-    """Host-side optimizer state (``Optimizer.host_state``); the optimizer owns its LR scheduler, so
-    ``sched`` is not read."""
-    return opt.host_state()
-
-
-def load_optimizer_json(opt: Optimizer, sched, state: dict) -> None:
-    """Inverse of ``optimizer_json`` (``sched``: not read, the optimizer restores its own scheduler)."""
-    opt.load_host_state(state)
 
 
 def capture_rng() -> dict:

@@ -48,6 +48,35 @@ class ParallelConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn, tool-using rollouts (see the README's "Tools and multi-turn rollouts")."""
+
+    enable: bool = doc(
+        False, "Continue each response over turns: tool calls run, their answers are appended."
+    )
+    tool_path: Optional[str] = doc(
+        None,
+        "A .py file defining get_tools() (and optionally get_interaction()), or a built-in tool set: calculator.",
+    )
+    parser: str = doc(
+        "hermes", "Tool-call format of the model's template: hermes (Qwen2.5/Qwen3 <tool_call>{json})."
+    )
+    max_turns: int = doc(4, "Assistant turns per episode at most (tool answers and user turns come between).")
+    tool_timeout_s: float = doc(10.0, "Seconds a tool call may run; past it the model reads a timeout error.")
+    max_parallel_calls: int = doc(8, "Threads running tool calls concurrently (per generating rank).")
+    max_tool_response_chars: int = doc(1000, "Tool answers are cut to this many characters.")
+
+    def __post_init__(self):
+        if self.max_turns < 1:
+            raise ValueError(f"rollout.multi_turn.max_turns={self.max_turns}; set it to 1 or more")
+        if self.tool_timeout_s <= 0 or self.max_parallel_calls < 1:
+            raise ValueError(
+                "rollout.multi_turn.tool_timeout_s must be > 0 and rollout.multi_turn.max_parallel_calls >= 1 "
+                f"(got {self.tool_timeout_s}, {self.max_parallel_calls})"
+            )
+
+
+@dataclass
 class RolloutConfig:
     """Generation with the in-place resharded engine."""
 
@@ -84,6 +113,7 @@ class RolloutConfig:
         "Draw each sequence's sampling noise from (seed, prompt id, sample index, step): the same samples at "
         "any TP/PP/DP layout and batching (a counter hash instead of a generator; slower sampling).",
     )
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -367,6 +397,14 @@ class TrainerConfig:
         True,
         "On SIGTERM/SIGINT every rank finishes the current step, writes a checkpoint (if true), flushes "
         "metrics and exits with code 75; the same command resumes.",
+    )
+    skip_nonfinite_steps: bool = doc(
+        False,
+        "Skip an update whose loss or gradient norm is NaN/Inf and count it (actor/nonfinite_skipped) instead "
+        "of stopping with an error naming the step and phase.",
+    )
+    force_unlock: bool = doc(
+        False, "Take over the output_dir lock of another run (only when that run is known to be gone)."
     )
 
 

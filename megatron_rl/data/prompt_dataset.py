@@ -52,8 +52,11 @@ def _check_messages(prompt: Any, row: SourceRow, prompt_key: str) -> list[dict]:
     return prompt
 
 
-def render_prompt(prompt: Any, tokenizer, apply_chat_template: bool, row: SourceRow, prompt_key: str):
-    """Return ``(text, add_special_tokens)`` for one stored prompt.
+def render_prompt(
+    prompt: Any, tokenizer, apply_chat_template: bool, row: SourceRow, prompt_key: str, tools=None
+):
+    """Return ``(text, add_special_tokens)`` for one stored prompt (``tools``: tool schemas the chat
+    template shows the model, for multi-turn rollouts).
 
     A chat-rendered prompt already carries the template's special tokens, so it is tokenized without
     adding more; a raw string gets the tokenizer's own special tokens (e.g. BOS for base models).
@@ -71,7 +74,8 @@ def render_prompt(prompt: Any, tokenizer, apply_chat_template: bool, row: Source
             "set data.apply_chat_template=true with a tokenizer that has a chat template, "
             "or store plain string prompts"
         )
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    kw = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
     return text, False
 
 
@@ -100,6 +104,7 @@ class PromptDataset:
         apply_chat_template: render prompts with the tokenizer's chat template (string prompts become one
             user message). When false, or the tokenizer has none, string prompts are tokenized as is.
         files_key: the config key ``files`` came from, named in error messages.
+        tools: tool schemas passed to the chat template (``tools=``), for multi-turn rollouts.
     """
 
     def __init__(
@@ -111,13 +116,16 @@ class PromptDataset:
         truncation: str = "error",
         apply_chat_template: bool = True,
         files_key: str = "data.train_files",
+        tools: list[dict] | None = None,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r} is not one of {list(TRUNCATION_MODES)}")
         self.max_prompt_length = max_prompt_length if max_prompt_length and max_prompt_length > 0 else None
         self.truncation = truncation
         source = read_prompt_files(files, prompt_key=prompt_key, files_key=files_key)
-        rendered = [render_prompt(r.prompt, tokenizer, apply_chat_template, r, prompt_key) for r in source]
+        rendered = [
+            render_prompt(r.prompt, tokenizer, apply_chat_template, r, prompt_key, tools) for r in source
+        ]
         ids = _tokenize([t for t, _ in rendered], [f for _, f in rendered], tokenizer)
         self.rows: list[PromptRow] = []
         self.num_filtered = 0

@@ -94,10 +94,6 @@ class Optimizer(abc.ABC):
     def model_storages(self) -> set[int]:
         """Data pointers of the model weights' storages: never offloaded (generation reads them)."""
 
-    @property
-    def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
-
     def check_compatible(self, saved: dict, role: str) -> None:
         """Raise ``OptimizerKindError`` if ``saved`` (a ``host_state()``) was written by another kind."""
         was = OptimizerKind.from_json(saved)

@@ -36,6 +36,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 
 import torch
@@ -123,6 +124,12 @@ class MegatronOptimizer(Optimizer):
         self.ddp = DistributedDataParallel(config, ddp_config, core)
         self.config = mcore_optimizer_config(cfg, torch.bfloat16 in dtypes)
         self.opt = get_megatron_optimizer(self.config, [self.ddp], config_overrides={})
+        if cfg.optimizer_cpu_offload:
+            # megatron-core first builds a hybrid optimizer over the whole bf16 model (host copies of the
+            # offloaded fraction, fp32 copies of all of it), then the distributed optimizer replaces it with
+            # one over this rank's shards; the first one sits in a reference cycle (its step hooks), so
+            # collect it now rather than at some later GC pass.
+            gc.collect()
         subs = getattr(self.opt, "chained_optimizers", [self.opt])
         if len(subs) != 1:
             raise ValueError(

@@ -22,7 +22,8 @@ from megatron_rl.rollout.engine import Completion
 class RolloutBatch:
     input_ids: torch.Tensor  # [B, T] prompt + response, right-padded
     responses: torch.Tensor  # [B, R] response ids (0 past the end)
-    response_mask: torch.Tensor  # [B, R] float, 1 on response tokens (EOS included)
+    response_mask: torch.Tensor  # [B, R] float, 1 on sampled response tokens (EOS included); multi-turn:
+    # 0 inside the response on tool answers / user turns (trained on as context, not in any loss)
     score_pos: torch.Tensor  # [B, R] long: logits position scoring each response token
     prompt_lens: torch.Tensor  # [B]
     response_lens: torch.Tensor  # [B]
@@ -40,6 +41,10 @@ class RolloutBatch:
     returns: torch.Tensor | None = None  # [B, R]
     reward_baselines: torch.Tensor | None = None  # [B] ReMax: score of the prompt's greedy sample
     rollout_is_weights: torch.Tensor | None = None  # [B, R] IS weights computed for the whole batch
+    # multi-turn rollouts only: assistant turns [B], tools' reward deltas [B], (calls, errors, timeouts) [B, 3]
+    turns: torch.Tensor | None = None
+    tool_reward: torch.Tensor | None = None
+    tool_counts: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -83,15 +88,22 @@ def build_batch(
     input_ids = torch.full((b, t), pad_id, dtype=torch.long)
     responses = torch.zeros(b, r, dtype=torch.long)
     rollout_lp = torch.zeros(b, r, dtype=torch.float32)
+    sampled = torch.ones(b, r)  # [B, R] 0 where a multi-turn response holds appended (not sampled) ids
     for i, c in enumerate(completions):
+        if c.response_mask:
+            sampled[i, : len(c.response_mask)] = torch.tensor(c.response_mask, dtype=torch.float32)
         seq = c.prompt_ids + c.response_ids
         input_ids[i, : len(seq)] = torch.tensor(seq)
         responses[i, : len(c.response_ids)] = torch.tensor(c.response_ids, dtype=torch.long)
         rollout_lp[i, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
     j = torch.arange(r)
-    response_mask = (j[None, :] < response_lens[:, None]).float()  # [B, R]
+    response_mask = (j[None, :] < response_lens[:, None]).float() * sampled  # [B, R]
     score_pos = (prompt_lens[:, None] - 1 + j[None, :]).clamp(max=t - 1)  # [B, R]
+    multi = any(c.response_mask for c in completions)
     return RolloutBatch(
+        turns=torch.tensor([c.turns for c in completions], device=device) if multi else None,
+        tool_reward=torch.tensor([c.tool_reward for c in completions], device=device) if multi else None,
+        tool_counts=torch.tensor([c.tool_counts for c in completions], device=device) if multi else None,
         input_ids=input_ids.to(device),
         responses=responses.to(device),
         response_mask=response_mask.to(device),

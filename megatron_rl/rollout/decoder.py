@@ -227,3 +227,47 @@ def decode(
         x = x + _all_reduce(F.linear(a, layer["proj"]), w)
         x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps), layer, w)
     return logits(rms_norm(x[:, 0], w.final_norm, spec.norm_eps), w, spec)
+
+
+def extend(
+    w: GenWeights,
+    spec: ModelArgs,
+    cache: torch.Tensor,
+    tokens: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Prefill more tokens onto slots that already hold a sequence (the next turn of a multi-turn episode).
+
+    tokens [B, T] (right-padded) go at positions ``starts[b] .. starts[b] + lengths[b] - 1`` of slots
+    [B]; they attend to the slot's cached keys before them and causally among themselves. Only the real
+    tokens' keys/values are written (pads could land past the cache's end). cache [L, 2, S, Gl, Tmax, D].
+    Returns the last real token's logits [B, V] (weights' dtype).
+    """
+    B, T = tokens.shape
+    dev = tokens.device
+    positions = starts[:, None] + torch.arange(T, device=dev)  # [B, T]
+    valid = torch.arange(T, device=dev)[None, :] < lengths[:, None]  # [B, T]
+    end = int((starts + lengths).max())
+    rows, cols = valid.nonzero(as_tuple=True)  # [N] each: the real tokens
+    at_slot, at_pos = slots[rows], positions[rows, cols]  # [N]
+    visible = torch.arange(end, device=dev)[None, None, :] <= positions[:, :, None]  # [B, T, end]
+    mask = torch.zeros(B, 1, T, end, dtype=w.embed.dtype, device=dev)
+    mask.masked_fill_(~visible[:, None], float("-inf"))  # [B, 1, T, end]
+    cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta, w.embed.dtype)
+    rep = spec.num_attention_heads // spec.num_query_groups
+    x = embed(tokens, w)
+    for i, layer in enumerate(w.layers):
+        qkv = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps), layer, spec)  # [B, T, Gl, rep+2, D]
+        qk = apply_rope(qkv[:, :, :, : rep + 1], cos, sin)  # [B, T, Gl, rep+1, D]
+        q = qk[:, :, :, :rep].reshape(B, T, -1, spec.head_dim).transpose(1, 2)  # [B, Hl, T, D]
+        cache[i, 0][at_slot, :, at_pos] = qk[rows, cols, :, rep]  # [N, Gl, D]
+        cache[i, 1][at_slot, :, at_pos] = qkv[rows, cols, :, rep + 1]
+        k, v = cache[i, 0, slots, :, :end], cache[i, 1, slots, :, :end]  # [B, Gl, end, D]
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [B, Hl, T, D]
+        a = a.transpose(1, 2).reshape(B, T, -1)  # [B, T, Hl*D]
+        x = x + _all_reduce(F.linear(a, layer["proj"]), w)
+        x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps), layer, w)
+    last = x[torch.arange(B, device=dev), lengths - 1]  # [B, h]
+    return logits(rms_norm(last, w.final_norm, spec.norm_eps), w, spec)

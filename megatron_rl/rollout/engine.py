@@ -29,6 +29,7 @@ from megatron_rl.kernels import decode_attention as decode_kernel
 from megatron_rl.rollout import decoder, reshard
 from megatron_rl.rollout.decoder import GenWeights, check_decodable
 from megatron_rl.rollout.kv_cache import KV_KEYS, KVCache, bytes_per_token, plan_cache
+from megatron_rl.rollout.multi_turn import Session
 from megatron_rl.rollout.sampling import SamplingParams, sample_row_keys, sample_with_logprobs
 
 if TYPE_CHECKING:
@@ -81,6 +82,12 @@ class Completion:
     key: int = (
         0  # sampling-noise key with SamplingParams.layout_invariant_sampling: (prompt key, sample index)
     )
+    # multi-turn: 0 on response tokens the model did not sample (tool answers, user turns); their
+    # logprobs are 0. Empty for single-turn responses (all sampled).
+    response_mask: list[int] = field(default_factory=list)
+    turns: int = 1
+    tool_reward: float = 0.0  # sum of the tools' / interaction's reward deltas
+    tool_counts: tuple[int, int, int] = (0, 0, 0)  # calls, errors, timeouts
 
 
 @dataclass
@@ -167,13 +174,18 @@ class RolloutEngine:
         return state
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, prompt_keys: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        prompt_keys: list[int] | None = None,
+        session: Session | None = None,
     ) -> list[Completion]:
         """Sample ``params.n`` completions for each of this DP rank's prompts (token ids).
 
         Every rank of the model-parallel group passes the same prompts and gets the same list back,
         ordered by (prompt, sample). Statistics land in ``self.last_stats``. ``prompt_keys`` (e.g. global
         prompt ids; default: the local index) key each sequence's noise when ``params.layout_invariant_sampling``.
+        ``session`` (``multi_turn.MultiTurn.session``): multi-turn episodes, continued in the same slot.
         """
         max_len = self.validate(prompts, params)
         stats = self.last_stats = GenerationStats()
@@ -194,7 +206,7 @@ class RolloutEngine:
             stats.gathered_weight_bytes = weights.owned_bytes()
             state = self._decode_state(weights, lay, max_len, len(seqs))
             stats.kv_cache_bytes, stats.slots = state.cache.nbytes(), state.cache.plan.slots
-            runner = _Runner(state, lay, params, stats, self.config)
+            runner = _Runner(state, lay, params, stats, self.config, session)
             stats.reshard_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             runner.run(seqs)
@@ -310,8 +322,12 @@ class _Runner:
     (or when a sequence must have hit max_new_tokens) to retire finished sequences and admit waiting ones.
     """
 
-    def __init__(self, state: _DecodeState, lay, params: SamplingParams, stats: GenerationStats, cfg):
+    def __init__(
+        self, state: _DecodeState, lay, params: SamplingParams, stats: GenerationStats, cfg, session
+    ):
         self.state, self.lay, self.params, self.stats, self.cfg = state, lay, params, stats, cfg
+        self.session = session
+        self.appended: dict[int, list[tuple[int, int]]] = {}  # slot -> response spans not sampled
         self.cache, self.w = state.cache, state.w
         slots, dev, n = state.cache.plan.slots, state.tok.device, params.max_new_tokens
         self.rows = torch.arange(slots, device=dev)  # [S]
@@ -320,8 +336,10 @@ class _Runner:
         # column n takes the harmless writes of idle / finished slots
         self.out_tok = torch.zeros(slots, n + 1, dtype=torch.long, device=dev)  # [S, N+1]
         self.out_lp = torch.zeros(slots, n + 1, dtype=torch.float32, device=dev)  # [S, N+1]
-        self.stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=dev)
-        self.stop = set(params.stop_token_ids)
+        # multi-turn: a turn also ends at the end of a tool call (the parser's end marker, one token)
+        stops = params.stop_token_ids + (session.turn_stop_ids if session is not None else ())
+        self.stop_ids = torch.tensor(stops, dtype=torch.long, device=dev)
+        self.stop = set(stops)
         self.active: dict[int, Completion] = {}
         self.left: dict[int, int] = {}  # slot -> decode steps it may still take (exact after a sync)
         self.kv_need = 0  # cache positions the next decode step attends over (bound; see _refresh_kv_need)
@@ -355,7 +373,10 @@ class _Runner:
         still = live & ~torch.isin(tokens, self.stop_ids) & (n < self.params.max_new_tokens)
         self.live[rows] = still
         self.state.tok[rows] = tokens
-        self.state.pos[rows] = torch.where(still, next_pos, 0)  # idle slots write harmlessly at 0
+        # a sequence that just finished keeps feeding its last token at that token's own position (the
+        # key written there is the right one, and a multi-turn episode continues from that slot's cache);
+        # idle rows stay where they are (a released slot is parked at 0, see _retire)
+        self.state.pos[rows] = torch.where(live, next_pos, self.state.pos[rows])
 
     def _admit(self, waiting: deque) -> None:
         """Prefill as many waiting sequences as free slots and the prefill token cap allow."""
@@ -388,20 +409,86 @@ class _Runner:
         self.stats.prefill_s += time.perf_counter() - t0
 
     def _retire(self) -> None:
-        """Host sync: hand finished sequences their tokens, free their slots, refresh the step bounds."""
+        """Host sync: hand finished sequences their tokens (or, multi-turn, continue their episodes in the
+        same slot), free their slots, refresh the step bounds."""
         live, count = torch.stack([self.live.long(), self.count]).tolist()  # [2, S]
         done = [slot for slot in self.active if not live[slot]]
         if done:
             idx = torch.tensor(done, device=self.rows.device)
+            ended = []
             for slot, toks, lps in zip(done, self.out_tok[idx].tolist(), self.out_lp[idx].tolist()):
-                seq, n = self.active.pop(slot), count[slot]
-                seq.response_ids, seq.logprobs = toks[:n], lps[:n]
-                seq.finish_reason = "stop" if toks[n - 1] in self.stop else "length"
+                n = count[slot]
+                ended.append((slot, toks[:n], lps[:n], toks[n - 1] in self.stop))
+            if self.session is not None:
+                ended = self._next_turns(ended, count)
+            for slot, toks, lps, stopped in ended:
+                seq = self.active.pop(slot)
+                seq.response_ids, seq.logprobs = toks, lps
+                seq.finish_reason = seq.finish_reason or ("stop" if stopped else "length")
+                self._finish_episode(slot, seq)
                 del self.left[slot]
                 self.cache.release(slot)
+                self.state.pos[slot] = 0  # idle: its writes land at 0, inside any attention window
         for slot in self.active:
             self.left[slot] = self.params.max_new_tokens - count[slot]
         self._refresh_kv_need()
+
+    def _next_turns(self, ended: list, count: list[int]) -> list:
+        """Ask the session what follows each ended turn; prefill the appended ids onto the slots that go
+        on (all in one batch; ``count`` is updated for them), return the sequences whose episode is over."""
+        n = self.params.max_new_tokens
+        items = [(self.active[slot], toks, stopped, n - len(toks)) for slot, toks, _, stopped in ended]
+        group = self.lay.gen_group if self.lay.tp_g > 1 else None
+        decisions = self.session.after_turns(items, group, self.lay.gen_src)
+        over, going = [], []
+        for (slot, toks, lps, stopped), d in zip(ended, decisions):
+            if d.append is None:
+                self.active[slot].finish_reason = d.finish_reason
+                over.append((slot, toks, lps, stopped))
+            else:
+                going.append((slot, toks[-1], d.append, count[slot]))
+        if going:
+            self._extend(going)
+        for slot, _, ids, c in going:  # the appended ids and the next turn's first token
+            count[slot] = c + len(ids) + 1
+        return over
+
+    def _extend(self, going: list[tuple[int, int, list[int], int]]) -> None:
+        """``(slot, last sampled token, appended ids, response length)`` per slot: the last sampled token
+        (never fed yet) and the appended ids go into the cache; the next turn's first token is sampled."""
+        t0 = time.perf_counter()
+        dev = self.rows.device
+        feeds = [[last, *ids] for _, last, ids, _ in going]
+        tokens = torch.zeros(len(feeds), max(map(len, feeds)), dtype=torch.long)  # [B, T] right-padded
+        for row, feed in enumerate(feeds):
+            tokens[row, : len(feed)] = torch.tensor(feed)
+        slots = [slot for slot, *_ in going]
+        slot_t = torch.tensor(slots, device=dev)
+        lengths = torch.tensor([len(f) for f in feeds], device=dev)
+        # the last sampled token sits at response index c - 1, i.e. position prompt + c - 1
+        starts = torch.tensor([len(self.active[s].prompt_ids) + c - 1 for s, _, _, c in going], device=dev)
+        for slot, _, ids, c in going:
+            self.out_tok[slot, c : c + len(ids)] = torch.tensor(ids, device=dev)
+            self.out_lp[slot, c : c + len(ids)] = 0.0
+            self.count[slot] = c + len(ids)
+            self.appended.setdefault(slot, []).append((c, c + len(ids)))
+        logits = decoder.extend(
+            self.w, self.state.spec, self.cache.data, tokens.to(dev), starts, lengths, slot_t
+        )
+        live = torch.ones(len(going), dtype=torch.bool, device=dev)
+        self._record(slot_t, *self._sample(logits, slot_t), live, starts + lengths)
+        _sync(dev)
+        self.stats.prefill_s += time.perf_counter() - t0
+
+    def _finish_episode(self, slot: int, seq: Completion) -> None:
+        if self.session is None:
+            return
+        mask = [1] * len(seq.response_ids)
+        for a, b in self.appended.pop(slot, []):
+            mask[a:b] = [0] * (b - a)
+        ep = self.session.episode(seq)
+        seq.response_mask, seq.turns, seq.tool_reward = mask, ep.turns, ep.reward
+        seq.tool_counts = (ep.tool_calls, ep.tool_errors, ep.tool_timeouts)
 
     def _refresh_kv_need(self) -> None:
         """After admitting or retiring: the position a live slot feeds next is prompt + tokens so far - 1,

@@ -67,11 +67,12 @@ def _load_actor(model_path: str, dtype: torch.dtype, tp: int, pp: int):
 
 def _trainer_checkpoint(model_path: str):
     """The ``CheckpointInfo`` when ``model_path`` is a trainer checkpoint (``global_step_<N>``), else None."""
-    from megatron_rl.checkpoint.convert import TRAINER_DIST, find_checkpoint
+    from megatron_rl.checkpoint.convert import inspect_checkpoint
+    from megatron_rl.checkpoint.names import DIST
 
-    if not (Path(model_path) / TRAINER_DIST).is_dir():
+    if not (Path(model_path) / DIST).is_dir():
         return None
-    return find_checkpoint(model_path)
+    return inspect_checkpoint(model_path)
 
 
 def generate_from_config(

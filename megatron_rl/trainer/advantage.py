@@ -57,6 +57,8 @@ def score_responses(batch: RolloutBatch, reward_fn, tokenizer, reward_model=None
             [r.extra_info for r in rows],
         )
         score_t = torch.tensor(scores, dtype=torch.float32, device=dev)  # [B]
+    if batch.tool_reward is not None:  # multi-turn: the tools' / interaction's reward deltas
+        score_t = score_t + batch.tool_reward.to(score_t)
     tls = torch.zeros_like(batch.response_mask)
     last = (batch.response_lens - 1).clamp(min=0)
     has_tokens = batch.response_lens > 0
@@ -201,5 +203,10 @@ def batch_metrics(batch: RolloutBatch, max_new_tokens: int) -> dict[str, float]:
         m["actor/reference_kl"] = masked_mean(kl, mask)
     ops = {"response_length/max": "max"}
     m["response_length/max"] = lens.max()
+    if batch.turns is not None:  # multi-turn: tool counts summed over the global batch
+        m["multi_turn/turns/mean"] = batch.turns.double().mean()
+        for k, name in enumerate(("tool/calls", "tool/errors", "tool/timeouts")):
+            m[name] = batch.tool_counts[:, k].double().sum()
+            ops[name] = "sum"
     reduced = all_reduce_metrics(m, ps.get_data_parallel_group(), weight=float(len(batch)), reduce_ops=ops)
     return {k: float(v) for k, v in reduced.items()}

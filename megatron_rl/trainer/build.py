@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from megatron_rl.checkpoint import Checkpointer, ModelSide, TrainedRole
+from megatron_rl.checkpoint.checkpointer import hf_source_dir
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.data import PromptDataLoader, PromptDataset
 from megatron_rl.data.tokenizer_fit import check_tokenizer_fits
@@ -18,7 +20,9 @@ from megatron_rl.models import ModelArgs, build_model, load_hf_weights
 from megatron_rl.rewards import build_reward_fn
 from megatron_rl.rewards.reward_model import RewardModelScorer
 from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
+from megatron_rl.rollout.multi_turn import MultiTurn, build_multi_turn
 from megatron_rl.rollout.sampling import logprob_temperature
+from megatron_rl.trainer import builtin_tool_task
 from megatron_rl.trainer.advantage import build_kl_controller
 from megatron_rl.trainer.builtin_task import prepare_builtin_task
 from megatron_rl.trainer.workers import CriticWorker, PolicyWorker
@@ -43,6 +47,8 @@ class Components:
     kl_ctrl: object
     logger: MetricsLogger
     total_steps: int
+    checkpointer: Checkpointer
+    multi_turn: MultiTurn | None = None  # rollout.multi_turn.enable: tools, parser, the tool thread pool
 
 
 def _resolve_paths(cfg: JobConfig) -> tuple[str, str | None, str | None, bool]:
@@ -51,13 +57,17 @@ def _resolve_paths(cfg: JobConfig) -> tuple[str, str | None, str | None, bool]:
     if model.path is not None and data.train_files is not None:
         return model.path, data.train_files, data.val_files, data.apply_chat_template
     workdir = Path(cfg.trainer.output_dir) / "builtin_task"
-    model_dir, train, val = prepare_builtin_task(model, workdir, cfg.trainer.seed)
+    mt = cfg.rollout.multi_turn
+    tool_task = mt.enable and mt.tool_path == builtin_tool_task.TOOL_SET  # the tool-using built-in task
+    prepare = builtin_tool_task.prepare_tool_task if tool_task else prepare_builtin_task
+    model_dir, train, val = prepare(model, workdir, cfg.trainer.seed)
     builtin_data = data.train_files is None
     return (
         model.path or model_dir,
         train if builtin_data else data.train_files,
         val if builtin_data and data.val_files is None else data.val_files,
-        data.apply_chat_template and not builtin_data,  # the built-in task's prompts are plain text
+        # the built-in task's prompts are plain text; the tool task's are chat (tool answers need turns)
+        data.apply_chat_template and (tool_task or not builtin_data),
     )
 
 
@@ -121,6 +131,17 @@ def _reward_fn(cfg: JobConfig):
     )
 
 
+def build_checkpointer(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, tokenizer, actor, critic, loader,
+                       kl_ctrl, total_steps: int) -> Checkpointer:  # fmt: skip
+    """The checkpointer, handed the trained roles and every stateful part it saves."""
+    roles = {"actor": TrainedRole(actor.model, actor.opt)}
+    if critic is not None:
+        roles["critic"] = TrainedRole(critic.model, critic.opt)
+    side = ModelSide(args, tokenizer, hf_source_dir(tokenizer), dims.tp, dims.pp, dims.dp, dims.world_size)
+    return Checkpointer(cfg.trainer, roles, data_loader=loader, kl_ctrl=kl_ctrl, side=side,
+                        config=dataclasses.asdict(cfg), total_steps=total_steps)  # fmt: skip
+
+
 def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
     reward_fn = _reward_fn(cfg)  # a bad custom function path fails before models are built
     model_dir, train_files, val_files, chat = _resolve_paths(cfg)
@@ -129,6 +150,7 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
     check_tokenizer_fits(
         tokenizer, args.vocab_size, model_dir
     )  # before the data is tokenized or weights load
+    multi_turn = build_multi_turn(cfg.rollout.multi_turn, tokenizer)  # a bad tool file fails here
     data = cfg.data
     dataset_kw = dict(
         tokenizer=tokenizer,
@@ -136,6 +158,7 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
         max_prompt_length=data.max_prompt_length,
         truncation=data.truncation,
         apply_chat_template=chat,
+        tools=multi_turn.tool_set.schemas if multi_turn else None,
     )
     train_ds = PromptDataset(train_files, files_key="data.train_files", **dataset_kw)
     loader = PromptDataLoader(
@@ -166,6 +189,11 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
         rank=torch.distributed.get_rank(),
         total_steps=total,
     )
+    kl_ctrl = build_kl_controller(cfg.algorithm)
+    for worker in (actor, critic):
+        if worker is not None:
+            worker.skip_nonfinite = cfg.trainer.skip_nonfinite_steps
+    checkpointer = build_checkpointer(cfg, dims, args, tokenizer, actor, critic, loader, kl_ctrl, total)
     return Components(
         cfg,
         dims,
@@ -179,7 +207,9 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
         val_ds,
         reward_fn,
         reward_model,
-        build_kl_controller(cfg.algorithm),
+        kl_ctrl,
         logger,
         total,
+        checkpointer,
+        multi_turn,
     )

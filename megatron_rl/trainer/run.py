@@ -11,7 +11,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from megatron_rl.algos import get_estimator_traits
-from megatron_rl.checkpoint import resume, save_checkpoint
+from megatron_rl.checkpoint.run_lock import lock_output_dir
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.data import dp_share
 from megatron_rl.distributed import ParallelDims, destroy_distributed, device, init_distributed
@@ -21,6 +21,7 @@ from megatron_rl.logging import Timer
 from megatron_rl.logging.perf import step_perf
 from megatron_rl.logging.timer import PhaseTimer
 from megatron_rl.rollout.batch import RolloutBatch, build_batch
+from megatron_rl.rollout.multi_turn import episode_state
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.advantage import (
     apply_overlong_penalty,
@@ -36,6 +37,7 @@ from megatron_rl.trainer.dynamic_sampling import (
     extra_prompt_indices,
     fill_with_informative_groups,
 )
+from megatron_rl.trainer.workers import at_step
 
 
 def _sampling(c: Components, temperature: float, n: int, seed: int) -> SamplingParams:
@@ -67,7 +69,8 @@ def rollout(c: Components, rows, group_offset: int, params: SamplingParams, time
     """This DP rank's prompts -> completions (engine, in place) -> batch tensors; scores attached."""
     with _optimizer_state_on_host(c, timer), timer("gen"):
         keys = [group_offset + i for i in range(len(rows))]  # global prompt ids: layout-invariant noise
-        completions = c.engine.generate([r.prompt_ids for r in rows], params, keys)
+        session = c.multi_turn.session([episode_state(r) for r in rows]) if c.multi_turn else None
+        completions = c.engine.generate([r.prompt_ids for r in rows], params, keys, session)
     batch = build_batch(
         completions, rows, group_offset, params.max_new_tokens, c.tokenizer.pad_token_id or 0, device()
     )
@@ -211,11 +214,8 @@ def _finish_step(c: Components, done: int, metrics: dict, batch: RolloutBatch, t
     c.logger.log(metrics, step=done)
     if tr.log_generations_freq > 0 and done % tr.log_generations_freq == 0:
         c.logger.log_generations(_samples(c, batch, c.cfg.logger.num_generations_to_log), step=done)
-    if tr.save_freq > 0 and (done % tr.save_freq == 0 or done == c.total_steps):
-        with phase("save_checkpoint", tr.timeout_minutes):
-            save_checkpoint(c, done)
-        return True
-    return False
+    with phase("save_checkpoint", tr.timeout_minutes):
+        return c.checkpointer.maybe_save(done, last=done == c.total_steps) is not None
 
 
 def _stop_on_signal(c: Components, name: str, done: int, saved_at: int) -> str:
@@ -224,7 +224,7 @@ def _stop_on_signal(c: Components, name: str, done: int, saved_at: int) -> str:
     tr, ckpt = c.cfg.trainer, ""
     if tr.save_on_signal and done > saved_at:
         with phase("save_checkpoint", tr.timeout_minutes, "a checkpoint write"):
-            ckpt = f"checkpoint {save_checkpoint(c, done)} written"
+            ckpt = f"checkpoint {c.checkpointer.save(done)} written"
     elif done == saved_at and done > 0:
         ckpt = f"checkpoint of step {done} already written"
     else:
@@ -246,8 +246,9 @@ def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
     set_error_dir(tr.output_dir)  # where a stuck phase (NCCL) reports before ending the process
     init_distributed(dims.tp, dims.pp, seed=tr.seed, sequence_parallel=cfg.parallel.sequence_parallel,
                      timeout_minutes=tr.timeout_minutes)  # fmt: skip
+    lock_output_dir(tr.output_dir, tr.force_unlock)  # before any work: one run per output directory
     c = build_components(cfg, dims)
-    start = resume(c)
+    start = c.checkpointer.resume()
     saved_at, stopped = start, None  # the newest checkpointed step; the one-line message after a signal
     with c.logger:
         if tr.val_before_train and start == 0:
@@ -257,7 +258,8 @@ def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
                 stopped = _stop_on_signal(c, signal_name, step, saved_at)
                 break
             timer, t0 = PhaseTimer(tr.timeout_minutes), time.perf_counter()
-            metrics, batch = train_step(c, step, timer)
+            with at_step(step + 1):
+                metrics, batch = train_step(c, step, timer)
             if _finish_step(c, step + 1, metrics, batch, timer, t0):
                 saved_at = step + 1
     # every rank finished: tear the process groups down before the interpreter exits (letting gloo's

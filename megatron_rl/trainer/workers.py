@@ -7,6 +7,8 @@ with loss denominators counted over all micro-batches and DP ranks of each optim
 
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import asdict
 from functools import partial
 
@@ -61,15 +63,48 @@ def _reduce_update_metrics(per_micro: list[dict], num_optimizer_steps: int) -> d
     return {k: float(v) for k, v in reduced.items()}
 
 
+class NonFiniteUpdate(RuntimeError):
+    """A loss or gradient norm was NaN/Inf; the message names the phase (and, via ``at_step``, the step)."""
+
+
+@contextlib.contextmanager
+def at_step(step: int):
+    """Add the training step to a ``NonFiniteUpdate`` raised inside."""
+    try:
+        yield
+    except NonFiniteUpdate as err:
+        raise NonFiniteUpdate(f"step {step}: {err}") from None
+
+
+def check_finite(
+    step_info: list[dict], metrics: dict[str, float], prefix: str, skip: bool
+) -> dict[str, float]:
+    """Raise on a non-finite grad norm or loss of an update, or with ``skip`` count the optimizer steps
+    whose update was skipped (both optimizer backends skip the parameter update when the grad norm is
+    not finite). Every rank sees the same norms (all-reduced) and losses (broadcast), so all agree."""
+    norms = [float(s["grad_norm"]) for s in step_info]
+    bad = sum(not math.isfinite(n) for n in norms)
+    losses = {k: v for k, v in metrics.items() if k.endswith("loss") and not math.isfinite(v)}
+    if (bad or losses) and not skip:
+        raise NonFiniteUpdate(
+            f"update_{prefix}: non-finite values in the update ({bad} of {len(norms)} optimizer steps had a NaN/Inf "
+            f"gradient norm{'; losses ' + str(losses) if losses else ''}); the weights were not updated by them. "
+            "Lower the learning rate or check the data and rewards; trainer.skip_nonfinite_steps=true skips such "
+            "updates and counts them instead"
+        )
+    return {f"{prefix}/nonfinite_skipped": float(bad)}
+
+
 class _TrainedModel:
     """A model with its optimizer and the mini/micro-batch loop shared by actor and critic."""
+
+    skip_nonfinite = False  # trainer.skip_nonfinite_steps
 
     def __init__(self, model, cfg, total_steps: int, response_len: int):
         self.model = model
         self.cfg = cfg
         self.response_len = response_len
         self.opt = build_optimizer(model, cfg.optim, total_steps)
-        self.sched = self.opt.scheduler  # the optimizer owns it; checkpoint/manager.py still reads it here
 
     response_logits = False  # policies: the loss gets logits at the response-scoring positions only
 
@@ -105,6 +140,7 @@ class _TrainedModel:
                 steps += 1
         metrics = broadcast_from_last_stage(_reduce_update_metrics(per_micro, steps))
         out = {f"{prefix}/{k}": v for k, v in metrics.items()}
+        out |= check_finite(step_info, metrics, prefix, self.skip_nonfinite)
         out[f"{prefix}/grad_norm"] = float(sum(float(s["grad_norm"]) for s in step_info) / steps)
         out[f"{prefix}/lr"] = float(step_info[-1]["lr"])
         return out

@@ -12,3 +12,8 @@ def test_engine_matches_hf_greedy_and_training_logprobs_in_every_layout():
 def test_generate_job_writes_completions_of_every_dp_rank():
     proc = run_torchrun("rollout_generate_job.py", 2, timeout=180)
     assert "ok generate_job" in proc.stdout, proc.stdout
+
+
+def test_multi_turn_tool_answers_agree_across_generation_tp_ranks():
+    proc = run_torchrun("rollout_multi_turn.py", 2, timeout=240)
+    assert "ok multi_turn TP=2" in proc.stdout, proc.stdout

@@ -10,8 +10,8 @@ import pytest
 from megatron_rl.checkpoint import (
     CheckpointError,
     check_complete,
-    find_checkpoint,
     newest_complete,
+    resume_candidates,
     truncate_metrics,
 )
 from megatron_rl.checkpoint.layout import (
@@ -48,7 +48,7 @@ def test_rotate_keeps_newest_complete(tmp_path):
     for s in (1, 2, 3):
         _ckpt(tmp_path, s)
     _ckpt(tmp_path, 4, complete=False)
-    rotate(tmp_path, 2)
+    rotate(tmp_path, 2, tmp_path / "global_step_3")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_2", "global_step_3", "global_step_4"]
 
 
@@ -73,6 +73,13 @@ def test_truncate_metrics_keeps_up_to_step(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
+def newest_candidate(cfg):
+    """The newest candidate ``trainer.resume_mode`` selects (the checkpointer verifies them in order)."""
+    tr = cfg.trainer
+    found = resume_candidates(tr.resume_mode, tr.output_dir, tr.resume_from_path)
+    return found[0] if found else None
+
+
 def _cfg(out, mode, path=None):
     return SimpleNamespace(
         trainer=SimpleNamespace(output_dir=str(out), resume_mode=mode, resume_from_path=path)
@@ -82,16 +89,16 @@ def _cfg(out, mode, path=None):
 def test_resume_modes(tmp_path):
     root = tmp_path / "checkpoints"
     _ckpt(root, 7)
-    assert find_checkpoint(_cfg(tmp_path, "auto")) == root / "global_step_7"
-    assert find_checkpoint(_cfg(tmp_path, "disable")) is None
-    assert find_checkpoint(_cfg(tmp_path, "path", str(tmp_path))) == root / "global_step_7"
+    assert newest_candidate(_cfg(tmp_path, "auto")) == root / "global_step_7"
+    assert newest_candidate(_cfg(tmp_path, "disable")) is None
+    assert newest_candidate(_cfg(tmp_path, "path", str(tmp_path))) == root / "global_step_7"
     assert resolve_resume_path(str(root / "global_step_7")) == root / "global_step_7"
     with pytest.raises(CheckpointError, match="trainer.resume_mode='sometimes'"):
-        find_checkpoint(_cfg(tmp_path, "sometimes"))
+        newest_candidate(_cfg(tmp_path, "sometimes"))
     with pytest.raises(CheckpointError, match="needs trainer.resume_from_path"):
-        find_checkpoint(_cfg(tmp_path, "path"))
+        newest_candidate(_cfg(tmp_path, "path"))
     _ckpt(root, 8, complete=False)
     with pytest.raises(
         CheckpointError, match="resume_from_path=.*global_step_8.* is not a complete checkpoint"
     ):
-        find_checkpoint(_cfg(tmp_path, "path", str(root / "global_step_8")))
+        newest_candidate(_cfg(tmp_path, "path", str(root / "global_step_8")))

@@ -19,10 +19,7 @@ from safetensors.torch import load_file
 
 from megatron_rl.checkpoint.layout import CheckpointError
 from megatron_rl.checkpoint.state import (
-    apply_loaded_optim,
     check_optimizer_backend,
-    load_optimizer_json,
-    optimizer_json,
     role_sharded_state,
 )
 from megatron_rl.config.schema import ActorConfig, OptimConfig
@@ -98,15 +95,15 @@ class Run:
         dist.barrier()
         w = self.worker
         dist_checkpointing.save({"actor": role_sharded_state("actor", unwrap(w.model), w.opt)}, str(ckpt))
-        return optimizer_json(w.opt, w.sched)
+        return w.opt.host_state()
 
     def load(self, ckpt: Path, host: dict) -> None:
         w = self.worker
         sharded = {"actor": role_sharded_state("actor", unwrap(w.model), w.opt, is_loading=True)}
         loaded = dist_checkpointing.load(sharded, str(ckpt))
         unwrap(w.model).load_state_dict({k[len("actor.") :]: v for k, v in loaded["actor"]["model"].items()})
-        apply_loaded_optim(w.opt, loaded["actor"]["optim"])
-        load_optimizer_json(w.opt, w.sched, host)
+        w.opt.load_sharded_state_dict(loaded["actor"]["optim"])
+        w.opt.load_host_state(host)
 
 
 def close(got: dict | None, ref: dict | None, what: str, atol: float = 1e-6) -> None:

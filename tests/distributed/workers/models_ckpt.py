@@ -61,7 +61,7 @@ def check_reshard(root: Path, kind: str, save_layout, load_layout, ids, ref) -> 
         convert.write_metadata(ckpt, args, "torch_dist", *save_layout, "actor", 1, root / kind)
     dist.barrier()
     init_distributed(*load_layout, seed=0)
-    info = convert.find_checkpoint(ckpt)
+    info = convert.inspect_checkpoint(ckpt)
     loaded_args = info.args.with_tp(load_layout[0])
     model = build_model(loaded_args)
     convert.load_torch_dist(model, info.iter_dir)

@@ -26,11 +26,12 @@ from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
 from megatron_rl.config.schema import ActorConfig, OptimConfig
 from megatron_rl.distributed import init_distributed
-from megatron_rl.models import ModelArgs, build_model, export_hf_state_dict, forward_logits, load_hf_weights
+from megatron_rl.models import ModelArgs, build_model, export_hf_state_dict, load_hf_weights
 from megatron_rl.optim import LocalOptimizer
 from megatron_rl.trainer.workers import PolicyWorker
 from tests.distributed.workers.mcore_optim_worker import SEQS, R, global_batch
 from tests.distributed.workers.models_tiny import make_tiny_hf
+from tests.reference_forward import forward_logits
 
 
 class Run:
