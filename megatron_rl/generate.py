@@ -37,8 +37,8 @@ def main(dcfg: DictConfig) -> None:
 
     import torch
 
+    from megatron_rl.apps.generate_job import generate_from_config, read_prompts
     from megatron_rl.rollout.engine import EngineConfig
-    from megatron_rl.rollout.generate_job import generate_from_config, read_prompts
     from megatron_rl.rollout.sampling import SamplingParams
 
     r = cfg.rollout

@@ -175,13 +175,21 @@ class RefConfig:
 
 @dataclass
 class CustomRewardConfig:
-    path: Optional[str] = doc(None, "Python file with a verl-style compute_score function.")
+    path: Optional[str] = doc(
+        None,
+        "Python file with a verl-style compute_score function (returns a float, or a dict with 'score'; its "
+        "other keys are logged as reward/<key>/mean).",
+    )
     name: str = doc("compute_score", "Function name in that file.")
 
 
 @dataclass
 class RewardConfig:
-    reward_fn: str = doc("auto", "auto (by data_source) | gsm8k | math | custom | builtin | model.")
+    reward_fn: str = doc(
+        "auto",
+        "auto (by data_source; custom when custom_reward_function.path is set) | gsm8k | math | custom | "
+        "builtin | model.",
+    )
     reward_model_path: Optional[str] = doc(
         None,
         "reward_fn=model: HF *ForSequenceClassification checkpoint (num_labels=1, the actor's tokenizer).",
@@ -213,7 +221,9 @@ class TrainerConfig:
     save_freq: int = doc(-1, "Checkpoint every N steps (-1 = never; the last step is saved if > 0).")
     test_freq: int = doc(5, "Validate every N steps (-1 = never).")
     val_before_train: bool = doc(True, "Validate once before the first step.")
-    logger: list = doc(["console", "jsonl"], "Any of console, jsonl, tensorboard, wandb.")
+    logger: list = doc(
+        ["console", "jsonl"], "Any of console, jsonl, tensorboard, wandb, mlflow (the mlflow extra)."
+    )
     project_name: str = doc("megatron_rl", "Project name (wandb/tensorboard).")
     experiment_name: str = doc("default", "Run name (wandb/tensorboard).")
     output_dir: str = doc("outputs/default", "Where metrics, logs and checkpoints go.")
@@ -232,7 +242,13 @@ class TrainerConfig:
 
 @dataclass
 class LoggerConfig:
-    wandb_mode: str = doc("offline", "wandb mode: offline | online | disabled.")
+    wandb_mode: str = doc(
+        "offline",
+        "wandb mode: offline (no key or network; `wandb sync` later) | online (needs `wandb login`) | disabled.",
+    )
+    mlflow_tracking_uri: Optional[str] = doc(
+        None, "trainer.logger with mlflow: tracking URI (e.g. http://host:5000); None = <output_dir>/mlruns."
+    )
     num_generations_to_log: int = doc(2, "Sample generations printed per log_generations_freq.")
 
 
@@ -241,6 +257,14 @@ class GenerateConfig:
     prompts: Optional[str] = doc(None, "megatron-rl generate: JSONL file with a 'prompt' field per line.")
     output: Optional[str] = doc(None, "megatron-rl generate: output JSONL path.")
     chat_template: bool = doc(False, "Apply the tokenizer's chat template to each prompt.")
+
+
+@dataclass
+class ScoreConfig:
+    input: Optional[str] = doc(
+        None, "megatron-rl score: JSONL/parquet rows with prompt, response, data_source, ground_truth."
+    )
+    output: Optional[str] = doc(None, "megatron-rl score: output JSONL; None = <input stem>.scores.jsonl.")
 
 
 @dataclass
@@ -257,3 +281,4 @@ class JobConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    score: ScoreConfig = field(default_factory=ScoreConfig)

@@ -30,8 +30,9 @@ CHOICES = {
     "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "actor.optim.backend": OPTIM_BACKENDS,
     "critic.optim.backend": OPTIM_BACKENDS,
+    "logger.wandb_mode": ("offline", "online", "disabled"),
 }
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
 class ConfigError(LayoutError):

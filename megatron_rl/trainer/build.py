@@ -17,8 +17,9 @@ from megatron_rl.models import ModelArgs, build_model, load_hf_weights
 from megatron_rl.rewards import build_reward_fn
 from megatron_rl.rollout.decoder import DecoderSpec
 from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
+from megatron_rl.tasks import register_builtin_tasks
+from megatron_rl.tasks.last_digit import prepare_builtin_task
 from megatron_rl.trainer.advantage import build_kl_controller
-from megatron_rl.trainer.builtin_task import prepare_builtin_task
 from megatron_rl.trainer.reward_model import RewardModelScorer
 from megatron_rl.trainer.workers import CriticWorker, PolicyWorker
 
@@ -50,8 +51,8 @@ def _resolve_paths(cfg: JobConfig) -> tuple[str, str | None, str | None, bool]:
     if model.path is not None and data.train_files is not None:
         return model.path, data.train_files, data.val_files, data.apply_chat_template
     workdir = Path(cfg.trainer.output_dir) / "builtin_task"
-    model_dir, train, val = prepare_builtin_task(model, workdir, cfg.trainer.seed)
     builtin_data = data.train_files is None
+    model_dir, train, val = prepare_builtin_task(model, workdir, cfg.trainer.seed, builtin_data)
     return (
         model.path or model_dir,
         train if builtin_data else data.train_files,
@@ -96,6 +97,7 @@ def _reward_fn(cfg: JobConfig):
     rw = cfg.reward
     if rw.reward_fn == "model":
         return None
+    register_builtin_tasks()
     return build_reward_fn(
         rw.reward_fn,
         rw.custom_reward_function.path,
@@ -144,6 +146,8 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
         config=dataclasses.asdict(cfg),
         rank=torch.distributed.get_rank(),
         total_steps=total,
+        wandb_mode=cfg.logger.wandb_mode,
+        mlflow_tracking_uri=cfg.logger.mlflow_tracking_uri,
     )
     return Components(
         cfg,

@@ -16,7 +16,12 @@ from megatron_rl.distributed import ParallelDims, destroy_distributed, device, i
 from megatron_rl.distributed.phase_watchdog import phase, set_error_dir
 from megatron_rl.logging import Timer
 from megatron_rl.rollout.sampling import SamplingParams
-from megatron_rl.trainer.advantage import batch_metrics, compute_advantages, score_responses
+from megatron_rl.trainer.advantage import (
+    batch_metrics,
+    compute_advantages,
+    reward_extra_metrics,
+    score_responses,
+)
 from megatron_rl.trainer.batch import RolloutBatch, build_batch
 from megatron_rl.trainer.build import Components, build_components
 
@@ -137,7 +142,7 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
         with timer("values"):
             batch.values = c.critic.values(batch)
     with timer("reward"):
-        score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)
+        scored = score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)
     with timer("adv"):
         metrics = compute_advantages(batch, cfg.algorithm, c.kl_ctrl)
     if c.critic is not None:
@@ -149,7 +154,7 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     diff = metrics.pop("actor/rollout_logprob_abs_diff", None)
     if batch.old_log_probs is None and diff is not None:  # measured inside the (only) update pass
         metrics["rollout/logprob_abs_diff"] = diff
-    metrics |= batch_metrics(batch, cfg.rollout.max_new_tokens)
+    metrics |= batch_metrics(batch, cfg.rollout.max_new_tokens) | reward_extra_metrics(scored)
     return metrics, batch
 
 
