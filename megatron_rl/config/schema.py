@@ -218,7 +218,14 @@ class TrainerConfig:
     total_training_steps: int = doc(20, "Training steps (rollout + update); stops earlier at total_epochs.")
     total_epochs: int = doc(1000, "Epoch limit over the training prompts.")
     critic_warmup: int = doc(0, "Steps at the start that update only the critic.")
-    save_freq: int = doc(-1, "Checkpoint every N steps (-1 = never; the last step is saved if > 0).")
+    save_freq: int = doc(-1, "Checkpoint every N steps (-1 = only the final one, see save_final).")
+    save_final: bool = doc(
+        True,
+        "Checkpoint after the last step whatever save_freq (false with save_freq=-1: keep no checkpoint).",
+    )
+    write_report: bool = doc(
+        True, "At the end, write report.html + PNGs of the metrics (megatron-rl report)."
+    )
     test_freq: int = doc(5, "Validate every N steps (-1 = never).")
     val_before_train: bool = doc(True, "Validate once before the first step.")
     logger: list = doc(
@@ -257,6 +264,13 @@ class GenerateConfig:
     prompts: Optional[str] = doc(None, "megatron-rl generate: JSONL file with a 'prompt' field per line.")
     output: Optional[str] = doc(None, "megatron-rl generate: output JSONL path.")
     chat_template: bool = doc(False, "Apply the tokenizer's chat template to each prompt.")
+    n: int = doc(
+        1, "megatron-rl generate: completions per prompt (the training preset's rollout.n is not used)."
+    )
+    max_new_tokens: int = doc(128, "megatron-rl generate: response length limit.")
+    temperature: float = doc(
+        0.0, "megatron-rl generate: sampling temperature, 0 = greedy (rollout.top_p / top_k apply when > 0)."
+    )
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from megatron_rl.logging.console import format_generations
@@ -58,7 +59,6 @@ def wandb_has_api_key() -> bool:
     """Whether wandb would find a key without asking: ``WANDB_API_KEY`` or a ``wandb login`` entry in
     ``~/.netrc`` (where ``wandb login`` stores it)."""
     import netrc
-    import os
 
     if os.environ.get("WANDB_API_KEY"):
         return True
@@ -121,6 +121,10 @@ class MlflowBackend:
 
         self._metric, self._param = Metric, Param
         self.tracking_uri = tracking_uri or (output_dir / "mlruns").resolve().as_uri()
+        if self.tracking_uri.startswith("file:"):
+            # MLflow 3 keeps the file store in maintenance mode behind this switch; a local run needs no
+            # database server, and `mlflow ui --backend-store-uri` reads the folder
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         found = self.client.get_experiment_by_name(project)
         exp_id = found.experiment_id if found else self.client.create_experiment(project)

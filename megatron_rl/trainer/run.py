@@ -203,9 +203,13 @@ def _finish_step(c: Components, done: int, metrics: dict, batch: RolloutBatch, t
     c.logger.log(metrics, step=done)
     if tr.log_generations_freq > 0 and done % tr.log_generations_freq == 0:
         c.logger.log_generations(_samples(c, batch, c.cfg.logger.num_generations_to_log), step=done)
-    if tr.save_freq > 0 and (done % tr.save_freq == 0 or done == c.total_steps):
+    last = done == c.total_steps
+    if (tr.save_freq > 0 and done % tr.save_freq == 0) or (last and (tr.save_freq > 0 or tr.save_final)):
         with phase("save_checkpoint", tr.timeout_minutes):
-            save_checkpoint(c, done)
+            path = save_checkpoint(c, done)
+        if last and torch.distributed.get_rank() == 0:
+            hf = f"; HF export in {path}/hf" if tr.save_hf else ""
+            print(f"megatron-rl: final checkpoint in {path}{hf} (megatron-rl ckpt info {path})", flush=True)
 
 
 def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
@@ -232,5 +236,20 @@ def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
     # every rank finished: tear the process groups down before the interpreter exits (letting gloo's
     # threads die during interpreter teardown aborted a rank now and then: "terminate called without an
     # active exception" after the last step)
+    rank = torch.distributed.get_rank()
     torch.distributed.barrier()
     destroy_distributed()
+    if tr.write_report and rank == 0 and "jsonl" in tr.logger:
+        _write_report(tr.output_dir)
+
+
+def _write_report(output_dir: str) -> None:
+    """Plots at the end of a run; a plotting failure is reported, never fails the finished training."""
+    from megatron_rl.logging.report import write_report
+
+    try:
+        report = write_report(output_dir)
+    except Exception as err:  # noqa: BLE001 - any plotting problem: warn, the run itself succeeded
+        print(f"megatron-rl: could not write the report ({type(err).__name__}: {err})", flush=True)
+        return
+    print(f"megatron-rl: report in {report.html} (charts in {report.html.parent}/report)", flush=True)
