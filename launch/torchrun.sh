@@ -5,11 +5,17 @@
 # LAUNCH_DRY=1 prints the command instead of running it.
 set -euo pipefail
 
+# The project's venv when there is one (the README's set-up makes .venv): no activation needed.
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x "${repo}/.venv/bin/python" ]]; then PYTHON="${repo}/.venv/bin/python"; else PYTHON=python3; fi
+fi
+
 if [[ -z "${NPROC:-}" ]]; then
   NPROC=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   [[ "${NPROC}" -ge 1 ]] || NPROC=1
 fi
-cmd=("${PYTHON:-python}" -m torch.distributed.run --standalone --nnodes=1 "--nproc-per-node=${NPROC}"
+cmd=("${PYTHON}" -m torch.distributed.run --standalone --nnodes=1 "--nproc-per-node=${NPROC}"
      -m megatron_rl.train "$@")
 if [[ "${LAUNCH_DRY:-0}" == 1 ]]; then
   printf '%q ' "${cmd[@]}"; echo

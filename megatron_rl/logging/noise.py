@@ -8,7 +8,7 @@ import os
 import warnings
 
 VERBOSE_ENV = "MEGATRON_RL_VERBOSE"
-QUIET_LOGGERS = ("megatron", "megatron.core", "torch.distributed", "transformers", "datasets", "urllib3")
+QUIET_LOGGERS = ("megatron", "torch.distributed", "transformers", "matplotlib", "urllib3", "mlflow", "git")
 QUIET_MESSAGES = (
     ".*CUDA_DEVICE_MAX_CONNECTIONS.*",  # megatron-core's advice for overlapped TP comms, not used here
     ".*Transformer Engine and Apex are not installed.*",

@@ -185,10 +185,12 @@ def _perf(c: Components, batch: RolloutBatch, seconds: float, update_s: float) -
 
 def _samples(c: Components, batch: RolloutBatch, k: int) -> list[dict]:
     scores = batch.token_level_scores.sum(-1).tolist()
+    # data_source and ground_truth make generations.jsonl a valid `megatron-rl score` input
     return [
-        {"prompt": batch.rows[i].prompt_text, "response": batch.response_texts[i], "score": scores[i]}
+        {"prompt": batch.rows[i].prompt_text, "response": batch.response_texts[i], "score": scores[i],
+         "data_source": batch.rows[i].data_source, "ground_truth": batch.rows[i].ground_truth}
         for i in range(min(k, len(batch)))
-    ]
+    ]  # fmt: skip
 
 
 def _finish_step(c: Components, done: int, metrics: dict, batch: RolloutBatch, timer: Timer, t0: float):
