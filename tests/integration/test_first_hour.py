@@ -27,7 +27,7 @@ def _run(args, tmp_path, env=None):
     return proc
 
 
-def test_gsm8k_on_the_tiny_model_with_a_custom_reward_and_every_tool(tmp_path):
+def test_gsm8k_on_the_tiny_model_with_a_custom_reward_and_every_tool(tmp_path, monkeypatch):
     raw = tmp_path / "gsm8k_raw"
     raw.mkdir()
     for split in ("train", "test"):
@@ -79,6 +79,9 @@ def test_gsm8k_on_the_tiny_model_with_a_custom_reward_and_every_tool(tmp_path):
     # mlflow: a local store MLflow's client reads
     from mlflow.tracking import MlflowClient
 
+    monkeypatch.setenv(
+        "MLFLOW_ALLOW_FILE_STORE", "true"
+    )  # MLflow 3 reads local file stores behind this switch
     client = MlflowClient(tracking_uri=(out / "mlruns").as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("megatron_rl").experiment_id])
     assert [m.value for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] == [0.25, 0.25]
@@ -90,3 +93,22 @@ def test_gsm8k_on_the_tiny_model_with_a_custom_reward_and_every_tool(tmp_path):
     scored = _run([sys.executable, "-m", "megatron_rl.cli", "score", "reward=gsm8k",
                    f"input={out / 'generations.jsonl'}"], tmp_path).stdout  # fmt: skip
     assert '"rows": 4' in scored and '"openai/gsm8k"' in scored
+
+
+def test_ctrl_c_stops_without_a_traceback(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", f"trainer.output_dir={out}", "trainer.logger=[jsonl]",
+           "trainer.val_before_train=false", "trainer.save_final=false", "trainer.write_report=false"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cpu_env(), cwd=tmp_path
+    )
+    deadline = time.monotonic() + 600
+    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends, mid-training
+    stdout, stderr = proc.communicate(timeout=300)
+    assert "Traceback" not in stderr and "Traceback" not in stdout, stderr[-3000:]
