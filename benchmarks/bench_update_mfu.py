@@ -60,7 +60,7 @@ def param_count(cfg) -> int:
 
 def synthetic_batch(n: int, seq_len: int, prompt_len: int, vocab: int, device):
     """A RolloutBatch of ``n`` full-length sequences (prompt_len + response) with random ids/advantages."""
-    from megatron_rl.trainer.batch import RolloutBatch
+    from megatron_rl.rollout.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
     r = seq_len - prompt_len

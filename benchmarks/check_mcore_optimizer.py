@@ -46,7 +46,7 @@ def sync() -> None:
 
 def synthetic_batch(step: int, n: int, seq_len: int, prompt_len: int, vocab: int):
     """The same global RolloutBatch of ``n`` sequences on every rank for update ``step``."""
-    from megatron_rl.trainer.batch import RolloutBatch
+    from megatron_rl.rollout.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(1000 + step)
     r = seq_len - prompt_len

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from bench_rl_step import QWEN2_5_0_5B  # noqa: E402  (the shape, defined once for the benchmarks)
 
 from megatron_rl.distributed import init_distributed
-from megatron_rl.models import ModelArgs, build_model, forward_logits, load_hf_weights
+from megatron_rl.models import ModelArgs, build_model, load_hf_weights
+from tests.reference_forward import forward_logits
 
 
 def make_model(path: str) -> None:

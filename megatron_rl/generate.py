@@ -44,29 +44,23 @@ def _main(dcfg: DictConfig) -> None:
         )
     dims = checked_layout(cfg, training=False)
 
+    import dataclasses
+
     import torch
 
     from megatron_rl.apps.generate_job import generate_from_config, read_prompts
-    from megatron_rl.rollout.engine import EngineConfig
-    from megatron_rl.rollout.sampling import SamplingParams
 
-    r, g = cfg.rollout, cfg.generate
-    sampling = SamplingParams(  # generate.* own n / length / temperature: the training preset's do not fit
-        temperature=g.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        n=g.n,
-        max_new_tokens=g.max_new_tokens,
-        stop_token_ids=tuple(r.stop_token_ids),
-        seed=cfg.trainer.seed,
+    g = cfg.generate  # its own n / length / temperature: the training preset's (n=8, 4 tokens) do not fit
+    rollout = dataclasses.replace(
+        cfg.rollout, n=g.n, temperature=g.temperature, max_new_tokens=g.max_new_tokens
     )
     with reported_errors(cfg.trainer.output_dir):
         rows = generate_from_config(
             cfg.model.path,
             read_prompts(cfg.generate.prompts),
-            sampling,
+            rollout,
+            seed=cfg.trainer.seed,
             chat_template=cfg.generate.chat_template,
-            engine_config=EngineConfig.from_config(r),
             tp=dims.tp,
             pp=dims.pp,
             dtype=getattr(torch, cfg.model.dtype),

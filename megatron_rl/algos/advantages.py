@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from megatron_rl.algos.masked import masked_whiten
+from megatron_rl.algos.registry import Registry
 
 AdvantageEstimator = Callable[..., tuple[Tensor, Tensor]]
 
@@ -33,39 +34,39 @@ class EstimatorTraits:
 
     grouped: bool  # outcome-level: uses rewards only via row sums, and needs whole groups (``index``)
     whitened: bool  # whitens over the batch's response tokens (accepts ``whiten=False``)
+    greedy_baseline: bool = False  # needs ``reward_baselines``: the score of a greedy sample per prompt
 
 
-_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 _TRAITS: dict[str, EstimatorTraits] = {}
 
 
-def register_advantage_estimator(name: str, *, grouped: bool = False, whitened: bool = False):
-    """Decorator adding an estimator to the registry under ``name``."""
+def register_advantage_estimator(
+    name: str, *, grouped: bool = False, whitened: bool = False, greedy_baseline: bool = False
+):
+    """Decorator adding an estimator to the registry under ``name`` (a name taken twice is an error)."""
 
     def wrap(fn: AdvantageEstimator) -> AdvantageEstimator:
-        _ESTIMATORS[name] = fn
-        _TRAITS[name] = EstimatorTraits(grouped=grouped, whitened=whitened)
+        _ESTIMATORS.add(name, fn)
+        _TRAITS[name] = EstimatorTraits(grouped=grouped, whitened=whitened, greedy_baseline=greedy_baseline)
         return fn
 
     return wrap
 
 
-def _check_name(name: str) -> None:
-    if name not in _ESTIMATORS:
-        raise ValueError(
-            f"Unknown advantage estimator {name!r}; choose one of {', '.join(sorted(_ESTIMATORS))}."
-        )
+def advantage_estimator_names() -> tuple[str, ...]:
+    """Every registered estimator name (the choices of ``algorithm.adv_estimator``)."""
+    return _ESTIMATORS.names()
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
     """The estimator registered as ``name`` (``gae``, ``grpo``, ``rloo``, ``reinforce_plus_plus``, ...)."""
-    _check_name(name)
-    return _ESTIMATORS[name]
+    return _ESTIMATORS.get(name)
 
 
 def get_estimator_traits(name: str) -> EstimatorTraits:
     """Whether estimator ``name`` is grouped and/or whitened."""
-    _check_name(name)
+    _ESTIMATORS.get(name)
     return _TRAITS[name]
 
 
@@ -116,23 +117,29 @@ def compute_gae_advantage_return(
 ) -> tuple[Tensor, Tensor]:
     """GAE over response tokens. ``token_level_rewards``, ``values``, ``response_mask``: [B, T].
 
-    Non-response positions are skipped (value and TD error carried over them, as verl does). Returns
-    ``(advantages, returns)`` [B, T]: returns = raw advantages + values (not whitened); advantages
-    whitened over the batch's response tokens unless ``whiten=False``.
+    Masked positions (padding, and tool/user tokens inside a multi-turn response) are not time steps:
+    the TD error of an assistant token bootstraps from the value of the next assistant token after the
+    gap, and the advantage flows across the gap to earlier turns (verl >= 0.9.1 multi-turn GAE). Values
+    at masked positions are never read; a reward at a masked position (e.g. a tool's reward) is credited
+    to the assistant token before it, undiscounted, so no reward is lost. Returns ``(advantages,
+    returns)`` [B, T]: returns = raw advantages + values (not whitened); advantages whitened over the
+    batch's response tokens unless ``whiten=False``.
     """
-    mask = response_mask.to(values.dtype)
-    next_value = torch.zeros_like(values[:, 0])  # [B]
-    last_gae = torch.zeros_like(values[:, 0])  # [B]
+    keep = response_mask.bool()
+    zero = torch.zeros_like(values[:, 0])  # [B]
+    next_value, last_gae, gap_reward = zero, zero, zero
     reversed_adv = []
     for t in reversed(range(values.shape[1])):
-        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+        reward = token_level_rewards[:, t] + gap_reward
+        delta = reward + gamma * next_value - values[:, t]
         gae_t = delta + gamma * lam * last_gae
-        next_value = values[:, t] * mask[:, t] + (1 - mask[:, t]) * next_value
-        last_gae = gae_t * mask[:, t] + (1 - mask[:, t]) * last_gae
-        reversed_adv.append(last_gae)
+        next_value = torch.where(keep[:, t], values[:, t], next_value)
+        last_gae = torch.where(keep[:, t], gae_t, last_gae)
+        gap_reward = torch.where(keep[:, t], zero, reward)
+        reversed_adv.append(torch.where(keep[:, t], last_gae, zero))
     advantages = torch.stack(reversed_adv[::-1], dim=1)  # [B, T]
-    returns = (advantages + values) * mask
-    advantages = masked_whiten(advantages, mask) if whiten else advantages * mask
+    returns = torch.where(keep, advantages + values, 0.0)
+    advantages = masked_whiten(advantages, response_mask) if whiten else advantages
     return advantages, returns
 
 
@@ -178,17 +185,21 @@ def compute_reinforce_plus_plus_outcome_advantage(
     """REINFORCE++: discounted return-to-go per token, whitened over the batch's response tokens.
 
     ``token_level_rewards``, ``response_mask``: [B, T]. Returns ``(advantages, returns)`` [B, T].
-    The running return is reset at non-response positions.
+    Masked positions are not time steps: the running return is carried across tool/user tokens inside
+    a response unchanged (undiscounted), so a final reward reaches every earlier turn, and a reward at a
+    masked position is credited to the assistant token before it, undiscounted (as GAE above).
     """
-    mask = response_mask.to(token_level_rewards.dtype)
-    running = torch.zeros_like(token_level_rewards[:, 0])  # [B]
+    keep = response_mask.bool()
+    zero = torch.zeros_like(token_level_rewards[:, 0])  # [B]
+    running, gap_reward = zero, zero
     reversed_ret = []
     for t in reversed(range(token_level_rewards.shape[1])):
-        running = token_level_rewards[:, t] + gamma * running
-        reversed_ret.append(running)
-        running = running * mask[:, t]
-    returns = torch.stack(reversed_ret[::-1], dim=1) * mask  # [B, T]
-    advantages = masked_whiten(returns, mask) if whiten else returns
+        reward = token_level_rewards[:, t] + gap_reward
+        running = torch.where(keep[:, t], reward + gamma * running, running)
+        gap_reward = torch.where(keep[:, t], zero, reward)
+        reversed_ret.append(torch.where(keep[:, t], running, zero))
+    returns = torch.stack(reversed_ret[::-1], dim=1)  # [B, T]
+    advantages = masked_whiten(returns, response_mask) if whiten else returns
     return advantages, returns
 
 
@@ -211,3 +222,92 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     if whiten:
         advantages = masked_whiten(advantages, response_mask)
     return advantages, advantages
+
+
+@register_advantage_estimator("opo", grouped=True)
+def compute_opo_outcome_advantage(
+    *,
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: Tensor | Sequence[Any],
+    response_length: Tensor | None = None,
+    **_: Any,
+) -> tuple[Tensor, Tensor]:
+    """OPO (Hao et al. 2025, arXiv:2505.23585): score minus the length-weighted mean score of its group,
+    ``sum_j len_j * score_j / sum_j len_j`` (the optimal baseline for sequence-level rewards); a group of
+    one keeps its raw score. ``token_level_rewards``, ``response_mask``: [B, T]; ``index``: [B];
+    ``response_length``: [B] assistant-token counts (default: the row sums of ``response_mask``)."""
+    scores = token_level_rewards.sum(-1)  # [B]
+    lengths = response_mask.to(scores.dtype).sum(-1) if response_length is None else response_length
+    lengths = lengths.to(scores.dtype)
+    ids, num_groups = group_ids(index, scores.device)
+    count = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(
+        0, ids, torch.ones_like(scores)
+    )
+    weighted = torch.zeros_like(count).index_add_(0, ids, lengths * scores)
+    total_len = torch.zeros_like(count).index_add_(0, ids, lengths)
+    baseline = torch.where(count > 1, weighted / total_len.clamp(min=1), 0.0)  # [G]
+    return _outcome(scores - baseline[ids], response_mask)
+
+
+@register_advantage_estimator("gpg", grouped=True)
+def compute_gpg_outcome_advantage(
+    *,
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: Tensor | Sequence[Any],
+    **_: Any,
+) -> tuple[Tensor, Tensor]:
+    """GPG (Chu et al. 2025, arXiv:2504.02546): ``alpha * (score - group mean)`` with
+    ``alpha = B / (number of samples with a non-zero score)``, which rescales the gradient for the
+    samples that carry no signal. ``token_level_rewards``, ``response_mask``: [B, T]; ``index``: [B].
+    Pair it with ``actor.policy_loss=gpg`` (plain policy gradient, no ratio)."""
+    scores = token_level_rewards.sum(-1)  # [B]
+    ids, num_groups = group_ids(index, scores.device)
+    _, mean, _ = group_mean_std(scores, ids, num_groups)
+    alpha = scores.numel() / (scores != 0).sum().clamp(min=1).to(scores.dtype)
+    return _outcome(alpha * (scores - mean[ids]), response_mask)
+
+
+@register_advantage_estimator("grpo_passk", grouped=True)
+def compute_grpo_passk_outcome_advantage(
+    *,
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: Tensor | Sequence[Any],
+    epsilon: float = 1e-6,
+    norm_adv_by_std: bool = True,
+    **_: Any,
+) -> tuple[Tensor, Tensor]:
+    """GRPO for pass@k (arXiv:2503.19595): only the best sample of each group (the first one on ties)
+    gets an advantage, ``best - second best`` (divided by ``group std + epsilon`` unless
+    ``norm_adv_by_std=False``); the others get 0. Every group needs >= 2 samples.
+    ``token_level_rewards``, ``response_mask``: [B, T]; ``index``: [B]."""
+    scores = token_level_rewards.sum(-1)  # [B]
+    ids, num_groups = group_ids(index, scores.device)
+    count, _, std = group_mean_std(scores, ids, num_groups)
+    if bool((count < 2).any()):
+        raise ValueError("adv_estimator=grpo_passk needs at least 2 samples per prompt; set rollout.n >= 2.")
+    by_score = torch.argsort(scores, descending=True, stable=True)  # [B]
+    order = by_score[torch.argsort(ids[by_score], stable=True)]  # grouped, best first within a group
+    starts = torch.cumsum(count.long(), 0) - count.long()  # [G] first row of each group in ``order``
+    best, second = order[starts], order[starts + 1]  # [G]
+    gap = scores[best] - scores[second]
+    gap = gap / (std + epsilon) if norm_adv_by_std else gap
+    per_sample = torch.zeros_like(scores).index_put_((best,), gap)  # [B]
+    return _outcome(per_sample, response_mask)
+
+
+@register_advantage_estimator("remax", greedy_baseline=True)
+def compute_remax_outcome_advantage(
+    *, token_level_rewards: Tensor, response_mask: Tensor, reward_baselines: Tensor, **_: Any
+) -> tuple[Tensor, Tensor]:
+    """ReMax (Li et al. 2023, arXiv:2310.10505): return-to-go minus the score of a greedy rollout of the
+    same prompt. ``token_level_rewards``, ``response_mask``: [B, T]; ``reward_baselines``: [B] (the
+    trainer generates and scores one greedy sample per prompt). Rewards at masked positions count in
+    the return of the tokens before them. Returns ``(advantages, returns)`` [B, T]."""
+    to_go = token_level_rewards.flip(-1).cumsum(-1).flip(-1)  # [B, T]
+    keep = response_mask.bool()
+    returns = torch.where(keep, to_go, 0.0)
+    advantages = torch.where(keep, to_go - reward_baselines.to(to_go.dtype).unsqueeze(-1), 0.0)
+    return advantages, returns

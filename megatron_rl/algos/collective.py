@@ -6,6 +6,8 @@
 - ``global_loss_denominators``: response tokens and non-empty sequences of a whole optimizer step
   (every micro-batch on every DP rank), the denominators ``aggregation.agg_loss`` wants.
 - ``all_reduce_metrics``: weighted means, sums, maxima and minima of scalar metrics across DP.
+- ``informative_groups_dp``: DAPO's group filter when a group's samples sit on different DP ranks.
+- ``all_reduce_sum``: a sum over the group (the moments behind global means, e.g. IS normalisation).
 
 A ``group`` of None means a single process (no collective runs), not the default world group.
 """
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_rl.algos.advantages import get_advantage_estimator, get_estimator_traits
+from megatron_rl.algos.dapo import informative_groups
 from megatron_rl.algos.masked import masked_moments, whiten_from_moments
 
 
@@ -69,16 +72,25 @@ def _grouped_outcome(
 ) -> tuple[Tensor, Tensor]:
     """Run a grouped estimator on the scores of the whole DP group; keep this rank's rows.
 
-    Grouped estimators see rewards only through row sums (scores), so ``[B_global, 1]`` rewards with
-    a mask of ones reproduce them exactly; this rank's mask is applied afterwards.
+    Grouped estimators see rewards only through row sums (scores) and the response lengths (assistant
+    tokens, passed as ``response_length``), so ``[B_global, 1]`` rewards with a mask of ones reproduce
+    them exactly; this rank's mask is applied afterwards.
     """
     if index is None:
         raise ValueError(f"Advantage estimator {name!r} groups samples by prompt: pass index=[B] group ids.")
-    scores, offset = _all_gather_rows(token_level_rewards.sum(-1), dp_group)  # [B_global]
+    local = torch.stack(
+        [token_level_rewards.sum(-1), response_mask.to(token_level_rewards.dtype).sum(-1)], -1
+    )
+    gathered, offset = _all_gather_rows(local, dp_group)  # [B_global, 2]: score, length
+    scores, lengths = gathered.unbind(-1)
     all_index = _all_gather_index(index, dp_group)
     ones = torch.ones_like(scores).unsqueeze(-1)  # [B_global, 1]
     adv, _ = get_advantage_estimator(name)(
-        token_level_rewards=scores.unsqueeze(-1), response_mask=ones, index=all_index, **kwargs
+        token_level_rewards=scores.unsqueeze(-1),
+        response_mask=ones,
+        index=all_index,
+        response_length=lengths,
+        **kwargs,
     )  # [B_global, 1]
     local = adv[offset : offset + token_level_rewards.shape[0]]  # [B, 1]
     return (local * response_mask.to(local.dtype),) * 2
@@ -116,6 +128,24 @@ def compute_advantages_dp(
     advantages = global_masked_whiten(advantages, response_mask, dp_group)
     # Grouped estimators return their advantages as returns (no critic); the others keep raw returns.
     return advantages, (advantages if traits.grouped else returns)
+
+
+def all_reduce_sum(tensor: Tensor, group) -> Tensor:
+    """``tensor`` summed over the ranks of ``group`` (in place; returned)."""
+    return _all_reduce(tensor, group)
+
+
+def all_reduce_max(tensor: Tensor, group) -> Tensor:
+    """``tensor``'s element-wise maximum over the ranks of ``group`` (in place; returned)."""
+    return _all_reduce(tensor, group, dist.ReduceOp.MAX)
+
+
+def informative_groups_dp(scores: Tensor, index: Tensor | Sequence[Any], dp_group) -> tuple[Tensor, dict]:
+    """``informative_groups`` on the scores [B] and group ids [B] of every rank of ``dp_group``; returns
+    this rank's ``keep`` [B] and the global metrics."""
+    all_scores, offset = _all_gather_rows(scores, dp_group)  # [B_global]
+    keep, metrics = informative_groups(all_scores, _all_gather_index(index, dp_group))
+    return keep[offset : offset + scores.shape[0]], metrics
 
 
 def global_loss_denominators(response_masks: Sequence[Tensor], dp_group) -> tuple[Tensor, Tensor]:

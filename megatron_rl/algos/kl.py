@@ -29,45 +29,47 @@ from torch import Tensor
 
 from megatron_rl.algos.aggregation import Denominator, agg_loss
 from megatron_rl.algos.masked import masked_mean
+from megatron_rl.algos.registry import Registry
+
+KL_KINDS: Registry[Callable[[Tensor, Tensor], Tensor]] = Registry("KL kind")
 
 
+@KL_KINDS.register("k1", "kl")
 def _k1(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
     return logprob - ref_logprob
 
 
+@KL_KINDS.register("k2", "mse")
 def _k2(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
     return 0.5 * (logprob - ref_logprob).square()
 
 
+@KL_KINDS.register("k3", "low_var_kl")
 def _k3(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
     log_ratio = torch.clamp(ref_logprob - logprob, min=-20.0, max=20.0)
     return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10.0, max=10.0)
 
 
+@KL_KINDS.register("abs")
 def _abs(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
     return (logprob - ref_logprob).abs()
 
 
-_KL_KINDS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "k1": _k1,
-    "kl": _k1,
-    "k2": _k2,
-    "mse": _k2,
-    "k3": _k3,
-    "low_var_kl": _k3,
-    "abs": _abs,
-}
+def kl_kind_names() -> tuple[str, ...]:
+    """Every KL kind, with the straight-through ``+`` variants (the choices of the KL config keys)."""
+    return tuple(sorted({*KL_KINDS.names(), *(f"{k}+" for k in KL_KINDS.names())}))
 
 
 def kl_penalty(*, logprob: Tensor, ref_logprob: Tensor, kind: str = "k3") -> Tensor:
     """Per-token KL estimate [B, T] from ``logprob`` and ``ref_logprob`` [B, T]; see the module doc."""
     base = kind.removesuffix("+")
-    if base not in _KL_KINDS:
+    if base not in KL_KINDS:
         raise ValueError(
-            f"Unknown KL kind {kind!r}; choose one of {', '.join(_KL_KINDS)} (optionally with '+')."
+            f"Unknown KL kind {kind!r}; choose one of {', '.join(KL_KINDS.names())} (optionally with '+')."
         )
-    value = _KL_KINDS[base](logprob, ref_logprob)
-    if base == kind or _KL_KINDS[base] is _k2:
+    fn = KL_KINDS.get(base)
+    value = fn(logprob, ref_logprob)
+    if base == kind or fn is _k2:
         return value
     straight_through = _k2(logprob, ref_logprob)
     return straight_through - straight_through.detach() + value.detach()

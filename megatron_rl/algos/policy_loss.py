@@ -1,4 +1,5 @@
-"""Policy-gradient losses (registry), truncated importance sampling, and the entropy bonus.
+"""Policy-gradient losses (registry: PPO clip and GSPO here, the others in ``policy_loss_variants``), the
+rollout IS correction hook (``rollout_correction``), and the entropy bonus.
 
 A registered policy loss maps ``old_log_prob``, ``log_prob``, ``advantages``, ``response_mask`` [B, T]
 (and its own keyword hyper-parameters) to ``(token losses [B, T], metrics)``. ``compute_policy_loss``
@@ -12,7 +13,6 @@ weighted by the local token count): ``pg_clipfrac``, ``pg_clipfrac_lower`` (dual
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -21,30 +21,26 @@ from torch import Tensor
 
 from megatron_rl.algos.aggregation import Denominator, agg_loss
 from megatron_rl.algos.masked import masked_mean
+from megatron_rl.algos.registry import Registry
+from megatron_rl.algos.rollout_correction import truncated_is_weights
 
 PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
-_POLICY_LOSSES: dict[str, PolicyLoss] = {}
+_POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+register_policy_loss = _POLICY_LOSSES.register  # decorator; a name registered twice is an error
 
 
-def register_policy_loss(*names: str):
-    """Decorator adding a token-level policy loss to the registry under ``names``."""
-
-    def wrap(fn: PolicyLoss) -> PolicyLoss:
-        for name in names:
-            _POLICY_LOSSES[name] = fn
-        return fn
-
-    return wrap
+def policy_loss_names() -> tuple[str, ...]:
+    """Every registered policy loss (the choices of ``actor.policy_loss``)."""
+    return _POLICY_LOSSES.names()
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
-    """The token-level policy loss registered as ``name`` (``vanilla``/``ppo``, ``gspo``)."""
-    if name not in _POLICY_LOSSES:
-        raise ValueError(f"Unknown policy loss {name!r}; choose one of {', '.join(sorted(_POLICY_LOSSES))}.")
-    return _POLICY_LOSSES[name]
+    """The token-level policy loss registered as ``name`` (``vanilla``/``ppo``, ``gspo``, ``cispo``...)."""
+    return _POLICY_LOSSES.get(name)
 
 
-def _frac(condition: Tensor, mask: Tensor) -> Tensor:
+def frac(condition: Tensor, mask: Tensor) -> Tensor:
+    """Fraction of the response tokens of ``mask`` [B, T] where ``condition`` [B, T] holds (detached)."""
     return masked_mean(condition.to(torch.float32), mask).detach()
 
 
@@ -74,7 +70,7 @@ def ppo_clip_loss(
     loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + high)
     loss = torch.maximum(loss_unclipped, loss_clipped)
     metrics = {
-        "pg_clipfrac": _frac(loss_clipped > loss_unclipped, response_mask),
+        "pg_clipfrac": frac(loss_clipped > loss_unclipped, response_mask),
         "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
     }
     if clip_ratio_c is None:
@@ -86,7 +82,7 @@ def ppo_clip_loss(
         )
     loss_cap = -advantages * clip_ratio_c
     negative = advantages < 0
-    metrics["pg_clipfrac_lower"] = _frac((loss > loss_cap) & negative, response_mask)
+    metrics["pg_clipfrac_lower"] = frac((loss > loss_cap) & negative, response_mask)
     return torch.where(negative, torch.minimum(loss, loss_cap), loss), metrics
 
 
@@ -115,50 +111,11 @@ def gspo_loss(
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + high)
     metrics = {
-        "pg_clipfrac": _frac(loss_clipped > loss_unclipped, response_mask),
+        "pg_clipfrac": frac(loss_clipped > loss_unclipped, response_mask),
         "pg_clipfrac_lower": torch.zeros((), dtype=torch.float32),
         "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
     }
     return torch.maximum(loss_unclipped, loss_clipped), metrics
-
-
-def _token_tis_log_weight(log_ratio: Tensor, mask: Tensor) -> Tensor:
-    return log_ratio  # [B, T]
-
-
-def _sequence_tis_log_weight(log_ratio: Tensor, mask: Tensor) -> Tensor:
-    seq = torch.where(mask.bool(), log_ratio, 0.0).sum(-1, keepdim=True)  # [B, 1]
-    return seq.expand_as(log_ratio)  # [B, T]
-
-
-_TIS_MODES = {"token": _token_tis_log_weight, "sequence": _sequence_tis_log_weight}
-
-
-def truncated_is_weights(
-    *,
-    old_log_prob: Tensor,
-    rollout_log_prob: Tensor,
-    response_mask: Tensor,
-    tis_mode: str = "token",
-    tis_cap: float = 2.0,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Truncated importance weights [B, T] correcting for the rollout engine's sampling distribution.
-
-    ``min(pi_old / pi_rollout, tis_cap)`` per token (``token``), or with the product over the
-    sequence's response tokens (``sequence``), computed in log space so it cannot overflow. Detached.
-    Inputs [B, T]. Metrics: ``tis_weight_mean``, ``tis_clipfrac`` (fraction of tokens at the cap).
-    """
-    if tis_mode not in _TIS_MODES:
-        raise ValueError(f"Unknown tis_mode {tis_mode!r}; choose one of {', '.join(_TIS_MODES)} or None.")
-    log_ratio = torch.where(response_mask.bool(), old_log_prob - rollout_log_prob, 0.0).detach()
-    log_weight = _TIS_MODES[tis_mode](log_ratio, response_mask)  # [B, T]
-    log_cap = math.log(tis_cap)
-    weights = torch.exp(torch.clamp(log_weight, max=log_cap))
-    metrics = {
-        "tis_weight_mean": masked_mean(weights, response_mask),
-        "tis_clipfrac": _frac(log_weight > log_cap, response_mask),
-    }
-    return weights, metrics
 
 
 def compute_policy_loss(
@@ -175,15 +132,19 @@ def compute_policy_loss(
     rollout_log_prob: Tensor | None = None,
     tis_mode: str | None = None,
     tis_cap: float = 2.0,
+    tis_low: float = 0.5,
+    is_weights: Tensor | None = None,
     **loss_kwargs: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Aggregated policy loss and its metrics.
 
     ``old_log_prob``, ``log_prob`` (with grad), ``advantages``, ``response_mask``, ``rollout_log_prob``:
     [B, T]. ``loss_kwargs`` go to the registered loss (``clip_ratio_low``, ``clip_ratio_high``,
-    ``clip_ratio_c``). ``tis_mode`` None disables TIS; ``"token"``/``"sequence"`` need
-    ``rollout_log_prob``. Denominators: see ``aggregation.agg_loss``. Returns ``(loss, metrics)`` with
-    ``metrics["pg_loss"]`` the detached loss.
+    ``clip_ratio_c``, ...). ``tis_mode`` None disables the rollout IS correction; ``token`` /
+    ``sequence`` / ``icepop`` (see ``rollout_correction``) need ``rollout_log_prob``, unless the weights
+    ``is_weights`` [B, T] were computed for the whole batch beforehand (batch-normalised ones).
+    Denominators: see ``aggregation.agg_loss``. Returns ``(loss, metrics)`` with ``metrics["pg_loss"]``
+    the detached loss.
     """
     token_loss, metrics = get_policy_loss(name)(
         old_log_prob=old_log_prob,
@@ -192,7 +153,9 @@ def compute_policy_loss(
         response_mask=response_mask,
         **loss_kwargs,
     )
-    if tis_mode is not None:
+    if is_weights is not None:
+        token_loss = token_loss * is_weights
+    elif tis_mode is not None:
         if rollout_log_prob is None:
             raise ValueError(f"tis_mode={tis_mode!r} needs rollout_log_prob; pass it or set tis_mode=None.")
         weights, tis_metrics = truncated_is_weights(
@@ -201,6 +164,7 @@ def compute_policy_loss(
             response_mask=response_mask,
             tis_mode=tis_mode,
             tis_cap=tis_cap,
+            tis_low=tis_low,
         )
         token_loss = token_loss * weights
         metrics.update(tis_metrics)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.decoder import DecoderSpec
 from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
 from megatron_rl.rollout.reshard import split_range
@@ -77,20 +78,21 @@ def _trainer_checkpoint(model_path: str):
 def generate_from_config(
     model_path: str,
     prompts: list[str],
-    sampling: SamplingParams,
+    rollout: RolloutConfig,
     *,
+    seed: int = 0,
     tokenizer=None,
     chat_template: bool = False,
-    engine_config: EngineConfig | None = None,
     tp: int = 1,
     pp: int = 1,
     dtype: torch.dtype = torch.float32,
     output: str | Path | None = None,
 ) -> list[dict]:
-    """Generate ``sampling.n`` completions per prompt from the HF checkpoint at ``model_path``.
+    """Generate ``rollout.n`` completions per prompt from the HF checkpoint at ``model_path``, with the
+    engine and sampling settings of the ``rollout`` config section (the trainer's builders).
 
     Initializes distributed (TP ``tp`` x PP ``pp``) if megatron-core's parallel_state is not set up.
-    The tokenizer's EOS is added to ``sampling.stop_token_ids``. Returns, on every rank, one dict per
+    The tokenizer's EOS is a stop token. Returns, on every rank, one dict per
     completion (ordered by prompt, then sample): ``prompt``, ``sample_index``, ``response``,
     ``prompt_ids``, ``response_ids``, ``logprobs``, ``finish_reason``; rank 0 writes them to ``output``
     as JSONL when given.
@@ -105,12 +107,11 @@ def generate_from_config(
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     share = split_range(len(prompts), dp, dp_rank)
-    stops = tuple(sampling.stop_token_ids) + (
-        (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    params = SamplingParams.from_config(
+        rollout, temperature=rollout.temperature, n=rollout.n, seed=seed, eos_token_id=tokenizer.eos_token_id
     )
-    params = SamplingParams(**{**sampling.__dict__, "stop_token_ids": stops})
     ids = encode_prompts(tokenizer, [prompts[i] for i in share], chat_template)
-    completions = RolloutEngine(model, spec, engine_config).generate(ids, params)
+    completions = RolloutEngine(model, spec, EngineConfig.from_config(rollout)).generate(ids, params)
     rows = [
         {
             "prompt": prompts[share[c.prompt_index]],

@@ -9,19 +9,20 @@ from megatron_rl.config.schema import JobConfig
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 
 
-def _rows(cls, prefix: str):
-    instance = cls()
-    for f in dataclasses.fields(cls):
+def _rows(instance, prefix: str):
+    """Rows of a config *instance*: nested sections are read from the parent's own default (e.g.
+    ``CriticConfig.optim`` is ``OptimConfig(lr=1e-5)``), not rebuilt from their class defaults."""
+    for f in dataclasses.fields(instance):
         value = getattr(instance, f.name)
         if dataclasses.is_dataclass(value):
-            yield from _rows(type(value), f"{prefix}{f.name}.")
+            yield from _rows(value, f"{prefix}{f.name}.")
         else:
             default = "null" if value is None else repr(value) if isinstance(value, str) else str(value)
             yield f"| `{prefix}{f.name}` | `{default}` | {f.metadata.get('doc', '').replace('|', '/')} |"
 
 
 def render() -> str:
-    lines = [BEGIN, "| key | default | meaning |", "| --- | --- | --- |", *_rows(JobConfig, ""), END]
+    lines = [BEGIN, "| key | default | meaning |", "| --- | --- | --- |", *_rows(JobConfig(), ""), END]
     return "\n".join(lines)
 
 

@@ -52,7 +52,11 @@ class RolloutConfig:
     """Generation with the in-place resharded engine."""
 
     n: int = doc(1, "Samples per prompt (GRPO group size).")
-    temperature: float = doc(1.0, "Sampling temperature; 0 = greedy. Training log-probs use it too.")
+    temperature: float = doc(
+        1.0,
+        "Sampling temperature; training log-probs use it too. 0 = greedy rollouts, whose log-probs (rollout "
+        "and training) are then scored at temperature 1.0.",
+    )
     top_p: float = doc(1.0, "Nucleus sampling threshold (1.0 = off).")
     top_k: int = doc(-1, "Top-k sampling (-1 = off).")
     max_new_tokens: int = doc(16, "Response length limit (verl: data.max_response_length).")
@@ -89,12 +93,26 @@ class KLCtrlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop prompt groups whose rewards are all equal (no learning signal)."""
+
+    enable: bool = doc(
+        False, "Drop groups with equal rewards and generate more prompts until the batch is full."
+    )
+    max_num_gen_batches: int = doc(
+        4, "Generation rounds per step at most (the first included); then train on what was kept."
+    )
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimation and KL in the reward."""
 
     name: str = doc("grpo", "Label of the algorithm preset (algorithm=ppo|grpo|rloo|reinforce_plus_plus).")
     adv_estimator: str = doc(
-        "grpo", "gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline (gae needs a critic)."
+        "grpo",
+        "gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | opo | gpg | "
+        "grpo_passk (gae needs a critic; remax generates one greedy baseline sample per prompt).",
     )
     gamma: float = doc(1.0, "Discount factor (gae, reinforce_plus_plus).")
     lam: float = doc(1.0, "GAE lambda.")
@@ -102,6 +120,10 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = doc(False, "Subtract kl_coef * KL(actor || ref) from token rewards.")
     kl_penalty: str = doc("k1", "KL estimator in the reward: k1 | k2 | k3 | abs.")
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    overlong_filter: bool = doc(
+        False, "DAPO overlong filtering: responses cut at rollout.max_new_tokens get no gradient."
+    )
 
 
 @dataclass
@@ -128,6 +150,19 @@ class OptimConfig:
 
 
 @dataclass
+class PolicyLossParams:
+    """Hyper-parameters of individual policy losses (each loss reads the ones it names)."""
+
+    tau_pos: float = doc(1.0, "sapo: gate temperature for positive advantages.")
+    tau_neg: float = doc(1.05, "sapo: gate temperature for negative advantages.")
+    clip_cov_ratio: float = doc(2e-4, "clip_cov: fraction of response tokens whose gradient is removed.")
+    clip_cov_lb: float = doc(1.0, "clip_cov: lower bound of the covariance band tokens are drawn from.")
+    clip_cov_ub: float = doc(5.0, "clip_cov: upper bound of that band.")
+    kl_cov_ratio: float = doc(2e-4, "kl_cov: fraction of response tokens (largest covariance) KL-penalised.")
+    ppo_kl_coef: float = doc(0.1, "kl_cov: coefficient of the |log ratio| penalty.")
+
+
+@dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = doc(8, "Prompts per optimizer step, global (times rollout.n sequences).")
@@ -139,21 +174,40 @@ class ActorConfig:
         16384, "With use_dynamic_bsz: padded tokens per micro-batch (>= max_prompt_length + max_new_tokens)."
     )
     ppo_epochs: int = doc(1, "Passes over each rollout batch.")
-    policy_loss: str = doc("vanilla", "vanilla (PPO clip, dual-clip) | gspo.")
+    policy_loss: str = doc(
+        "vanilla",
+        "vanilla (PPO clip, dual-clip) | gspo | cispo | sapo | geo_mean (GMPO) | clip_cov | kl_cov | dppo_tv | "
+        "dppo_kl | gpg. dppo_* read clip_ratio_low/high as divergence thresholds, geo_mean in log space.",
+    )
+    policy_loss_params: PolicyLossParams = field(default_factory=PolicyLossParams)
     clip_ratio_low: float = doc(0.2, "PPO clip below 1 (ratio >= 1 - clip_ratio_low).")
     clip_ratio_high: float = doc(0.2, "PPO clip above 1 (clip-higher when > clip_ratio_low).")
     clip_ratio_c: float = doc(3.0, "Dual-clip bound for negative advantages (> 1).")
     loss_agg_mode: str = doc(
-        "token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."
+        "token-mean",
+        "token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm | token-sum.",
     )
     entropy_coeff: float = doc(0.0, "Entropy bonus coefficient.")
     use_kl_loss: bool = doc(False, "Add kl_loss_coef * KL(actor || ref) to the loss (GRPO style).")
     kl_loss_coef: float = doc(0.001, "KL-loss coefficient.")
     kl_loss_type: str = doc("k3", "KL estimator for the loss: k1 | k2 | k3 | abs (k3 has a biased gradient).")
     tis_mode: Optional[str] = doc(
-        None, "Truncated importance sampling vs rollout log-probs: token | sequence."
+        None,
+        "IS correction vs rollout log-probs: token | sequence (truncated at tis_cap) | icepop (0 outside "
+        "[tis_low, tis_cap]).",
     )
-    tis_cap: float = doc(2.0, "Cap of the truncated IS weight.")
+    tis_cap: float = doc(2.0, "Cap of the truncated IS weight (icepop: upper bound).")
+    tis_low: float = doc(0.5, "icepop: lower bound of the kept IS ratio.")
+    tis_batch_normalize: bool = doc(
+        False, "Divide the IS weights by their mean over the step's batch (all DP ranks), so they average 1."
+    )
+    rollout_rs: Optional[str] = doc(
+        None,
+        "Rejection sampling on log(pi_old / pi_rollout): token | seq_sum | seq_mean | seq_max (a sequence "
+        "is dropped when the statistic leaves [rollout_rs_low, rollout_rs_high] in ratio space).",
+    )
+    rollout_rs_low: float = doc(0.5, "Rejection sampling: lower ratio bound (<= 1).")
+    rollout_rs_high: float = doc(2.0, "Rejection sampling: upper ratio bound (>= 1).")
 
 
 @dataclass
@@ -184,6 +238,14 @@ class CustomRewardConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO soft overlong punishment over the last ``len`` tokens before rollout.max_new_tokens."""
+
+    len: int = doc(0, "Buffer length in tokens (0 = off); must be < rollout.max_new_tokens.")
+    penalty_factor: float = doc(1.0, "Penalty at the cap; it grows linearly from 0 over the buffer.")
+
+
+@dataclass
 class RewardConfig:
     reward_fn: str = doc(
         "auto",
@@ -197,6 +259,7 @@ class RewardConfig:
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     format_score: float = doc(0.0, "Score for a well-formatted but wrong answer (rule rewards).")
     gsm8k_mode: str = doc("strict", "GSM8K answer extraction: strict (#### N) | flexible (last number).")
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass

@@ -5,33 +5,43 @@ Every error names the config key(s) at fault and a value that would work.
 
 from __future__ import annotations
 
+import warnings
+
+from megatron_rl import algos
+from megatron_rl.config.rollout_rules import check_engine, check_sampling
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.distributed.dims import LayoutError, ParallelDims, divisors
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_KINDS = ("k1", "k2", "k3", "abs", "low_var_kl", "kl", "mse")
 OPTIM_BACKENDS = ("local", "megatron")
-CHOICES = {
-    "algorithm.adv_estimator": ADV_ESTIMATORS,
-    "algorithm.kl_penalty": KL_KINDS,
-    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
-    "actor.loss_agg_mode": LOSS_AGG_MODES,
-    "actor.policy_loss": ("vanilla", "gspo"),
-    "actor.kl_loss_type": KL_KINDS,
-    "actor.tis_mode": (None, "token", "sequence"),
-    "critic.loss_agg_mode": LOSS_AGG_MODES,
-    "data.truncation": ("error", "left", "right", "filter"),
-    "model.dtype": ("float32", "bfloat16"),
-    "trainer.resume_mode": ("auto", "disable", "path"),
-    "reward.reward_fn": ("auto", "gsm8k", "math", "custom", "builtin", "model"),
-    "reward.gsm8k_mode": ("strict", "flexible"),
-    "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
-    "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
-    "actor.optim.backend": OPTIM_BACKENDS,
-    "critic.optim.backend": OPTIM_BACKENDS,
-    "logger.wandb_mode": ("offline", "online", "disabled"),
-}
+
+
+def choices() -> dict[str, tuple]:
+    """Allowed values per key. Algorithm choices are read from the registries in megatron_rl.algos at
+    check time (one list per concept), so a newly registered estimator, loss or mode is accepted."""
+    agg, kl = algos.LOSS_AGG_MODES, algos.kl_kind_names()
+    return {
+        "algorithm.adv_estimator": algos.advantage_estimator_names(),
+        "algorithm.kl_penalty": kl,
+        "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+        "actor.loss_agg_mode": agg,
+        "actor.policy_loss": algos.policy_loss_names(),
+        "actor.kl_loss_type": kl,
+        "actor.tis_mode": (None, *algos.IS_MODES.names()),
+        "actor.rollout_rs": (None, *algos.REJECTION_MODES.names()),
+        "critic.loss_agg_mode": agg,
+        "data.truncation": ("error", "left", "right", "filter"),
+        "model.dtype": ("float32", "bfloat16"),
+        "trainer.resume_mode": ("auto", "disable", "path"),
+        "reward.reward_fn": ("auto", "gsm8k", "math", "custom", "builtin", "model"),
+        "reward.gsm8k_mode": ("strict", "flexible"),
+        "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
+        "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
+        "actor.optim.backend": OPTIM_BACKENDS,
+        "critic.optim.backend": OPTIM_BACKENDS,
+        "logger.wandb_mode": ("offline", "online", "disabled"),
+    }
+
+
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
@@ -47,7 +57,7 @@ def _get(cfg: JobConfig, dotted: str):
 
 
 def _check_choices(cfg: JobConfig) -> None:
-    for key, allowed in CHOICES.items():
+    for key, allowed in choices().items():
         value = _get(cfg, key)
         if value not in allowed:
             shown = " | ".join("null" if a is None else str(a) for a in allowed)
@@ -64,6 +74,27 @@ def _check_positive(cfg: JobConfig, keys: tuple[str, ...]) -> None:
     for key in keys:
         if _get(cfg, key) < 1:
             raise ConfigError(f"{key}={_get(cfg, key)} must be >= 1.")
+
+
+def _check_rollout(cfg: JobConfig, training: bool) -> None:
+    """The engine's and the sampler's own rules (``rollout_rules``) on the configured values, for the
+    training and the validation temperature; a note when greedy rollouts are trained on."""
+    r = cfg.rollout
+    try:
+        check_engine(gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs,
+                     max_prefill_tokens=r.max_prefill_tokens, kv_cache_tokens=r.kv_cache_tokens)  # fmt: skip
+        for key in ("rollout.temperature", "rollout.val_temperature"):
+            check_sampling(temperature=_get(cfg, key), top_p=r.top_p, top_k=r.top_k, n=r.n,
+                           max_new_tokens=r.max_new_tokens, key=key)  # fmt: skip
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if training and r.temperature == 0:
+        warnings.warn(
+            "rollout.temperature=0: greedy rollouts. Rollout and training log-probs are scored at temperature "
+            "1.0 (a greedy choice has no temperature to divide by); with rollout.n > 1 every sample of a "
+            "prompt is the same, so group-relative advantages are 0. Set rollout.temperature > 0 to explore.",
+            stacklevel=2,
+        )
 
 
 def _check_update_batches(cfg: JobConfig, role: str, dp: int) -> int:
@@ -116,6 +147,36 @@ def _check_optim(cfg: JobConfig, role: str) -> None:
         )
 
 
+def _check_algorithm_settings(cfg: JobConfig) -> None:
+    """Bounds of the DAPO / estimator / rollout-correction settings that only fail deep inside a step."""
+    n, max_new = cfg.rollout.n, cfg.rollout.max_new_tokens
+    buffer = cfg.reward.overlong_buffer.len
+    if not 0 <= buffer < max_new:
+        raise ConfigError(
+            f"reward.overlong_buffer.len={buffer} must be in [0, rollout.max_new_tokens={max_new}); "
+            f"set it to e.g. {max(1, max_new // 4)} (or 0 to turn the overlong penalty off)."
+        )
+    needs_groups = {
+        "algorithm.filter_groups.enable=true": cfg.algorithm.filter_groups.enable,
+        "algorithm.adv_estimator=grpo_passk": cfg.algorithm.adv_estimator == "grpo_passk",
+    }
+    for what, on in needs_groups.items():
+        if on and n < 2:
+            raise ConfigError(f"{what} compares the samples of a prompt: set rollout.n >= 2 (it is {n}).")
+    if cfg.algorithm.filter_groups.max_num_gen_batches < 1:
+        raise ConfigError("algorithm.filter_groups.max_num_gen_batches must be >= 1 (1 = no extra rounds).")
+    a = cfg.actor
+    bounds = {"actor.tis_low / actor.tis_cap": (a.tis_mode, a.tis_low, a.tis_cap)}
+    bounds["actor.rollout_rs_low / actor.rollout_rs_high"] = (
+        a.rollout_rs,
+        a.rollout_rs_low,
+        a.rollout_rs_high,
+    )
+    for keys, (mode, low, high) in bounds.items():
+        if mode is not None and not 0 < low <= 1 <= high:
+            raise ConfigError(f"{keys} = {low} / {high} must satisfy 0 < low <= 1 <= high (ratio bounds).")
+
+
 def validate_job(
     cfg: JobConfig, world_size: int, num_layers: int | None = None, training: bool = True
 ) -> ParallelDims:
@@ -131,16 +192,13 @@ def validate_job(
         cfg,
         (
             "data.train_batch_size",
-            "rollout.n",
-            "rollout.max_new_tokens",
-            "rollout.max_num_seqs",
-            "rollout.max_prefill_tokens",
             "data.max_prompt_length",
             "actor.ppo_epochs",
             "critic.ppo_epochs",
             "trainer.total_training_steps",
         ),
     )
+    _check_rollout(cfg, training)
     if par.sequence_parallel and par.tensor_model_parallel_size == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1.")
     tp_g = cfg.rollout.tensor_model_parallel_size
@@ -151,6 +209,7 @@ def validate_job(
         )
     if not training:
         return dims
+    _check_algorithm_settings(cfg)
     _check_update_batches(cfg, "actor", dims.dp)
     _check_optim(cfg, "actor")
     if cfg.algorithm.adv_estimator == "gae":

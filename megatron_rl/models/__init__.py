@@ -5,7 +5,6 @@ Typical use, on every rank after ``megatron_rl.distributed.init_distributed(tp, 
     args = ModelArgs.from_hf_config(hf_dir, tp=tp)
     model = build_model(args, role="actor")
     load_hf_weights(model, hf_dir, args)
-    logits = forward_pipeline(model, input_ids)          # [B, T, V/tp]
     state = export_hf_state_dict(model, args)            # HF names on rank 0, None elsewhere
 """
 
@@ -17,12 +16,7 @@ from megatron_rl.models.args import (
     padded_vocab,
 )
 from megatron_rl.models.builder import ROLES, ValueHead, ValueModel, build_model
-from megatron_rl.models.forward import (
-    forward_logits,
-    forward_pipeline,
-    megatron_attention_mask,
-    set_head_positions,
-)
+from megatron_rl.models.head import set_head_positions
 from megatron_rl.models.spec import SDPACoreAttention, layer_spec
 from megatron_rl.models.weights import export_hf_state_dict, gather_shards, load_hf_weights, unwrap
 
@@ -37,13 +31,10 @@ __all__ = [
     "ValueModel",
     "build_model",
     "export_hf_state_dict",
-    "forward_logits",
-    "forward_pipeline",
     "set_head_positions",
     "gather_shards",
     "layer_spec",
     "load_hf_weights",
-    "megatron_attention_mask",
     "padded_vocab",
     "unwrap",
 ]

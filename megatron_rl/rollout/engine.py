@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_rl.config.rollout_rules import check_engine
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.kernels import decode_attention as decode_kernel
 from megatron_rl.rollout import decoder, reshard
 from megatron_rl.rollout.decoder import DecoderSpec, GenWeights
@@ -33,35 +35,35 @@ class GenerationOOM(RuntimeError):
     """Out of device memory during generation; the message names the keys to lower."""
 
 
+_ROLLOUT = RolloutConfig()  # the defaults below are the rollout.* keys' own (defined once, in the schema)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings (the ``rollout.*`` keys of the same names)."""
+    """Engine settings: the ``rollout.*`` keys of the same names, with their defaults (see the schema for
+    what each does); built from the config by ``from_config``."""
 
-    tensor_model_parallel_size: int | None = None  # TP_g; must divide the training TP; None = training TP
-    max_num_seqs: int = 1024  # KV-cache slots (sequences decoded together)
-    kv_cache_tokens: int | None = None  # cache size in tokens; None = gpu_memory_utilization of free memory
-    gpu_memory_utilization: float = 0.5  # fraction of free GPU memory for the cache when tokens is None
-    max_prefill_tokens: int = 16384  # padded tokens per prefill batch
-    cuda_graphs: bool = True  # capture the decode step on GPU
+    tensor_model_parallel_size: int | None = _ROLLOUT.tensor_model_parallel_size  # TP_g; None = training TP
+    max_num_seqs: int = _ROLLOUT.max_num_seqs  # KV-cache slots (sequences decoded together)
+    kv_cache_tokens: int | None = _ROLLOUT.kv_cache_tokens  # 0 / None: gpu_memory_utilization of free memory
+    gpu_memory_utilization: float = _ROLLOUT.gpu_memory_utilization
+    max_prefill_tokens: int = _ROLLOUT.max_prefill_tokens  # padded tokens per prefill batch
+    cuda_graphs: bool = _ROLLOUT.cuda_graphs  # capture the decode step on GPU
     # keep the KV cache and the captured decode graphs between generate calls: the next call skips the
     # allocation and the capture (while the weights stay where they are), but the cache's memory stays
     # taken during training
-    keep_cache: bool = False
+    keep_cache: bool = _ROLLOUT.keep_cache
 
     def __post_init__(self):
         if self.kv_cache_tokens == 0:  # the config's "sized from the batch"
             object.__setattr__(self, "kv_cache_tokens", None)
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]."
-            )
-        if self.max_num_seqs < 1:
-            raise ValueError(f"rollout.max_num_seqs={self.max_num_seqs} must be >= 1.")
+        check_engine(gpu_memory_utilization=self.gpu_memory_utilization, max_num_seqs=self.max_num_seqs,
+                     max_prefill_tokens=self.max_prefill_tokens, kv_cache_tokens=self.kv_cache_tokens)  # fmt: skip
 
     @classmethod
-    def from_config(cls, rollout) -> EngineConfig:
-        """From any object with (some of) these attribute names, e.g. the ``rollout`` config section."""
-        return cls(**{k: getattr(rollout, k) for k in cls.__dataclass_fields__ if hasattr(rollout, k)})
+    def from_config(cls, rollout: RolloutConfig) -> EngineConfig:
+        """The one place a ``rollout`` config section becomes engine settings (every field is a key)."""
+        return cls(**{k: getattr(rollout, k) for k in cls.__dataclass_fields__})
 
 
 @dataclass
@@ -72,7 +74,9 @@ class Completion:
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length"
-    key: int = 0  # sampling-noise key with SamplingParams.layout_invariant: (prompt key, sample index)
+    key: int = (
+        0  # sampling-noise key with SamplingParams.layout_invariant_sampling: (prompt key, sample index)
+    )
 
 
 @dataclass
@@ -165,7 +169,7 @@ class RolloutEngine:
 
         Every rank of the model-parallel group passes the same prompts and gets the same list back,
         ordered by (prompt, sample). Statistics land in ``self.last_stats``. ``prompt_keys`` (e.g. global
-        prompt ids; default: the local index) key each sequence's noise when ``params.layout_invariant``.
+        prompt ids; default: the local index) key each sequence's noise when ``params.layout_invariant_sampling``.
         """
         max_len = self.validate(prompts, params)
         stats = self.last_stats = GenerationStats()
@@ -325,7 +329,7 @@ class _Runner:
         """logits [B, V] of slots ``rows`` [B] -> tokens [B], log-probs [B]; tokens identical on every
         rank of the TP group."""
         row_keys = None
-        if self.params.layout_invariant:
+        if self.params.layout_invariant_sampling:
             row_keys = sample_row_keys(self.keys[rows], self.count[rows], self.params.seed)
         share = None
         if self.lay.tp_g > 1:

@@ -13,35 +13,57 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_rl.config.rollout_rules import check_sampling
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.kernels.compile import compile_enabled, compile_rows_dynamic, probe
+
+_ROLLOUT = RolloutConfig()  # the defaults below are the rollout.* keys' own (defined once, in the schema)
+
+
+def logprob_temperature(temperature: float) -> float:
+    """The temperature log-probs are scored at, in the engine and in training: the sampling temperature,
+    or 1.0 for greedy decoding (``temperature == 0``: there is no distribution to divide by zero)."""
+    return temperature if temperature > 0 else 1.0
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-call sampling settings; field names match the ``rollout.*`` / ``generate.*`` config keys."""
+    """Per-call sampling settings; field names and defaults are the ``rollout.*`` config keys'. The trainer
+    and ``megatron-rl generate`` build them with ``from_config``."""
 
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
-    top_k: int = -1  # keep the k most likely tokens; -1 = off
-    n: int = 1  # samples per prompt
-    max_new_tokens: int = 256
+    temperature: float = _ROLLOUT.temperature  # 0 = greedy
+    top_p: float = _ROLLOUT.top_p  # nucleus mass in (0, 1]; 1 = off
+    top_k: int = _ROLLOUT.top_k  # keep the k most likely tokens; -1 = off
+    n: int = _ROLLOUT.n  # samples per prompt
+    max_new_tokens: int = _ROLLOUT.max_new_tokens
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # EOS plus any configured stop ids
     seed: int = 0
     # noise from (seed, prompt key, sample index, step): samples independent of layout and batching
-    layout_invariant: bool = False
+    layout_invariant_sampling: bool = _ROLLOUT.layout_invariant_sampling
 
     def __post_init__(self):
-        checks = [
-            (self.temperature >= 0, f"rollout.temperature={self.temperature} must be >= 0 (0 = greedy)."),
-            (0 < self.top_p <= 1, f"rollout.top_p={self.top_p} must be in (0, 1]; use 1.0 to disable."),
-            (self.top_k == -1 or self.top_k >= 1, f"rollout.top_k={self.top_k} must be -1 (off) or >= 1."),
-            (self.n >= 1, f"rollout.n={self.n} must be >= 1."),
-            (self.max_new_tokens >= 1, f"rollout.max_new_tokens={self.max_new_tokens} must be >= 1."),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        check_sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, n=self.n,
+                       max_new_tokens=self.max_new_tokens)  # fmt: skip
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @classmethod
+    def from_config(
+        cls, rollout: RolloutConfig, *, temperature: float, n: int, seed: int, eos_token_id: int | None
+    ) -> SamplingParams:
+        """The one place a ``rollout`` config section becomes sampling settings: the call's temperature
+        (training or validation), group size and seed; stops are the tokenizer's EOS plus
+        ``rollout.stop_token_ids``."""
+        stops = [eos_token_id, *rollout.stop_token_ids]
+        return cls(
+            temperature=temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            n=n,
+            max_new_tokens=rollout.max_new_tokens,
+            stop_token_ids=tuple(s for s in stops if s is not None),
+            seed=seed,
+            layout_invariant_sampling=rollout.layout_invariant_sampling,
+        )
 
     @property
     def greedy(self) -> bool:
@@ -69,7 +91,8 @@ def truncate_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """logits / T, without a pass over [B, V] when T is 1 or 0 (greedy scores with T = 1)."""
-    return logits if temperature in (0.0, 1.0) else logits / temperature
+    t = logprob_temperature(temperature)
+    return logits if t == 1.0 else logits / t
 
 
 _MASK = {30: (1 << 34) - 1, 27: (1 << 37) - 1, 31: (1 << 33) - 1}  # logical >> on int64
@@ -204,7 +227,7 @@ def sample_with_logprobs(
         if row_keys is not None
         else torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
     )
-    inv_temp = 1.0 if temperature in (0.0, 1.0) else 1.0 / temperature
+    inv_temp = 1.0 / logprob_temperature(temperature)
     tokens, lse = _FUSED_DRAW(logits, keys, _token_ids(logits), inv_temp, not params.greedy)
     if share_tokens is not None:
         tokens = share_tokens(tokens)

@@ -1,4 +1,5 @@
-"""Rewards -> (KL in reward) -> advantages, computed collectively across DP ranks."""
+"""Rewards -> (KL in reward, DAPO overlong shaping) -> advantages -> rollout corrections, computed
+collectively across DP ranks."""
 
 from __future__ import annotations
 
@@ -11,12 +12,20 @@ from megatron_rl.algos import (
     all_reduce_metrics,
     apply_kl_in_reward,
     compute_advantages_dp,
+    is_weight_moments,
     kl_penalty,
     masked_mean,
+    normalize_is_weights,
+    off_policy_metrics,
+    off_policy_moments,
+    rejection_mask,
+    truncated_is_weights,
 )
-from megatron_rl.config.schema import AlgorithmConfig
+from megatron_rl.algos.collective import all_reduce_sum
+from megatron_rl.algos.dapo import overlong_filter, overlong_penalty
+from megatron_rl.config.schema import ActorConfig, AlgorithmConfig, JobConfig, OverlongBufferConfig
 from megatron_rl.rewards import score_batch
-from megatron_rl.trainer.batch import RolloutBatch
+from megatron_rl.rollout.batch import RolloutBatch
 
 
 def build_kl_controller(cfg: AlgorithmConfig):
@@ -75,6 +84,75 @@ def reward_extra_metrics(scored: dict[str, torch.Tensor]) -> dict[str, float]:
     return {k: float(v) for k, v in reduced.items()}
 
 
+def apply_overlong_penalty(batch: RolloutBatch, cfg: OverlongBufferConfig, max_new_tokens: int) -> dict:
+    """DAPO soft overlong punishment: add ``overlong_penalty`` to each sequence's score (on its last
+    response token). Returns the DP-mean penalty as ``reward_extra/overlong_penalty``."""
+    if cfg.len <= 0:
+        return {}
+    penalty = overlong_penalty(
+        batch.response_lens,
+        max_response_length=max_new_tokens,
+        buffer_len=cfg.len,
+        penalty_factor=cfg.penalty_factor,
+    ).to(batch.token_level_scores.dtype)  # [B]
+    rows = torch.nonzero(batch.response_lens > 0).squeeze(-1)
+    batch.token_level_scores[rows, batch.response_lens[rows] - 1] += penalty[rows]
+    reduced = all_reduce_metrics(
+        {"reward_extra/overlong_penalty": penalty.mean()},
+        ps.get_data_parallel_group(),
+        weight=float(len(batch)),
+    )
+    return {k: float(v) for k, v in reduced.items()}
+
+
+def needs_old_log_probs(cfg: JobConfig) -> bool:
+    """Corrections that need pi_old of the whole batch before the update (so the old-log-prob pass runs
+    even on-policy): rejection sampling and batch-normalised IS weights."""
+    return cfg.actor.rollout_rs is not None or (
+        cfg.actor.tis_mode is not None and cfg.actor.tis_batch_normalize
+    )
+
+
+def rollout_correction(batch: RolloutBatch, cfg: ActorConfig) -> dict[str, float]:
+    """With pi_old known (``batch.old_log_probs``): off-policy diagnostics, rejection sampling (zeroes
+    rejected tokens of ``batch.response_mask``) and batch-normalised IS weights
+    (``batch.rollout_is_weights``), all over the global batch. Returns DP-reduced metrics."""
+    if batch.old_log_probs is None:
+        return {}
+    dp_group, mask = ps.get_data_parallel_group(), batch.response_mask
+    logps = dict(old_log_prob=batch.old_log_probs, rollout_log_prob=batch.rollout_log_probs)
+    moments = all_reduce_sum(off_policy_moments(response_mask=mask, **logps), dp_group)
+    out = off_policy_metrics(moments)
+    if cfg.rollout_rs is not None:
+        batch.response_mask, rs = rejection_mask(
+            response_mask=mask, mode=cfg.rollout_rs, low=cfg.rollout_rs_low, high=cfg.rollout_rs_high, **logps
+        )
+        tokens, seqs = float(mask.bool().sum()), float(mask.bool().any(-1).sum())
+        out |= all_reduce_metrics(
+            {"rollout_rs/token_frac": rs["rollout_rs/token_frac"]}, dp_group, weight=tokens
+        )
+        out |= all_reduce_metrics({"rollout_rs/seq_frac": rs["rollout_rs/seq_frac"]}, dp_group, weight=seqs)
+    if cfg.tis_mode is not None and cfg.tis_batch_normalize:
+        weights, _ = truncated_is_weights(
+            response_mask=batch.response_mask,
+            tis_mode=cfg.tis_mode,
+            tis_cap=cfg.tis_cap,
+            tis_low=cfg.tis_low,
+            **logps,
+        )
+        w_moments = all_reduce_sum(is_weight_moments(weights, batch.response_mask, cfg.tis_mode), dp_group)
+        batch.rollout_is_weights, norm = normalize_is_weights(weights, w_moments)
+        out |= norm
+    return {k: float(v) for k, v in out.items()}
+
+
+def filter_overlong(batch: RolloutBatch) -> None:
+    """DAPO overlong filtering: responses cut at the length cap keep their place in the group statistics
+    (advantages are computed first) but get no gradient."""
+    truncated = torch.tensor([r == "length" for r in batch.finish_reasons], device=batch.response_mask.device)
+    batch.response_mask = overlong_filter(batch.response_mask, truncated)
+
+
 def compute_advantages(batch: RolloutBatch, cfg: AlgorithmConfig, kl_ctrl) -> dict[str, float]:
     """Fill ``token_level_rewards``, ``advantages`` and ``returns``; returns DP-reduced metrics."""
     dp_group = ps.get_data_parallel_group()
@@ -106,7 +184,10 @@ def compute_advantages(batch: RolloutBatch, cfg: AlgorithmConfig, kl_ctrl) -> di
         gamma=cfg.gamma,
         lam=cfg.lam,
         norm_adv_by_std=cfg.norm_adv_by_std_in_grpo,
+        reward_baselines=batch.reward_baselines,
     )
+    if cfg.overlong_filter:
+        filter_overlong(batch)
     return {k: float(v) for k, v in metrics.items()}
 
 

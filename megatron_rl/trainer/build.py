@@ -15,12 +15,13 @@ from megatron_rl.distributed import ParallelDims
 from megatron_rl.logging import MetricsLogger
 from megatron_rl.models import ModelArgs, build_model, load_hf_weights
 from megatron_rl.rewards import build_reward_fn
+from megatron_rl.rewards.reward_model import RewardModelScorer
 from megatron_rl.rollout.decoder import DecoderSpec
 from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
+from megatron_rl.rollout.sampling import logprob_temperature
 from megatron_rl.tasks import register_builtin_tasks
 from megatron_rl.tasks.last_digit import prepare_builtin_task
 from megatron_rl.trainer.advantage import build_kl_controller
-from megatron_rl.trainer.reward_model import RewardModelScorer
 from megatron_rl.trainer.workers import CriticWorker, PolicyWorker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -71,15 +72,16 @@ def _model(args: ModelArgs, role: str, dtype: torch.dtype, weights_dir: str, sp:
 
 def _build_models(cfg: JobConfig, args: ModelArgs, model_dir: str, total_steps: int):
     dtype, r, sp = DTYPES[cfg.model.dtype], cfg.rollout.max_new_tokens, cfg.parallel.sequence_parallel
+    temperature = logprob_temperature(cfg.rollout.temperature)  # greedy rollouts score at T = 1
     actor_model = _model(args, "actor", dtype, model_dir, sp)
-    actor = PolicyWorker(actor_model, cfg.actor, cfg.rollout.temperature, args.vocab_size, total_steps, r)
+    actor = PolicyWorker(actor_model, cfg.actor, temperature, args.vocab_size, total_steps, r)
     ref = None
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         ref_model = _model(args, "ref", dtype, model_dir, sp)
         ref = PolicyWorker(
             ref_model,
             cfg.actor,
-            cfg.rollout.temperature,
+            temperature,
             args.vocab_size,
             total_steps,
             r,
@@ -127,7 +129,7 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
     total = min(cfg.trainer.total_training_steps, loader.steps_per_epoch * cfg.trainer.total_epochs)
     args = ModelArgs.from_hf_config(model_dir, tp=dims.tp)
     actor, ref, critic = _build_models(cfg, args, model_dir, total)
-    engine_cfg = EngineConfig.from_config(cfg.rollout)  # the rollout.* keys of the same names
+    engine_cfg = EngineConfig.from_config(cfg.rollout)
     reward_model = None
     if cfg.reward.reward_fn == "model":
         reward_model = RewardModelScorer(

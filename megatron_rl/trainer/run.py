@@ -9,21 +9,30 @@ import time
 import torch
 from megatron.core import parallel_state as ps
 
+from megatron_rl.algos import get_estimator_traits
 from megatron_rl.checkpoint import resume, save_checkpoint
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.data import dp_share
 from megatron_rl.distributed import ParallelDims, destroy_distributed, device, init_distributed
 from megatron_rl.distributed.phase_watchdog import phase, set_error_dir
 from megatron_rl.logging import Timer
+from megatron_rl.rollout.batch import RolloutBatch, build_batch
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.advantage import (
+    apply_overlong_penalty,
     batch_metrics,
     compute_advantages,
+    needs_old_log_probs,
     reward_extra_metrics,
+    rollout_correction,
     score_responses,
 )
-from megatron_rl.trainer.batch import RolloutBatch, build_batch
 from megatron_rl.trainer.build import Components, build_components
+from megatron_rl.trainer.dynamic_sampling import (
+    ROUND_KEY_STRIDE,
+    extra_prompt_indices,
+    fill_with_informative_groups,
+)
 
 
 class PhaseTimer(Timer):
@@ -62,17 +71,8 @@ class PhaseTimer(Timer):
 
 
 def _sampling(c: Components, temperature: float, n: int, seed: int) -> SamplingParams:
-    r = c.cfg.rollout
-    stops = [c.tokenizer.eos_token_id, *r.stop_token_ids]
-    return SamplingParams(
-        temperature=temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        n=n,
-        max_new_tokens=r.max_new_tokens,
-        stop_token_ids=[s for s in stops if s is not None],
-        seed=seed,
-        layout_invariant=r.layout_invariant_sampling,
+    return SamplingParams.from_config(
+        c.cfg.rollout, temperature=temperature, n=n, seed=seed, eos_token_id=c.tokenizer.eos_token_id
     )
 
 
@@ -121,7 +121,35 @@ def on_policy(cfg: JobConfig) -> bool:
         cfg.actor.ppo_epochs == 1
         and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
         and not cfg.algorithm.use_kl_in_reward
+        and not needs_old_log_probs(cfg)
     )
+
+
+def scored_rollout(c: Components, rows, offset: int, seed: int, timer: Timer) -> tuple[RolloutBatch, dict]:
+    """Generate, score (and, for ReMax, score a greedy sample per prompt as the baseline)."""
+    cfg = c.cfg
+    batch = rollout(c, rows, offset, _sampling(c, cfg.rollout.temperature, cfg.rollout.n, seed), timer)
+    if get_estimator_traits(cfg.algorithm.adv_estimator).greedy_baseline:
+        greedy = rollout(c, rows, offset, _sampling(c, 0.0, 1, seed), timer)
+        with timer("reward"):
+            greedy_scores = score_responses(greedy, c.reward_fn, c.tokenizer, c.reward_model)["score"]
+        by_prompt = torch.zeros(len(rows), dtype=greedy_scores.dtype, device=greedy_scores.device)
+        by_prompt[greedy.group_index - offset] = greedy_scores  # [prompts]
+        batch.reward_baselines = by_prompt[batch.group_index - offset]  # [B]
+    with timer("reward"):
+        scored = score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)
+        metrics = apply_overlong_penalty(batch, cfg.reward.overlong_buffer, cfg.rollout.max_new_tokens)
+        metrics |= reward_extra_metrics(scored)  # extra keys of a custom reward's dict: reward/<key>/mean
+    return batch, metrics
+
+
+def _extra_round(c: Components, step: int, round_: int, timer: Timer) -> RolloutBatch:
+    """Dynamic sampling: a further scored round of fresh prompts (group ids unique within the step)."""
+    ds, n = c.train_loader.dataset, c.cfg.data.train_batch_size
+    global_rows = [ds[i] for i in extra_prompt_indices(len(ds), n, c.cfg.data.seed, step, round_)]
+    rows = _dp_rows(c, global_rows)
+    offset = round_ * ROUND_KEY_STRIDE + step * n + ps.get_data_parallel_rank() * len(rows)
+    return scored_rollout(c, rows, offset, c.cfg.trainer.seed + step + 7919 * round_, timer)[0]
 
 
 def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float], RolloutBatch]:
@@ -129,9 +157,13 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     global_rows = c.train_loader.global_batch(step)
     rows = _dp_rows(c, global_rows)
     offset = step * len(global_rows) + ps.get_data_parallel_rank() * len(rows)
-    batch = rollout(
-        c, rows, offset, _sampling(c, cfg.rollout.temperature, cfg.rollout.n, cfg.trainer.seed + step), timer
-    )
+    batch, metrics = scored_rollout(c, rows, offset, cfg.trainer.seed + step, timer)
+    if cfg.algorithm.filter_groups.enable:
+        batch, ds_metrics = fill_with_informative_groups(
+            batch, lambda r: _extra_round(c, step, r, timer), cfg.algorithm.filter_groups.max_num_gen_batches,
+            c.tokenizer.pad_token_id or 0, ps.get_data_parallel_group(),
+        )  # fmt: skip
+        metrics |= ds_metrics
     if not on_policy(cfg):
         with timer("old_log_prob"):
             batch.old_log_probs = c.actor.log_probs(batch)
@@ -141,10 +173,9 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     if c.critic is not None:
         with timer("values"):
             batch.values = c.critic.values(batch)
-    with timer("reward"):
-        scored = score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)
     with timer("adv"):
-        metrics = compute_advantages(batch, cfg.algorithm, c.kl_ctrl)
+        metrics |= compute_advantages(batch, cfg.algorithm, c.kl_ctrl)
+        metrics |= rollout_correction(batch, cfg.actor)
     if c.critic is not None:
         with timer("update_critic"):
             metrics |= c.critic.update(batch, cfg.critic.ppo_mini_batch_size * cfg.rollout.n // c.dims.dp)
@@ -154,7 +185,7 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     diff = metrics.pop("actor/rollout_logprob_abs_diff", None)
     if batch.old_log_probs is None and diff is not None:  # measured inside the (only) update pass
         metrics["rollout/logprob_abs_diff"] = diff
-    metrics |= batch_metrics(batch, cfg.rollout.max_new_tokens) | reward_extra_metrics(scored)
+    metrics |= batch_metrics(batch, cfg.rollout.max_new_tokens)
     return metrics, batch
 
 

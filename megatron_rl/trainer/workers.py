@@ -7,6 +7,7 @@ with loss denominators counted over all micro-batches and DP ranks of each optim
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from functools import partial
 
 import torch
@@ -23,9 +24,9 @@ from megatron_rl.algos import (
     vocab_parallel_log_probs_and_entropy,
 )
 from megatron_rl.config.schema import ActorConfig, CriticConfig
-from megatron_rl.trainer.batch import RolloutBatch, split_by_tokens, split_micro_batches
+from megatron_rl.models.pipeline import broadcast_from_last_stage, gather_positions, run_micro_batches
+from megatron_rl.rollout.batch import RolloutBatch, split_by_tokens, split_micro_batches
 from megatron_rl.trainer.optim import build_optimizer, optimizer_step
-from megatron_rl.trainer.pipeline import broadcast_from_last_stage, gather_positions, run_micro_batches
 
 
 def response_log_probs(logits, mb: RolloutBatch, temperature: float, vocab_size: int, with_entropy: bool):
@@ -173,6 +174,9 @@ class PolicyWorker(_TrainedModel):
             rollout_log_prob=mb.rollout_log_probs,
             tis_mode=cfg.tis_mode,
             tis_cap=cfg.tis_cap,
+            tis_low=cfg.tis_low,
+            is_weights=mb.rollout_is_weights,
+            **asdict(cfg.policy_loss_params),
             **agg,
         )
         ent_loss, ent_metrics = compute_entropy_loss(entropy=ent, response_mask=mb.response_mask, **agg)

@@ -1,5 +1,7 @@
 """The embedded default task end to end: PPO and GRPO learn, runs are reproducible, step 0 is exact."""
 
+import math
+
 import pytest
 
 from tests.integration.cli import metrics, train, val_scores
@@ -71,3 +73,15 @@ def test_dynamic_batch_size_matches_fixed_micro_batches_at_tp2_pp2(tmp_path):
     for a, b in zip(fixed, dynamic, strict=True):
         for k in keys:
             assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), (a["step"], k, a[k], b[k])
+
+
+def test_greedy_rollouts_train_at_temperature_one(tmp_path):
+    """rollout.temperature=0 is documented as greedy: the training log-probs are scored at T = 1 (they used to
+    divide by 0), so the step's metrics are finite and the rollout's log-probs equal the recompute."""
+    short = ("rollout.temperature=0", "trainer.total_training_steps=2", "trainer.test_freq=-1",
+             "trainer.val_before_train=false", "actor.ppo_epochs=2")  # fmt: skip
+    rows = _run_ok(tmp_path, "greedy", *short)
+    last = rows[-1]
+    for key in ("actor/entropy", "actor/grad_norm", "actor/pg_loss"):
+        assert math.isfinite(last[key]), (key, last)
+    assert last["rollout/logprob_abs_diff"] < 1e-5, last

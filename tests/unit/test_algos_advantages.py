@@ -17,7 +17,9 @@ B, T = 14, 7
 GROUPS = ["a", "b", "c", "d", "a", "b", "e", "d", "a", "b", "d", "a", "d", "e"]
 
 
-def make_batch(seed: int):
+def make_batch(seed: int, gaps: bool = False):
+    """Random rewards/mask/values. ``gaps``: multi-turn responses, i.e. interior zeros in the mask (tool
+    and user tokens) and some reward on a masked token (a tool's reward)."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, T + 1, (B,), generator=gen)
     lengths[[3, 10]] = 0  # empty responses (in group "d")
@@ -27,6 +29,14 @@ def make_batch(seed: int):
     rewards = torch.zeros(B, T, dtype=torch.float64)
     for b in range(B):
         rewards[b, max(int(lengths[b]) - 1, 0)] = scores[b]  # reward on the last response token
+    if gaps:
+        for b in range(B):
+            n = int(lengths[b])
+            if n >= 4:  # turn 1, a tool output of 1-2 tokens, turn 2 (at least one token each side)
+                start = int(torch.randint(1, n - 2, (1,), generator=gen))
+                mask[b, start : start + 1 + (n - start > 3)] = 0
+        rewards[0, 2], mask[0, 1:3] = 0.25, 0.0  # a tool reward inside the gap (row 0 has 7 tokens)
+        rewards[0, 6] = 1.0
     values = torch.randn(B, T, generator=gen, dtype=torch.float64)
     return rewards, mask, values
 
@@ -49,15 +59,19 @@ def ref_broadcast(per_sample, mask):
 
 
 def ref_gae(rewards, values, mask, gamma, lam):
+    """Over the mask=1 tokens only, in order; rewards at masked positions join the assistant token
+    before them (trailing ones after the last token join the last token)."""
     r, v, m = rewards.tolist(), values.tolist(), mask.tolist()
     adv = [[0.0] * T for _ in range(B)]
     for b in range(B):
+        steps = [t for t in range(T) if m[b][t]]
         next_value, last = 0.0, 0.0
-        for t in reversed(range(T)):
-            if m[b][t]:
-                last = r[b][t] + gamma * next_value - v[b][t] + gamma * lam * last
-                next_value = v[b][t]
-                adv[b][t] = last
+        for k in reversed(range(len(steps))):
+            t, t_next = steps[k], (steps[k + 1] if k + 1 < len(steps) else T)
+            reward = sum(r[b][t:t_next])  # r[t] plus the rewards of the gap after t
+            last = reward + gamma * next_value - v[b][t] + gamma * lam * last
+            next_value = v[b][t]
+            adv[b][t] = last
     returns = [[adv[b][t] + v[b][t] if m[b][t] else 0.0 for t in range(T)] for b in range(B)]
     return ref_whiten(adv, m), returns
 
@@ -84,12 +98,15 @@ def ref_rloo(rewards, mask):
 
 
 def ref_reinforce_pp(rewards, mask, gamma):
+    """Return-to-go over the mask=1 tokens only (the same step structure as ``ref_gae``)."""
     r, m = rewards.tolist(), mask.tolist()
     returns = [[0.0] * T for _ in range(B)]
     for b in range(B):
+        steps = [t for t in range(T) if m[b][t]]
         running = 0.0
-        for t in reversed(range(T)):
-            running = r[b][t] + gamma * running if m[b][t] else 0.0
+        for k in reversed(range(len(steps))):
+            t, t_next = steps[k], (steps[k + 1] if k + 1 < len(steps) else T)
+            running = sum(r[b][t:t_next]) + gamma * running
             returns[b][t] = running
     return ref_whiten(returns, m), returns
 
@@ -104,7 +121,44 @@ def ref_reinforce_pp_baseline(rewards, mask):
     return adv, adv
 
 
+def ref_opo(rewards, mask):
+    s, lengths = ref_scores(rewards), [sum(row) for row in mask.tolist()]
+    out = []
+    for b in range(B):
+        members = [i for i in range(B) if GROUPS[i] == GROUPS[b]]
+        if len(members) == 1:
+            out.append(s[b])
+            continue
+        total_len = sum(lengths[i] for i in members)
+        baseline = sum(lengths[i] * s[i] for i in members) / total_len if total_len else 0.0
+        out.append(s[b] - baseline)
+    adv = ref_broadcast(out, mask.tolist())
+    return adv, adv
+
+
+def ref_gpg(rewards, mask):
+    s = ref_scores(rewards)
+    alpha = B / max(sum(1 for v in s if v != 0), 1)
+    out = []
+    for b in range(B):
+        group = [s[i] for i in range(B) if GROUPS[i] == GROUPS[b]]
+        out.append(alpha * (s[b] - (statistics.fmean(group) if len(group) > 1 else 0.0)))
+    adv = ref_broadcast(out, mask.tolist())
+    return adv, adv
+
+
+def ref_remax(rewards, mask, baselines):
+    r, m = rewards.tolist(), mask.tolist()
+    ret = [[sum(r[b][t:]) if m[b][t] else 0.0 for t in range(T)] for b in range(B)]
+    adv = [[ret[b][t] - baselines[b] if m[b][t] else 0.0 for t in range(T)] for b in range(B)]
+    return adv, ret
+
+
+BASELINES = [0.1 * i - 0.5 for i in range(B)]  # ReMax: the greedy sample's score per row
 CASES = {
+    "opo": lambda r, m, v: ref_opo(r, m),
+    "gpg": lambda r, m, v: ref_gpg(r, m),
+    "remax": lambda r, m, v: ref_remax(r, m, BASELINES),
     "gae": lambda r, m, v: ref_gae(r, v, m, gamma=0.9, lam=0.8),
     "grpo": lambda r, m, v: ref_grpo(r, m, epsilon=1e-6, norm=True),
     "rloo": lambda r, m, v: ref_rloo(r, m),
@@ -112,12 +166,14 @@ CASES = {
     "reinforce_plus_plus_baseline": lambda r, m, v: ref_reinforce_pp_baseline(r, m),
 }
 KWARGS = dict(gamma=0.9, lam=0.8, epsilon=1e-6, norm_adv_by_std=True, unused_key="ignored")
+KWARGS["reward_baselines"] = torch.tensor(BASELINES, dtype=torch.float64)
 
 
+@pytest.mark.parametrize("gaps", [False, True], ids=["single_turn", "interior_gaps"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_estimator_matches_loop_reference(name, seed):
-    rewards, mask, values = make_batch(seed)
+def test_estimator_matches_loop_reference(name, seed, gaps):
+    rewards, mask, values = make_batch(seed, gaps)
     adv, ret = get_advantage_estimator(name)(
         token_level_rewards=rewards, response_mask=mask, index=GROUPS, values=values, **KWARGS
     )
@@ -146,7 +202,7 @@ def test_grpo_edge_cases():
     assert torch.isfinite(adv).all()
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg"])
 def test_index_types_agree(name):
     rewards, mask, _ = make_batch(5)
     codes = {k: i * 7 for i, k in enumerate(sorted(set(GROUPS)))}
@@ -168,3 +224,63 @@ def test_registry_traits_and_errors():
     )
     with pytest.raises(ValueError, match="grpo"):
         get_advantage_estimator("nope")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_final_reward_reaches_the_first_turn(name):
+    """One response of three turns separated by tool tokens, reward 1 on the last token: every assistant
+    token gets a non-zero return/advantage, tool tokens get exactly 0."""
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 1], [1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.float64)
+    rewards = torch.zeros(2, 8, dtype=torch.float64)
+    rewards[:, 7] = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    values = torch.zeros(2, 8, dtype=torch.float64)
+    adv, ret = get_advantage_estimator(name)(
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=[0, 0],
+        values=values,
+        gamma=0.9,
+        lam=0.8,
+        reward_baselines=torch.zeros(2, dtype=torch.float64),
+    )
+    assert torch.all(ret[0, mask[0].bool()] != 0), ret
+    assert torch.all(adv[0, mask[0].bool()] != 0), adv
+    assert torch.all(adv[0, ~mask[0].bool()] == 0) and torch.all(ret[0, ~mask[0].bool()] == 0)
+    # 5 assistant steps (0, 1, 4, 5, 7): turn 1 is 4 steps before the reward, the gaps are not steps
+    expected = {"gae": (0.9 * 0.8) ** 4, "reinforce_plus_plus": 0.9**4}
+    if name in expected:
+        torch.testing.assert_close(ret[0, 0], torch.tensor(expected[name], dtype=torch.float64))
+
+
+PASSK_GROUPS = [0, 1, 0, 2, 1, 0, 2, 1, 0, 2, 1, 2, 0, 1]  # groups of 5, 5, 4; rows interleaved
+
+
+def ref_passk(rewards, mask, epsilon, norm):
+    s, out = ref_scores(rewards), [0.0] * B
+    for g in set(PASSK_GROUPS):
+        members = [i for i in range(B) if PASSK_GROUPS[i] == g]
+        ranked = sorted(members, key=lambda i: (-s[i], i))  # best first, first row on ties
+        gap = s[ranked[0]] - s[ranked[1]]
+        out[ranked[0]] = gap / (statistics.stdev([s[i] for i in members]) + epsilon) if norm else gap
+    return ref_broadcast(out, mask.tolist())
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("gaps", [False, True])
+def test_grpo_passk_matches_loop_reference(norm, gaps):
+    rewards, mask, _ = make_batch(7, gaps)
+    rewards[0, 6], rewards[2, :] = 2.0, 0.0  # a clear winner in group 0; ...
+    rewards[2, 0] = 2.0  # ... and a tie for it (row 0 comes first)
+    adv, ret = get_advantage_estimator("grpo_passk")(
+        token_level_rewards=rewards, response_mask=mask, index=PASSK_GROUPS, norm_adv_by_std=norm
+    )
+    want = torch.tensor(ref_passk(rewards, mask, 1e-6, norm), dtype=torch.float64)
+    torch.testing.assert_close(adv, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ret, want, rtol=0, atol=1e-12)
+    assert (adv.abs().sum(-1) > 0).sum() <= 3  # at most one sample per group
+
+
+def test_grpo_passk_needs_two_samples_per_group():
+    rewards, mask, _ = make_batch(0)
+    with pytest.raises(ValueError, match="rollout.n"):
+        get_advantage_estimator("grpo_passk")(token_level_rewards=rewards, response_mask=mask, index=GROUPS)

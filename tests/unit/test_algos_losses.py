@@ -36,7 +36,7 @@ def make_batch(seed: int):
 
 
 def ref_agg(loss, mask, mode):
-    """Loop reference of the four modes with local denominators (non-empty sequences counted)."""
+    """Loop reference of the five modes with local denominators (non-empty sequences counted)."""
     seqs = [[loss[b][t] for t in range(T) if mask[b][t]] for b in range(B)]
     seqs = [s for s in seqs if s]
     if mode == "token-mean":
@@ -45,6 +45,8 @@ def ref_agg(loss, mask, mode):
         return sum(sum(s) for s in seqs) / len(seqs)
     if mode == "seq-mean-token-mean":
         return sum(sum(s) / len(s) for s in seqs) / len(seqs)
+    if mode == "token-sum":
+        return sum(sum(s) for s in seqs)
     return sum(sum(s) for s in seqs) / (len(seqs) * NORM)
 
 

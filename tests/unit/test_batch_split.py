@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_rl.trainer.batch import RolloutBatch, split_by_tokens
+from megatron_rl.rollout.batch import RolloutBatch, split_by_tokens
 
 
 def _batch(prompt_lens, response_lens, r=6) -> RolloutBatch:

@@ -182,10 +182,10 @@ def test_keep_cache_reuses_the_cache_and_matches_fresh_engines():
 
 
 def test_layout_invariant_sampling_does_not_depend_on_batching(model):
-    """With SamplingParams.layout_invariant a sequence's samples depend only on (seed, prompt key, sample
+    """With SamplingParams.layout_invariant_sampling a sequence's samples depend only on (seed, prompt key, sample
     index): the slot count, the batch it shares and the prompt's position in the call do not matter."""
     hf, spec, params = model
-    sp = SamplingParams(temperature=1.0, n=2, max_new_tokens=8, seed=4, layout_invariant=True)
+    sp = SamplingParams(temperature=1.0, n=2, max_new_tokens=8, seed=4, layout_invariant_sampling=True)
     prompts = random_prompts(5, seed=3)
     keys = [100 + i for i in range(5)]
     together = RolloutEngine(params, spec, EngineConfig(max_num_seqs=6)).generate(prompts, sp, keys)
@@ -200,7 +200,9 @@ def test_layout_invariant_sampling_does_not_depend_on_batching(model):
     )
     back = {(c.key, tuple(c.response_ids)) for c in reordered}
     assert back == {(c.key, tuple(c.response_ids)) for c in together}
-    other_seed = SamplingParams(temperature=1.0, n=2, max_new_tokens=8, seed=5, layout_invariant=True)
+    other_seed = SamplingParams(
+        temperature=1.0, n=2, max_new_tokens=8, seed=5, layout_invariant_sampling=True
+    )
     moved = RolloutEngine(params, spec, EngineConfig(max_num_seqs=6)).generate(prompts, other_seed, keys)
     assert [c.response_ids for c in moved] != [c.response_ids for c in together]
 
@@ -234,7 +236,7 @@ def test_fused_sampler_in_the_engine_matches_hf_logprobs_and_the_eager_sampler(m
     HF forward, and with layout-invariant noise it samples what the eager path samples."""
     hf, spec, params = model
     prompts = random_prompts(4, seed=11)
-    sp = SamplingParams(temperature=0.8, n=2, max_new_tokens=6, seed=2, layout_invariant=True)
+    sp = SamplingParams(temperature=0.8, n=2, max_new_tokens=6, seed=2, layout_invariant_sampling=True)
     outs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("MEGATRON_RL_COMPILE", flag)

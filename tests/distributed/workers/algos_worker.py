@@ -6,6 +6,9 @@
    micro-batches (grads summed over DP) gets the single-process gradients, for every aggregation mode.
 3. Vocab-parallel log-probs and entropy at TP=2 equal the full-vocabulary values, gradients too.
 4. Metrics reduced across DP: weighted mean, sum, max, min.
+5. DAPO dynamic sampling: the group filter with groups straddling ranks equals the single-process one;
+   a DP=2 fill where one rank needs an extra round runs that round on both ranks (SPMD), each rank
+   ends with its full share, and the metrics are global.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from megatron_rl.algos import (
     vocab_parallel_log_probs,
     vocab_parallel_log_probs_and_entropy,
 )
+from megatron_rl.algos.collective import informative_groups_dp
+from megatron_rl.algos.dapo import informative_groups
+from megatron_rl.rollout.batch import RolloutBatch
+from megatron_rl.trainer.dynamic_sampling import fill_with_informative_groups
 
 B, T, V, D = 16, 6, 13, 8
 # With contiguous DP shards of 4 rows, DP=4 puts one sample of "g0" (and of "g1") on each rank.
@@ -104,12 +111,26 @@ def index_for(name: str, batch, rows: slice):
 
 
 def check_advantages(batch, groups, rank: int) -> None:
-    for name in ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+    """Every estimator, on a mask with interior gaps (multi-turn tool tokens) in the rows long enough."""
+    mask = batch["mask"].clone()
+    mask[batch["mask"].sum(-1) > 3, 1] = 0.0
+    baselines = 0.1 * torch.arange(B, dtype=torch.float64)  # ReMax greedy-sample scores
+    for name in (
+        "gae",
+        "grpo",
+        "rloo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "opo",
+        "gpg",
+        "remax",
+    ):
         want_adv, want_ret = get_advantage_estimator(name)(
             token_level_rewards=batch["rewards"],
-            response_mask=batch["mask"],
+            response_mask=mask,
             values=batch["values"],
             index=index_for(name, batch, slice(0, B)),
+            reward_baselines=baselines,
             **ESTIMATOR_KWARGS,
         )
         for layout, dp_group, rows in layouts(groups, rank):
@@ -117,9 +138,10 @@ def check_advantages(batch, groups, rank: int) -> None:
                 name,
                 dp_group=dp_group,
                 token_level_rewards=batch["rewards"][rows],
-                response_mask=batch["mask"][rows],
+                response_mask=mask[rows],
                 values=batch["values"][rows],
                 index=index_for(name, batch, rows),
+                reward_baselines=baselines[rows],
                 **ESTIMATOR_KWARGS,
             )
             msg = f"{name} {layout} rank {rank}"
@@ -288,6 +310,53 @@ def check_metrics(rank: int, world: int) -> None:
     assert out["n"].item() == world and out["hi"].item() == world - 1 and out["lo"].item() == 0, out
 
 
+def scored_batch(scores: list[float], first_group: int, n: int = 2) -> RolloutBatch:
+    """A minimal scored batch: groups of ``n`` rows, the score on the first response token."""
+    b, r = len(scores), 3
+    tls = torch.zeros(b, r)
+    tls[:, 0] = torch.tensor(scores)
+    return RolloutBatch(
+        input_ids=torch.zeros(b, 4, dtype=torch.long),
+        responses=torch.ones(b, r, dtype=torch.long),
+        response_mask=torch.ones(b, r),
+        score_pos=torch.zeros(b, r, dtype=torch.long),
+        prompt_lens=torch.ones(b, dtype=torch.long),
+        response_lens=torch.full((b,), r),
+        group_index=torch.tensor([first_group + i // n for i in range(b)]),
+        rollout_log_probs=torch.zeros(b, r),
+        finish_reasons=["stop"] * b,
+        rows=[None] * b,
+        token_level_scores=tls,
+    )
+
+
+def check_dynamic_sampling(groups, rank: int) -> None:
+    scores = torch.tensor([1.0 if g in ("g0", "g2") and i % 3 else 0.0 for i, g in enumerate(GROUPS)])
+    scores[GROUPS.index("g1")] = 1.0  # g1 (one sample on each of four ranks at DP=4) differs on rank 0 only
+    want, want_metrics = informative_groups(scores, GROUPS)
+    assert want.any() and not want.all()
+    for layout, dp_group, rows in layouts(groups, rank):
+        keep, metrics = informative_groups_dp(scores[rows], GROUPS[rows], dp_group)
+        assert keep.tolist() == want[rows].tolist(), f"group filter {layout} rank {rank}"
+        assert metrics["dynamic_sampling/kept_groups"] == want_metrics["dynamic_sampling/kept_groups"], layout
+    dp_group, dp_rank = groups[2][rank // 2], rank % 2
+    # rank 0: both groups informative; rank 1: one flat group, replaced from the second round
+    first = scored_batch([1, 0, 0, 1] if dp_rank == 0 else [1, 1, 1, 0], 10 * dp_rank)
+    calls = []
+
+    def next_round(r: int) -> RolloutBatch:
+        calls.append(r)
+        return scored_batch([0, 1, 0, 0], 100 + 10 * dp_rank)
+
+    out, metrics = fill_with_informative_groups(first, next_round, 3, 0, dp_group)
+    assert calls == [1], f"rank {rank}: every rank runs the extra round once, got {calls}"
+    assert len(out) == 4 and len(set(out.group_index.tolist())) == 2
+    want_groups = [0, 1] if dp_rank == 0 else [11, 110]
+    assert sorted(set(out.group_index.tolist())) == want_groups, (rank, out.group_index.tolist())
+    assert metrics["dynamic_sampling/groups"] == 8 and metrics["dynamic_sampling/kept_groups"] == 5, metrics
+    assert metrics["dynamic_sampling/rounds"] == 2 and metrics["dynamic_sampling/padded_groups"] == 0
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -298,6 +367,7 @@ def main() -> None:
     check_gradients(batch, groups, rank)
     check_vocab_parallel(groups[2][rank // 2], rank % 2, 2)
     check_metrics(rank, world)
+    check_dynamic_sampling(groups, rank)
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:

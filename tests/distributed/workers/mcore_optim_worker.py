@@ -28,7 +28,7 @@ from megatron_rl.checkpoint.state import (
 from megatron_rl.config.schema import ActorConfig, OptimConfig
 from megatron_rl.distributed import init_distributed
 from megatron_rl.models import ModelArgs, build_model, export_hf_state_dict, load_hf_weights, unwrap
-from megatron_rl.trainer.batch import RolloutBatch
+from megatron_rl.rollout.batch import RolloutBatch
 from megatron_rl.trainer.workers import PolicyWorker
 from tests.distributed.workers.models_tiny import make_tiny_hf
 

@@ -18,7 +18,8 @@ from models_tiny import hf_logits, make_tiny_hf  # noqa: E402
 
 from megatron_rl.checkpoint import convert  # noqa: E402
 from megatron_rl.distributed import destroy_distributed, init_distributed  # noqa: E402
-from megatron_rl.models import ModelArgs, build_model, forward_pipeline, load_hf_weights  # noqa: E402
+from megatron_rl.models import ModelArgs, build_model, load_hf_weights  # noqa: E402
+from tests.reference_forward import forward_pipeline  # noqa: E402
 
 KINDS = ("llama", "qwen2")  # llama: vocab 320 pads to 512 at TP=2, 384 at TP=1; qwen2: tied
 

@@ -21,12 +21,11 @@ from megatron_rl.models import (  # noqa: E402
     ModelArgs,
     build_model,
     export_hf_state_dict,
-    forward_logits,
-    forward_pipeline,
     load_hf_weights,
 )
 from megatron_rl.models.hf_mapping import hf_from_megatron_shards  # noqa: E402
 from megatron_rl.models.weights import tensor_state  # noqa: E402
+from tests.reference_forward import forward_logits, forward_pipeline  # noqa: E402
 
 TOL = 1e-5
 

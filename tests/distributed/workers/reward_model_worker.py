@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.distributed import init_distributed
+from megatron_rl.rewards.reward_model import RewardModelScorer
+from megatron_rl.rollout.batch import build_batch
 from megatron_rl.rollout.engine import Completion
-from megatron_rl.trainer.batch import build_batch
-from megatron_rl.trainer.reward_model import RewardModelScorer
 
 
 def make_rm(path: Path) -> None:
@@ -61,5 +61,11 @@ if __name__ == "__main__":
             batch
         )
         assert torch.allclose(scores, expected, atol=1e-5), (tp, pp, scores, expected)
+    try:  # a tokenizer mismatch is refused, naming the key the user set
+        RewardModelScorer(str(path), 1, torch.float32, micro_batch_size=2, actor_vocab_size=51)
+    except ValueError as err:
+        assert "reward.reward_model_path=" in str(err) and "51" in str(err), err
+    else:
+        raise AssertionError("a reward model with another vocabulary was accepted")
     if dist.get_rank() == 0:
         print("reward model checks passed")

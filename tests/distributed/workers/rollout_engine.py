@@ -24,11 +24,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from rollout_common import hf_greedy, random_prompts, tiny_hf  # noqa: E402
 
 from megatron_rl.distributed import init_distributed  # noqa: E402
-from megatron_rl.models import ModelArgs, build_model, forward_pipeline, load_hf_weights  # noqa: E402
+from megatron_rl.models import ModelArgs, build_model, load_hf_weights  # noqa: E402
 from megatron_rl.rollout.decoder import DecoderSpec  # noqa: E402
 from megatron_rl.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
 from megatron_rl.rollout.reshard import model_params  # noqa: E402
 from megatron_rl.rollout.sampling import SamplingParams  # noqa: E402
+from tests.reference_forward import forward_pipeline  # noqa: E402
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 # family, attention heads, KV heads, layouts, prompts, KV-cache slots (TP=4 has DP=1: its rank sees 16

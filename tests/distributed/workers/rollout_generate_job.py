@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from rollout_common import EOS, VOCAB, hf_greedy, tiny_hf  # noqa: E402
 
 from megatron_rl.apps.generate_job import encode_prompts, generate_from_config, read_prompts  # noqa: E402
-from megatron_rl.rollout.sampling import SamplingParams  # noqa: E402
+from megatron_rl.config.schema import RolloutConfig  # noqa: E402
 
 
 def word_tokenizer():
@@ -44,11 +44,10 @@ def main():
             with open(prompt_file, "w") as f:
                 f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
         dist.barrier()
-        sampling = SamplingParams(temperature=0, max_new_tokens=6)
         rows = generate_from_config(
             model_dir,
             read_prompts(prompt_file),
-            sampling,
+            RolloutConfig(temperature=0, max_new_tokens=6),
             tokenizer=tokenizer,
             chat_template=True,
             output=out_file,

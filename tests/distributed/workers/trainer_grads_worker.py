@@ -14,13 +14,14 @@ from megatron.core import parallel_state as ps
 from megatron_rl.algos import vocab_parallel_log_probs_and_entropy
 from megatron_rl.config.schema import ActorConfig
 from megatron_rl.distributed import init_distributed
-from megatron_rl.models import ModelArgs, build_model, forward_logits, load_hf_weights
+from megatron_rl.models import ModelArgs, build_model, load_hf_weights
+from megatron_rl.models.pipeline import head_on_response, run_micro_batches
+from megatron_rl.rollout.batch import RolloutBatch
 from megatron_rl.trainer import pipeline
-from megatron_rl.trainer.batch import RolloutBatch
 from megatron_rl.trainer.optim import reduce_gradients
-from megatron_rl.trainer.pipeline import head_on_response, run_micro_batches
 from megatron_rl.trainer.workers import PolicyWorker
 from tests.distributed.workers.models_tiny import make_tiny_hf
+from tests.reference_forward import forward_logits
 
 REPLICATED = ("layernorm", "final_layernorm")
 

@@ -38,6 +38,8 @@ class RolloutBatch:
     token_level_rewards: torch.Tensor | None = None  # [B, R]
     advantages: torch.Tensor | None = None  # [B, R]
     returns: torch.Tensor | None = None  # [B, R]
+    reward_baselines: torch.Tensor | None = None  # [B] ReMax: score of the prompt's greedy sample
+    rollout_is_weights: torch.Tensor | None = None  # [B, R] IS weights computed for the whole batch
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

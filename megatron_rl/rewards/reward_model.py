@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.models import ModelArgs, build_model, load_hf_weights
-from megatron_rl.trainer.batch import RolloutBatch, split_micro_batches
-from megatron_rl.trainer.pipeline import broadcast_from_last_stage, run_micro_batches
+from megatron_rl.models.pipeline import broadcast_from_last_stage, run_micro_batches
+from megatron_rl.rollout.batch import RolloutBatch, split_micro_batches
 
 
 class RewardModelScorer:
@@ -19,14 +19,14 @@ class RewardModelScorer:
         args = ModelArgs.from_hf_config(path, tp=tp)
         if args.vocab_size != actor_vocab_size:
             raise ValueError(
-                f"reward.reward_model.path={path} has a vocabulary of {args.vocab_size} tokens but the actor has "
+                f"reward.reward_model_path={path} has a vocabulary of {args.vocab_size} tokens but the actor has "
                 f"{actor_vocab_size}; the reward model must share the actor's tokenizer."
             )
         model = build_model(args, "reward", dtype)
         missing = load_hf_weights(model, path, args, role="reward")
         if missing:
             raise KeyError(
-                f"reward.reward_model.path={path} has no score head ({missing}); give an HF "
+                f"reward.reward_model_path={path} has no score head ({missing}); give an HF "
                 f"*ForSequenceClassification checkpoint with num_labels=1."
             )
         self.model = model.to(dtype).eval()

@@ -10,16 +10,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_rl.models import set_head_positions, unwrap
-from megatron_rl.trainer.batch import RolloutBatch
+from megatron_rl.models.head import set_head_positions
+from megatron_rl.models.weights import unwrap
 
-LossFn = Callable[[RolloutBatch, torch.Tensor], tuple[torch.Tensor, dict]]
+
+class MicroBatch(Protocol):
+    """What the schedule reads of a micro-batch (``rollout.batch.MicroBatch`` is one)."""
+
+    input_ids: torch.Tensor  # [B, T] right-padded
+    score_pos: torch.Tensor  # [B, R] positions whose logits score the response tokens
+
+    @property
+    def seq_len(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+
+LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
 def _positions(input_ids: torch.Tensor) -> torch.Tensor:
@@ -34,7 +48,7 @@ def gather_positions(out: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return out.gather(1, pos[..., None].expand(-1, -1, out.shape[-1]))  # [B, R, V/tp]
 
 
-def head_on_response(model: torch.nn.Module, mb: RolloutBatch) -> bool:
+def head_on_response(model: torch.nn.Module, mb: MicroBatch) -> bool:
     """Whether the LM head runs only at ``mb.score_pos`` (logits [B, R, V/tp] in response order) instead of
     every position: yes unless sequence parallelism is on or R >= T (short responses: nothing to save)."""
     return not unwrap(model).config.sequence_parallel and mb.score_pos.shape[1] < mb.seq_len
@@ -42,7 +56,7 @@ def head_on_response(model: torch.nn.Module, mb: RolloutBatch) -> bool:
 
 def run_micro_batches(
     model: torch.nn.Module,
-    micro_batches: list[RolloutBatch],
+    micro_batches: list[MicroBatch],
     loss_fn: LossFn,
     forward_only: bool,
     response_logits: bool = False,
@@ -84,7 +98,7 @@ def run_micro_batches(
     )
 
 
-def _scaled(loss_fn: LossFn, mb: RolloutBatch, n: int, output: torch.Tensor):
+def _scaled(loss_fn: LossFn, mb: MicroBatch, n: int, output: torch.Tensor):
     loss, info = loss_fn(mb, output)
     return loss * n, info
 
@@ -100,7 +114,7 @@ def broadcast_from_last_stage(obj):
     return box[0]
 
 
-def pad_to_length(batch: RolloutBatch, length: int, pad_id: int) -> RolloutBatch:
+def pad_to_length(batch: MicroBatch, length: int, pad_id: int) -> MicroBatch:
     """Right-pad ``input_ids`` to ``length`` (padding sits after every real token, so causal attention is
     unchanged for them)."""
     extra = length - batch.seq_len
