@@ -154,16 +154,26 @@ def plot_chart(chart: Chart, runs: list[Run], out: Path) -> list[str] | None:
         steps = sorted({s for _, xs, _ in present for s in xs})
         stacks = [[dict(zip(xs, ys)).get(s, 0.0) for s in steps] for _, xs, ys in present]
         ax.stackplot(steps, *stacks, labels=[_short(k, chart) for k, _, _ in present], alpha=0.85)
+        xs, ys = runs[0].points(names.TIMING_STEP)  # the total: the gap above the stack is untimed work
+        if xs:
+            ax.plot(xs, ys, color="black", linewidth=1.2, label="step (total)")
     else:
-        for run in runs:
+        styles = ("-", "--", ":", "-.")
+        for r, run in enumerate(runs):
             keys = [names.TIMING_STEP] if chart.stacked else series  # sweeps: total step time per run
-            for key in keys:
+            for i, key in enumerate(keys):
                 xs, ys = run.points(key)
                 if not xs:
                     continue
+                # one run: a colour per metric; a sweep: a colour per run, a line style per metric
+                style = (
+                    dict(color=f"C{i % 10}")
+                    if len(runs) == 1
+                    else dict(color=f"C{r % 10}", linestyle=styles[i % 4])
+                )
                 label = _short(key, chart) if len(runs) == 1 else f"{_short(key, chart)} [{run.label}]"
                 marker = "o" if len(xs) < 30 or key == names.VAL_SCORE_MEAN else None
-                ax.plot(xs, ys, label=label, marker=marker, markersize=3, linewidth=1.4)
+                ax.plot(xs, ys, label=label, marker=marker, markersize=3, linewidth=1.4, **style)
     ax.set_title(chart.title)
     ax.set_xlabel("step")
     ax.set_ylabel(chart.ylabel)

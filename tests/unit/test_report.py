@@ -50,7 +50,7 @@ def test_one_run_gives_every_chart_with_its_series(tmp_path):
     assert report.series["kl"] == ["actor/kl_loss", "actor/reference_kl"]
     assert report.series["entropy"] == ["actor/entropy"]
     assert report.series["response_length"] == ["response_length/mean", "response_length/max"]
-    assert report.series["timing"] == ["gen", "update_actor"]  # stacked phases, the step total left out
+    assert report.series["timing"] == ["gen", "update_actor", "step (total)"]  # stacked phases + the total
     assert report.series["memory"] == ["gen", "update_actor"]
     assert report.series["reward_extra"] == ["acc/mean"]
     page = report.html.read_text()
