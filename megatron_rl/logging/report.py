@@ -53,7 +53,7 @@ CHARTS = (
     Chart("throughput", "Throughput", "tokens / s / GPU", (names.PERF_THROUGHPUT,)),
     Chart("mfu", "MFU (update phase)", "fraction of peak", (names.PERF_MFU,)),
     Chart("memory", "Peak memory per phase", "GiB", prefixes=(names.PERF_MAX_MEMORY_ALLOCATED_GB + "/",)),
-    Chart("reward_extra", "Extra reward terms", "mean", prefixes=("reward/",)),
+    Chart("reward_extra", "Extra reward terms", "mean", prefixes=("reward/", "reward_extra/")),
 )
 
 
