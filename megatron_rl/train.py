@@ -8,7 +8,7 @@ import hydra
 from omegaconf import DictConfig
 
 from megatron_rl.config.entry import checked_layout, quiet_third_party, reported_errors
-from megatron_rl.config.run_dir import run_dir_overrides
+from megatron_rl.config.run_dir import with_run_dir
 from megatron_rl.config.store import CONFIG_DIR, to_job_config
 from megatron_rl.logging.noise import quiet_dependencies, verbose
 
@@ -36,7 +36,7 @@ def main() -> None:
 
         print(render_help(COMMAND, [a for a in sys.argv[1:] if a not in ("--help", "-h")]))
         return
-    sys.argv += run_dir_overrides(sys.argv[1:])
+    sys.argv[1:] = with_run_dir(sys.argv[1:])
     try:
         _main()
     except KeyboardInterrupt:

@@ -77,3 +77,12 @@ def run_dir_overrides(
     if launch.rank != 0:
         out += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     return out
+
+
+def with_run_dir(argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``run_dir_overrides`` placed right after the user's overrides: Hydra reads its
+    overrides as one run of positional arguments, so ``... a=1 --cfg job b=2`` would not parse."""
+    extra = run_dir_overrides(argv)
+    positions = [i for i, arg in enumerate(argv) if "=" in arg and not arg.startswith("-")]
+    at = positions[-1] + 1 if positions else 0
+    return [*argv[:at], *extra, *argv[at:]]

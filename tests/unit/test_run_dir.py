@@ -3,7 +3,7 @@
 import datetime
 import re
 
-from megatron_rl.config.run_dir import STORE_KEY, run_dir_overrides
+from megatron_rl.config.run_dir import STORE_KEY, run_dir_overrides, with_run_dir
 from megatron_rl.distributed.runtime import LaunchEnv
 from tests.distributed.launch import run_torchrun
 
@@ -47,3 +47,14 @@ def test_four_ranks_with_different_clocks_resolve_one_output_dir():
     assert len({clock for _, _, clock, _ in lines}) > 1, out  # the ranks did read different seconds
     dirs = {d for _, _, _, d in lines}
     assert len(dirs) == 1 and re.search(r"outputs/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d$", dirs.pop()), out
+
+
+def test_added_overrides_join_the_users_so_hydra_flags_still_parse():
+    argv = ["parallel.tensor_model_parallel_size=2", "trainer.output_dir=runs/x", "--cfg", "job"]
+    assert with_run_dir(argv) == [*argv[:2], "hydra.run.dir=runs/x", "--cfg", "job"]
+    assert with_run_dir(["--cfg", "job", "trainer.output_dir=y"]) == [
+        "--cfg",
+        "job",
+        "trainer.output_dir=y",
+        "hydra.run.dir=y",
+    ]
