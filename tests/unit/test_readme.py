@@ -36,12 +36,14 @@ def cpu_recipes() -> list[str]:
 
 def as_tested(command: str) -> str:
     """A README command made cheap without changing what it runs: training gets 2 steps (so the step in a
-    checkpoint path is 2); the 4-rank and sweep launches are started as written but only compose their
-    config (`--cfg job`): their full runs are tests/integration/test_train_builtin.py::test_tp2_pp2_learns
-    and tests/unit/test_launch_sweep.py."""
+    checkpoint path is 2); the 4-rank launch starts as written but only composes its config (`--cfg job`),
+    the sweep runs each job as a dry run (Hydra refuses --cfg with -m): their full runs are
+    tests/integration/test_train_builtin.py::test_tp2_pp2_learns and tests/unit/test_launch_sweep.py."""
     command = command.replace("global_step_120", "global_step_2")
-    if command.startswith("torchrun") or " -m " in command:
+    if command.startswith("torchrun"):
         return f"{command} --cfg job"
+    if " -m " in command:
+        return f"{command} trainer.dry_run=true"
     if command.startswith("megatron-rl train") and "--help" not in command:
         return f"{command} {SHORT}"
     return command
