@@ -51,6 +51,7 @@ def as_tested(command: str) -> str:
 
 def test_cpu_recipes_run_as_written_after_activation(tmp_path):
     import os
+    import shlex
     import subprocess
     import sys
 
@@ -59,7 +60,7 @@ def test_cpu_recipes_run_as_written_after_activation(tmp_path):
     # the README's set-up leaves the venv in the repo root, where the commands run; this venv stands in
     (tmp_path / ".venv").symlink_to(sys.prefix)
     script = "set -euo pipefail\nsource .venv/bin/activate\n" + "".join(
-        f"echo '>>> {c}'\n{as_tested(c)}\n" for c in commands
+        f"echo {shlex.quote('>>> ' + c)}\n{as_tested(c)}\n" for c in commands
     )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "VIRTUAL_ENV")}
     env |= {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"}  # no venv on PATH
