@@ -18,6 +18,9 @@ def main(argv: list[str] | None = None) -> None:
     info.add_argument("dir", help="checkpoints/global_step_N, a checkpoints folder, or a run's output_dir")
     info.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    from megatron_rl.logging.noise import quiet_dependencies
+
+    quiet_dependencies()  # the checkpoint constants' package imports megatron-core, which warns
     from megatron_rl.apps.ckpt_info import format_summary, inspect_checkpoint
 
     try:

@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
              "megatron-rl score reward=gsm8k input=responses.jsonl")  # fmt: skip
     if cfg.reward.reward_fn == "model":
         fail("megatron-rl score runs rule and custom rewards; reward.reward_fn=model needs the trainer")
+    from megatron_rl.logging.noise import quiet_dependencies
+
+    quiet_dependencies()
     from megatron_rl.apps.score_file import score_file
     from megatron_rl.rewards import build_reward_fn
     from megatron_rl.tasks import register_builtin_tasks

@@ -60,3 +60,14 @@ def test_not_a_checkpoint_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["ckpt", "info", str(tmp_path)])
     assert exit_info.value.code == 2 and "holds no global_step_<N> directory" in capsys.readouterr().err
+
+
+def test_cli_prints_no_dependency_warnings(tmp_path):
+    import subprocess
+    import sys
+
+    _checkpoint(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "ckpt", "info", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0 and "verified    ok" in proc.stdout, proc.stderr
+    assert "warn" not in proc.stderr.lower(), proc.stderr  # megatron-core's apex/TE notices stay quiet
