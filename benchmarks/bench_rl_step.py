@@ -212,7 +212,7 @@ def run(a: argparse.Namespace) -> dict:
     from megatron_rl.distributed import init_distributed
     from megatron_rl.logging import Timer
     from megatron_rl.trainer.build import build_components
-    from megatron_rl.trainer.run import _actor_params, train_step
+    from megatron_rl.trainer.run import train_step
 
     quiet_third_party()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
@@ -227,7 +227,7 @@ def run(a: argparse.Namespace) -> dict:
     mem = PhaseMemory()
     instrument(c, mem)
     cuda = torch.cuda.is_available()
-    n_params = _actor_params(c)
+    n_params = c.args.matmul_params()
     steps = []
     for step in range(a.steps):
         timer = Timer()

@@ -15,6 +15,9 @@ if [[ -z "${NPROC:-}" ]]; then
   NPROC=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   [[ "${NPROC}" -ge 1 ]] || NPROC=1
 fi
+# After forwarding SIGTERM/SIGINT, torchrun SIGKILLs the workers after this many seconds (its default, 30, is
+# too short for a step and a checkpoint write; the trainer stops cleanly on the signal)
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
 cmd=("${PYTHON}" -m torch.distributed.run --standalone --nnodes=1 "--nproc-per-node=${NPROC}"
      -m megatron_rl.train "$@")
 if [[ "${LAUNCH_DRY:-0}" == 1 ]]; then

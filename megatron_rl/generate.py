@@ -15,9 +15,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from megatron_rl.config.entry import checked_layout, fail, quiet_third_party, reported_errors
+from megatron_rl.config.entry import checked_layout, fail, job_config, quiet_third_party, reported_errors
 from megatron_rl.config.run_dir import with_run_dir
-from megatron_rl.config.store import CONFIG_DIR, to_job_config
+from megatron_rl.config.store import CONFIG_DIR
 from megatron_rl.logging.noise import quiet_dependencies, verbose
 
 COMMAND = "generate"
@@ -27,7 +27,7 @@ COMMAND = "generate"
 def _main(dcfg: DictConfig) -> None:
     quiet_third_party()
     quiet_dependencies()
-    cfg = to_job_config(dcfg)
+    cfg = job_config(dcfg)
     missing = [
         k
         for k, v in (

@@ -7,9 +7,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from megatron_rl.config.entry import checked_layout, quiet_third_party, reported_errors
+from megatron_rl.config.entry import checked_layout, job_config, quiet_third_party, reported_errors
 from megatron_rl.config.run_dir import with_run_dir
-from megatron_rl.config.store import CONFIG_DIR, to_job_config
+from megatron_rl.config.store import CONFIG_DIR
 from megatron_rl.logging.noise import quiet_dependencies, verbose
 
 COMMAND = "train"
@@ -19,12 +19,15 @@ COMMAND = "train"
 def _main(dcfg: DictConfig) -> None:
     quiet_third_party()
     quiet_dependencies()
-    cfg = to_job_config(dcfg)
+    cfg = job_config(dcfg)
     dims = checked_layout(cfg)  # exits with a message before any process group or GPU work
 
+    from megatron_rl.distributed.shutdown import ended_children, install_stop_handlers, own_children
     from megatron_rl.trainer.run import run_training
 
-    with reported_errors(cfg.trainer.output_dir):
+    install_stop_handlers()  # SIGTERM/SIGINT: every rank finishes the step, saves, exits EXIT_SIGNALLED
+    own_children()
+    with ended_children(), reported_errors(cfg.trainer.output_dir):
         run_training(cfg, dims)
 
 

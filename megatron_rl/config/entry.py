@@ -35,6 +35,16 @@ def model_num_layers(model: ModelConfig) -> int:
     )
 
 
+def job_config(dcfg) -> JobConfig:
+    """The composed Hydra config as a ``JobConfig``; on an unknown key, exit with the message."""
+    from megatron_rl.config.store import to_job_config
+
+    try:
+        return to_job_config(dcfg)
+    except ConfigError as err:
+        fail(str(err))
+
+
 def checked_layout(cfg: JobConfig, training: bool = True) -> ParallelDims:
     """Validate ``cfg`` against the launch's world size; on bad input, exit with the message."""
     try:

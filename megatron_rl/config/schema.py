@@ -306,7 +306,13 @@ class TrainerConfig:
     log_generations_freq: int = doc(5, "Print a few sample generations every N steps (-1 = never).")
     timeout_minutes: float = doc(
         30.0,
-        "Collective timeout (on NCCL also the limit of one phase); a hang past it is reported with phase and rank.",
+        "Limit of one phase (generation, reward, update, validation...) and of one collective, on every "
+        "backend; a phase past it ends the run (exit code 3) with an error naming the phase and the rank.",
+    )
+    save_on_signal: bool = doc(
+        True,
+        "On SIGTERM/SIGINT every rank finishes the current step, writes a checkpoint (if true), flushes "
+        "metrics and exits with code 75; the same command resumes.",
     )
 
 

@@ -137,8 +137,36 @@ def _check_update_batches(cfg: JobConfig, role: str, dp: int) -> int:
     return seqs_per_rank // micro
 
 
+# (test, the range in words, a value that works) per optimizer key; lr=0 freezes the weights (allowed),
+# clip_grad=0 turns clipping off
+OPTIM_RANGES = {
+    "lr": (lambda v: v >= 0, ">= 0", "1e-6"),
+    "weight_decay": (lambda v: v >= 0, ">= 0", "0.01"),
+    "eps": (lambda v: v > 0, "> 0", "1e-8"),
+    "clip_grad": (lambda v: v >= 0, ">= 0 (0 = no clipping)", "1.0"),
+    "lr_warmup_steps": (lambda v: v >= 0, ">= 0", "0"),
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]", "0.0"),
+}
+
+
+def _check_optim_values(optim, role: str) -> None:
+    for name, (ok, allowed, example) in OPTIM_RANGES.items():
+        value = getattr(optim, name)
+        if not ok(value):
+            raise ConfigError(
+                f"{role}.optim.{name}={value} must be {allowed}; e.g. {role}.optim.{name}={example}."
+            )
+    betas = list(optim.betas)
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ConfigError(
+            f"{role}.optim.betas={betas} must be two values in [0, 1) (Adam's beta1, beta2); "
+            f"e.g. {role}.optim.betas=[0.9,0.999]."
+        )
+
+
 def _check_optim(cfg: JobConfig, role: str) -> None:
     optim = _get(cfg, f"{role}.optim")
+    _check_optim_values(optim, role)
     if optim.use_distributed_optimizer and optim.backend != "megatron":
         raise ConfigError(
             f"{role}.optim.use_distributed_optimizer=true needs {role}.optim.backend=megatron (the local "
@@ -198,6 +226,11 @@ def validate_job(
             "trainer.total_training_steps",
         ),
     )
+    if not cfg.trainer.timeout_minutes > 0:
+        raise ConfigError(
+            f"trainer.timeout_minutes={cfg.trainer.timeout_minutes} must be > 0 (minutes, fractions allowed); "
+            "e.g. trainer.timeout_minutes=30."
+        )
     _check_rollout(cfg, training)
     if par.sequence_parallel and par.tensor_model_parallel_size == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1.")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.data.parquet_source import SourceRow, read_prompt_files
+from megatron_rl.distributed.runtime import read_launch_env
 
 logger = logging.getLogger(__name__)
 
@@ -133,11 +134,24 @@ class PromptDataset:
                 "data.truncation=filter dropped %d of %d prompts longer than data.max_prompt_length=%d (%s)",
                 self.num_filtered, len(source), self.max_prompt_length, files_key,
             )  # fmt: skip
+        self._warn_missing_ground_truth(files_key)
         if not self.rows:
             raise ValueError(
                 f"{files_key}: all {len(source)} prompts are longer than data.max_prompt_length="
                 f"{self.max_prompt_length} and data.truncation=filter dropped them; raise data.max_prompt_length"
             )
+
+    def _warn_missing_ground_truth(self, files_key: str) -> None:
+        """Warn (once, rank 0) about rows without ``reward_model.ground_truth``: a rule reward scores them 0
+        every time. Not an error: a reward model, or a custom function that does not read it, needs none."""
+        missing = [r for r in self.rows if r.ground_truth is None]
+        if missing and read_launch_env().rank == 0:
+            logger.warning(
+                "%s: %d of %d rows have reward_model.ground_truth = null (first: dataset index %d); rule "
+                "rewards (gsm8k, math) score them 0 every time. Fill in ground_truth or drop those rows, unless "
+                "the reward (reward.reward_fn=model, or a custom function) does not use it.",
+                files_key, len(missing), len(self.rows), missing[0].index,
+            )  # fmt: skip
 
     def _limit(self, ids: list[int], row: SourceRow, index: int) -> list[int] | None:
         limit = self.max_prompt_length

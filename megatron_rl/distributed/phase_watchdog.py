@@ -1,18 +1,19 @@
-"""Collective timeouts as errors that name the phase and the rank, instead of a silent hang.
+"""Every phase bounded by ``trainer.timeout_minutes``, and timeouts as errors that name the phase and the rank.
 
-    with phase("update_actor"):
-        ...collectives...
+    with phase("update_actor", timeout_minutes, what="the actor update"):
+        ...work, collectives...
 
 A ``torch.distributed`` timeout inside the block (gloo raises ``RuntimeError: ... timed out``, NCCL with
 blocking wait raises ``DistBackendError``) is re-raised as ``CollectiveTimeout`` naming the phase, the
 rank and ``trainer.timeout_minutes`` (the process-group timeout set by ``init_distributed``).
 
-NCCL (torch 2.11, checked on 2 x H200 with ``benchmarks/check_nccl_timeout.py``) raises nothing: its
-watchdog logs "Watchdog caught collective operation timeout" and the host stays blocked in the next CUDA
-sync, with or without ``TORCH_NCCL_BLOCKING_WAIT`` / ``TORCH_NCCL_ASYNC_ERROR_HANDLING``. So on NCCL (or with
-``MEGATRON_RL_PHASE_MONITOR=1``) a monitor thread bounds each phase instead: a phase still running after
-``timeout_minutes`` writes the named error to stderr and ``error_rank<R>.log`` and ends the process (exit
-code 3), so the launcher tears the job down instead of hanging.
+That alone bounds nothing on its own rank: a reward function that never returns, or (NCCL, torch 2.11,
+checked on 2 x H200 with ``benchmarks/check_nccl_timeout.py``) a stuck collective, whose watchdog logs
+"Watchdog caught collective operation timeout" while the host stays blocked in the next CUDA sync. So on
+every backend a monitor thread bounds each phase (``MEGATRON_RL_PHASE_MONITOR=0`` turns it off): a phase
+that runs ``timeout_minutes`` without entering or leaving a phase inside it writes an error naming the
+phase (and the phases around it) to stderr and ``error_rank<R>.log``, ends this process's children and
+exits with ``EXIT_STUCK``, so the launcher tears the job down instead of hanging.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import torch.distributed as dist
 
 EXIT_STUCK = 3
 _POLL_S = float(os.environ.get("MEGATRON_RL_PHASE_POLL_S", "5"))
-_state: dict = {"error_dir": None, "current": None, "thread": None}
+# stack: the open phases (name, timeout minutes, what), innermost last; since: when the innermost started
+# or the last phase inside it ended (the clock the bound applies to)
+_state: dict = {"error_dir": None, "stack": [], "since": 0.0, "poll": _POLL_S, "thread": None}
 
 
 class CollectiveTimeout(RuntimeError):
@@ -53,52 +56,67 @@ def set_error_dir(path: str | None) -> None:
 
 
 def _monitored() -> bool:
-    flag = os.environ.get("MEGATRON_RL_PHASE_MONITOR")
-    if flag is not None:
-        return flag == "1"
-    return dist.is_initialized() and dist.get_backend() == "nccl"
+    return os.environ.get("MEGATRON_RL_PHASE_MONITOR", "1") != "0"
 
 
-def _stuck_message(name: str, minutes: float, rank: int) -> str:
+def _stuck_message(stack: list[tuple[str, float, str | None]], rank: int) -> str:
+    name, minutes, what = stack[-1]
+    runs = f"; it runs {what}" if what else ""
+    inside = "".join(f", inside phase '{outer}'" for outer, _, _ in reversed(stack[:-1]))
     return (
-        f"rank {rank}: phase '{name}' has not finished after {minutes:g} min (trainer.timeout_minutes): a "
-        "collective in it is stuck (NCCL logs 'Watchdog caught collective operation timeout' but does not raise). "
-        "Another rank did not reach it: look for an earlier error on the other ranks (error_rank<R>.log), or "
-        "raise trainer.timeout_minutes if this phase is legitimately slower. Ending this process."
+        f"rank {rank}: phase '{name}' has not finished after {minutes:g} min (trainer.timeout_minutes){runs}"
+        f"{inside}. Either that work is stuck or slow, or a collective in it waits for a rank that did not "
+        "arrive (look for an earlier error on the other ranks, error_rank<R>.log; NCCL only logs 'Watchdog "
+        "caught collective operation timeout'). Raise trainer.timeout_minutes if this phase is legitimately "
+        "slower. Ending this process."
     )
+
+
+def _report_and_exit(message: str) -> None:
+    print(f"megatron-rl: error: PhaseTimeout: {message}", file=sys.stderr, flush=True)
+    if _state["error_dir"]:
+        with contextlib.suppress(OSError):
+            log = Path(_state["error_dir"]) / f"error_rank{_rank()}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(f"PhaseTimeout: {message}\n")
+    from megatron_rl.distributed.shutdown import end_children
+
+    with contextlib.suppress(Exception):
+        end_children()  # os._exit skips the interpreter's exit handlers that would end them
+    os._exit(EXIT_STUCK)
 
 
 def _monitor() -> None:
     while True:
-        time.sleep(_POLL_S)
-        current = _state["current"]
-        if current is None:
-            continue
-        name, start, minutes = current
-        if time.monotonic() - start <= minutes * 60:
-            continue
-        message = _stuck_message(name, minutes, _rank())
-        print(f"megatron-rl: error: CollectiveTimeout: {message}", file=sys.stderr, flush=True)
-        if _state["error_dir"]:
-            with contextlib.suppress(OSError):
-                log = Path(_state["error_dir"]) / f"error_rank{_rank()}.log"
-                log.parent.mkdir(parents=True, exist_ok=True)
-                log.write_text(f"CollectiveTimeout: {message}\n")
-        os._exit(EXIT_STUCK)
+        time.sleep(_state["poll"])
+        stack, since = list(_state["stack"]), _state["since"]
+        if stack and time.monotonic() - since > stack[-1][1] * 60:
+            _report_and_exit(_stuck_message(stack, _rank()))
+
+
+def _enter(name: str, timeout_minutes: float, what: str | None) -> None:
+    if _state["thread"] is None:
+        _state["thread"] = threading.Thread(target=_monitor, name="megatron-rl-phase-monitor", daemon=True)
+        _state["thread"].start()
+    # a tenth of the limit, so that a short limit is enforced about as precisely as a long one
+    _state["poll"] = min(_state["poll"], max(0.05, timeout_minutes * 6))
+    _state["since"] = time.monotonic()
+    _state["stack"].append((name, timeout_minutes, what))
+
+
+def _leave() -> None:
+    _state["stack"].pop()
+    _state["since"] = time.monotonic()
 
 
 @contextlib.contextmanager
-def phase(name: str, timeout_minutes: float | None = None):
-    """Name what this rank is doing; a collective timeout inside becomes a ``CollectiveTimeout`` (and on
-    NCCL a phase running longer than ``timeout_minutes`` ends the process with that error)."""
+def phase(name: str, timeout_minutes: float | None = None, what: str | None = None):
+    """Name what this rank is doing (``what``: a few words for the error, e.g. "the reward function").
+    A collective timeout inside becomes a ``CollectiveTimeout``; with ``timeout_minutes``, running that
+    long without a phase change ends the process with an error naming the phase."""
     watch = timeout_minutes is not None and _monitored()
     if watch:
-        if _state["thread"] is None:
-            _state["thread"] = threading.Thread(
-                target=_monitor, name="megatron-rl-phase-monitor", daemon=True
-            )
-            _state["thread"].start()
-        outer, _state["current"] = _state["current"], (name, time.monotonic(), timeout_minutes)
+        _enter(name, timeout_minutes, what)
     try:
         yield
     except CollectiveTimeout:
@@ -115,4 +133,4 @@ def phase(name: str, timeout_minutes: float | None = None):
         ) from err
     finally:
         if watch:
-            _state["current"] = outer
+            _leave()

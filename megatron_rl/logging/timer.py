@@ -1,4 +1,5 @@
-"""Per-phase wall-clock timing for one training step, reported as ``timing_s/<phase>``."""
+"""Per-phase wall-clock timing for one training step, reported as ``timing_s/<phase>``; ``PhaseTimer`` also
+bounds each phase by ``trainer.timeout_minutes`` and records its peak GPU memory."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from contextlib import contextmanager
 
 import torch
 
+from megatron_rl.distributed.phase_watchdog import phase
 from megatron_rl.logging.metric_names import timing_key
 
 
@@ -49,4 +51,59 @@ class Timer:
         out = {timing_key(phase): s for phase, s in self.seconds.items()}
         if reset:
             self.seconds = {}
+        return out
+
+
+# What each trainer phase runs, for the error when one outlives trainer.timeout_minutes.
+PHASE_WORK = {
+    "gen": "generation with the rollout engine",
+    "old_log_prob": "the actor's log-prob recompute",
+    "ref": "the reference model's log-probs",
+    "values": "the critic's values",
+    "reward": "scoring: the reward function (reward.reward_fn, reward.custom_reward_function) or reward model",
+    "adv": "advantage estimation",
+    "update_critic": "the critic update",
+    "update_actor": "the actor update",
+    "val": "validation (generation and scoring on data.val_files)",
+    "save_checkpoint": "a checkpoint write",
+}
+
+
+class PhaseTimer(Timer):
+    """Times each phase (``timing_s/<phase>``) and bounds it: a phase running longer than
+    ``timeout_minutes`` (and a collective timeout inside it) becomes an error naming the phase and the
+    rank instead of a silent hang. On GPU it also records each phase's peak allocated memory
+    (``perf/max_memory_allocated_gb/<phase>``, GiB, this rank)."""
+
+    def __init__(self, timeout_minutes: float):
+        super().__init__()
+        self.timeout_minutes = timeout_minutes
+        self.peak_gib: dict[str, float] = {}
+        self.peak_outside_gib = 0.0  # peaks between phases (each phase resets the allocator's counter)
+
+    @contextmanager
+    def __call__(self, name: str):
+        cuda = _cuda_ready()
+        if cuda:
+            outside = torch.cuda.max_memory_allocated() / 2**30
+            self.peak_outside_gib = max(self.peak_outside_gib, outside)
+            torch.cuda.reset_peak_memory_stats()
+        with super().__call__(name), phase(name, self.timeout_minutes, PHASE_WORK.get(name)):
+            yield
+        if cuda:
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            self.peak_gib[name] = max(self.peak_gib.get(name, 0.0), peak)
+
+    def bounded(self, name: str):
+        """A named, bounded phase without a timing metric (it only groups the phases inside it)."""
+        return phase(name, self.timeout_minutes, PHASE_WORK.get(name))
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        out = super().metrics(reset)
+        out |= {f"perf/max_memory_allocated_gb/{k}": v for k, v in self.peak_gib.items()}
+        if self.peak_gib and torch.cuda.is_available():
+            now = torch.cuda.max_memory_allocated() / 2**30
+            out["perf/max_memory_allocated_gb"] = max(now, self.peak_outside_gib, *self.peak_gib.values())
+        if reset:
+            self.peak_gib, self.peak_outside_gib = {}, 0.0
         return out

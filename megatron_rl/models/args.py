@@ -69,7 +69,7 @@ class ModelArgs:
 
         ``tp`` only decides ``padded_vocab_size`` (a multiple of 128 * tp).
         """
-        cfg, source = _read_config(path_or_dict)
+        cfg, source = read_hf_config(path_or_dict)
         model_type = cfg.get("model_type")
         archs = tuple(cfg.get("architectures") or ())
         if model_type not in SUPPORTED_MODEL_TYPES or any(a not in SUPPORTED_ARCHITECTURES for a in archs):
@@ -105,6 +105,54 @@ class ModelArgs:
             rope_scaling_factor=rope_factor,
             sliding_window=window,
         )
+
+    def layer_params(self, tp: int = 1) -> int:
+        """Parameters of one transformer layer held by one TP rank: qkv (+ bias), proj, SwiGLU fc1 + fc2
+        split over TP; the two RMSNorm weights (and qk-norm weights) replicated."""
+        qkv_rows = (self.num_attention_heads + 2 * self.num_query_groups) * self.head_dim
+        split = qkv_rows * self.hidden_size + qkv_rows * self.qkv_bias
+        split += self.num_attention_heads * self.head_dim * self.hidden_size  # proj
+        split += 3 * self.ffn_hidden_size * self.hidden_size  # fc1 = gate + up, fc2
+        return split // tp + 2 * self.hidden_size + 2 * self.head_dim * self.qk_norm
+
+    def stage_params(self, tp: int = 1, pp: int = 1, head: str = "lm") -> dict[str, int]:
+        """Parameters one rank holds on the first and on the last pipeline stage (the larger stages: the
+        layers split evenly, plus the padded embedding / LM head / final norm). ``head``: "lm" (actor,
+        ref: the LM head, tied to the embedding at PP=1) or "value" (critic, reward: a [1, h] head)."""
+        if head not in ("lm", "value"):
+            raise ValueError(f"head={head!r}; use 'lm' or 'value'")
+        body = self.layer_params(tp) * self.num_layers // pp
+        emb = self.with_tp(tp).padded_vocab_size // tp * self.hidden_size
+        if head == "value":
+            out = self.hidden_size
+        else:  # tied: one tensor at PP=1; a copy on the last stage at PP>1
+            out = emb if not self.tie_word_embeddings or pp > 1 else 0
+        tail = out + self.hidden_size  # + the final norm
+        return {"first": body + emb + (tail if pp == 1 else 0), "last": body + (tail if pp > 1 else 0)}
+
+    def num_params(self) -> int:
+        """All parameters of the model as HF counts them (unpadded vocab; a tied head counted once)."""
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return (
+            self.num_layers * self.layer_params()
+            + self.vocab_size * self.hidden_size
+            + head
+            + self.hidden_size
+        )
+
+    def matmul_params(self) -> int:
+        """N of the 6N-FLOPs-per-trained-token (2N per forward token) rule: every weight matrix a token
+        passes through, the LM head once whether tied or not; norms, biases and attention's T^2 term are
+        left out (the usual MFU convention, as Megatron-LM and PaLM count)."""
+        qkv_rows = (self.num_attention_heads + 2 * self.num_query_groups) * self.head_dim
+        attn = qkv_rows * self.hidden_size + self.num_attention_heads * self.head_dim * self.hidden_size
+        return self.num_layers * (attn + 3 * self.hidden_size * self.ffn_hidden_size) + (
+            self.vocab_size * self.hidden_size
+        )
+
+    def kv_bytes_per_token(self, tp: int = 1, dtype_bytes: int = 2) -> int:
+        """KV-cache bytes one token takes on one generation-TP rank (K and V of every layer)."""
+        return self.num_layers * 2 * max(1, self.num_query_groups // tp) * self.head_dim * dtype_bytes
 
     def with_tp(self, tp: int) -> ModelArgs:
         """The same model with the vocab padding of another TP size (keeps a padding that already fits)."""
@@ -205,16 +253,26 @@ class ModelArgs:
         return d
 
 
-def _read_config(path_or_dict: str | Path | dict) -> tuple[dict, str]:
+def find_hf_config(model_dir: str | Path) -> Path | None:
+    """Where the HF ``config.json`` of a model directory lives: ``<dir>/config.json`` (an HF directory)
+    or ``<dir>/hf_config/config.json`` (a megatron_rl checkpoint or converted directory); None if neither."""
+    for cand in (Path(model_dir) / "config.json", Path(model_dir) / "hf_config" / "config.json"):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def read_hf_config(path_or_dict: str | Path | dict) -> tuple[dict, str]:
+    """(config dict, where it came from) for a dict, a ``config.json`` path or a model directory."""
     if isinstance(path_or_dict, dict):
         return path_or_dict, "<config dict>"
     path = Path(path_or_dict)
     if path.is_dir():
-        path = path / "config.json"
+        path = find_hf_config(path) or path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(
             f"HF config not found: {path}. Pass a model directory that contains config.json "
-            f"(as written by transformers' save_pretrained) or the config.json file itself."
+            f"(as written by transformers' save_pretrained) or hf_config/config.json, or the file itself."
         )
     return json.loads(path.read_text()), str(path)
 

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.data import PromptDataLoader, PromptDataset
+from megatron_rl.data.tokenizer_fit import check_tokenizer_fits
 from megatron_rl.distributed import ParallelDims
 from megatron_rl.logging import MetricsLogger
 from megatron_rl.models import ModelArgs, build_model, load_hf_weights
@@ -113,6 +114,10 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
     reward_fn = _reward_fn(cfg)  # a bad custom function path fails before models are built
     model_dir, train_files, val_files, chat = _resolve_paths(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    args = ModelArgs.from_hf_config(model_dir, tp=dims.tp)
+    check_tokenizer_fits(
+        tokenizer, args.vocab_size, model_dir
+    )  # before the data is tokenized or weights load
     data = cfg.data
     dataset_kw = dict(
         tokenizer=tokenizer,
@@ -127,7 +132,6 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
     )
     val_ds = PromptDataset(val_files, files_key="data.val_files", **dataset_kw) if val_files else None
     total = min(cfg.trainer.total_training_steps, loader.steps_per_epoch * cfg.trainer.total_epochs)
-    args = ModelArgs.from_hf_config(model_dir, tp=dims.tp)
     actor, ref, critic = _build_models(cfg, args, model_dir, total)
     engine_cfg = EngineConfig.from_config(cfg.rollout)
     reward_model = None

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
+import sys
 import time
 
 import torch
@@ -15,7 +15,10 @@ from megatron_rl.config.schema import JobConfig
 from megatron_rl.data import dp_share
 from megatron_rl.distributed import ParallelDims, destroy_distributed, device, init_distributed
 from megatron_rl.distributed.phase_watchdog import phase, set_error_dir
+from megatron_rl.distributed.shutdown import EXIT_SIGNALLED, agreed_stop
 from megatron_rl.logging import Timer
+from megatron_rl.logging.perf import step_perf
+from megatron_rl.logging.timer import PhaseTimer
 from megatron_rl.rollout.batch import RolloutBatch, build_batch
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.advantage import (
@@ -33,41 +36,6 @@ from megatron_rl.trainer.dynamic_sampling import (
     extra_prompt_indices,
     fill_with_informative_groups,
 )
-
-
-class PhaseTimer(Timer):
-    """Times each phase (``timing_s/<phase>``) and names it, so that a collective timeout inside becomes an
-    error naming the phase and the rank instead of a silent hang. On GPU it also records each phase's peak
-    allocated memory (``perf/max_memory_allocated_gb/<phase>``, GiB, this rank)."""
-
-    def __init__(self, timeout_minutes: float):
-        super().__init__()
-        self.timeout_minutes = timeout_minutes
-        self.peak_gib: dict[str, float] = {}
-        self.peak_outside_gib = 0.0  # peaks between phases (each phase resets the allocator's counter)
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        if cuda:
-            outside = torch.cuda.max_memory_allocated() / 2**30
-            self.peak_outside_gib = max(self.peak_outside_gib, outside)
-            torch.cuda.reset_peak_memory_stats()
-        with super().__call__(name), phase(name, self.timeout_minutes):
-            yield
-        if cuda:
-            peak = torch.cuda.max_memory_allocated() / 2**30
-            self.peak_gib[name] = max(self.peak_gib.get(name, 0.0), peak)
-
-    def metrics(self, reset: bool = True) -> dict[str, float]:
-        out = super().metrics(reset)
-        out |= {f"perf/max_memory_allocated_gb/{k}": v for k, v in self.peak_gib.items()}
-        if self.peak_gib and torch.cuda.is_available():
-            now = torch.cuda.max_memory_allocated() / 2**30
-            out["perf/max_memory_allocated_gb"] = max(now, self.peak_outside_gib, *self.peak_gib.values())
-        if reset:
-            self.peak_gib, self.peak_outside_gib = {}, 0.0
-        return out
 
 
 def _sampling(c: Components, temperature: float, n: int, seed: int) -> SamplingParams:
@@ -91,11 +59,16 @@ def _dp_rows(c: Components, rows):
     return dp_share(rows, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
 
 
-def validate(c: Components, step: int, timer: Timer) -> dict[str, float]:
+def validate(c: Components, step: int, timer: PhaseTimer) -> dict[str, float]:
     """Greedy (rollout.val_temperature) generation on the validation prompts, ``data.val_batch_size``
     prompts (global) at a time; the mean score over all of them."""
     if c.val_dataset is None:
         return {}
+    with timer.bounded("val"):
+        return _validate(c, timer)
+
+
+def _validate(c: Components, timer: PhaseTimer) -> dict[str, float]:
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     params = _sampling(c, c.cfg.rollout.val_temperature, 1, c.cfg.trainer.seed)
     total = torch.zeros(2, dtype=torch.float64, device=device())
@@ -108,7 +81,10 @@ def validate(c: Components, step: int, timer: Timer) -> dict[str, float]:
         else:
             weight = 1.0
         batch = rollout(c, mine, 0, params, timer)
-        scores = score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)["score"].double() * weight
+        with timer("reward"):
+            scores = (
+                score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)["score"].double() * weight
+            )
         total += torch.stack([scores.sum(), torch.tensor(weight * len(scores), dtype=torch.float64)])
     torch.distributed.all_reduce(total, group=ps.get_data_parallel_group())
     return {"val/score/mean": float(total[0] / total[1].clamp(min=1))}
@@ -189,29 +165,11 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     return metrics, batch
 
 
-PEAK_BF16_FLOPS = 790e12  # H200 dense bf16, the reference the benchmarks use
-
-
-def _actor_params(c: Components) -> int:
-    """Actor parameter count N from the shape (the 6N-per-token training estimate; attention's T^2 term
-    is left out, as in the usual MFU convention)."""
-    a = c.args
-    attn = a.hidden_size * (a.num_attention_heads + 2 * a.num_query_groups) * a.head_dim
-    attn += a.num_attention_heads * a.head_dim * a.hidden_size
-    return a.num_layers * (attn + 3 * a.hidden_size * a.ffn_hidden_size) + a.vocab_size * a.hidden_size
-
-
 def _perf(c: Components, batch: RolloutBatch, seconds: float, update_s: float) -> dict[str, float]:
-    """perf/throughput: prompt+response tokens per second per GPU over the step; perf/mfu: the actor
-    update's model FLOPs utilisation against the H200's dense bf16 peak (GPU runs only)."""
     tokens = torch.tensor(float((batch.prompt_lens + batch.response_lens).sum()), device=device())
     torch.distributed.all_reduce(tokens, group=ps.get_data_parallel_group())
-    per_gpu = float(tokens) / max(seconds, 1e-9) / c.dims.world_size
-    out = {"perf/throughput": per_gpu}
-    if torch.cuda.is_available():
-        flops = 6 * _actor_params(c) * float(tokens) * c.cfg.actor.ppo_epochs / c.dims.world_size
-        out["perf/mfu"] = flops / max(update_s, 1e-9) / PEAK_BF16_FLOPS
-    return out
+    return step_perf(tokens, seconds, update_s, world_size=c.dims.world_size, num_params=c.args.matmul_params(),
+                     epochs=c.cfg.actor.ppo_epochs)  # fmt: skip
 
 
 def _samples(c: Components, batch: RolloutBatch, k: int) -> list[dict]:
@@ -224,8 +182,9 @@ def _samples(c: Components, batch: RolloutBatch, k: int) -> list[dict]:
     ]  # fmt: skip
 
 
-def _finish_step(c: Components, done: int, metrics: dict, batch: RolloutBatch, timer: Timer, t0: float):
-    """Validation (every trainer.test_freq), timing/perf metrics, logging, sample prints, checkpoint."""
+def _finish_step(c: Components, done: int, metrics: dict, batch: RolloutBatch, timer: PhaseTimer, t0: float):
+    """Validation (every trainer.test_freq), timing/perf metrics, logging, sample prints, checkpoint.
+    Returns whether it wrote a checkpoint."""
     tr = c.cfg.trainer
     if tr.test_freq > 0 and (done % tr.test_freq == 0 or done == c.total_steps):
         metrics |= validate(c, done, timer)
@@ -243,6 +202,24 @@ def _finish_step(c: Components, done: int, metrics: dict, batch: RolloutBatch, t
         if last and torch.distributed.get_rank() == 0:
             hf = f"; HF export in {path}/hf" if tr.save_hf else ""
             print(f"megatron-rl: final checkpoint in {path}{hf} (megatron-rl ckpt info {path})", flush=True)
+        return True
+    return False
+
+
+def _stop_on_signal(c: Components, name: str, done: int, saved_at: int) -> str:
+    """Every rank agreed to stop after step ``done``: save unless that step is saved already (or
+    trainer.save_on_signal=false); returns the one-line message."""
+    tr, ckpt = c.cfg.trainer, ""
+    if tr.save_on_signal and done > saved_at:
+        with phase("save_checkpoint", tr.timeout_minutes, "a checkpoint write"):
+            ckpt = f"checkpoint {save_checkpoint(c, done)} written"
+    elif done == saved_at and done > 0:
+        ckpt = f"checkpoint of step {done} already written"
+    else:
+        why = "no step trained yet" if done == 0 else "trainer.save_on_signal=false"
+        ckpt = f"no checkpoint written ({why})"
+    return (f"megatron-rl: stopped by {name} after step {done} of {c.total_steps}: {ckpt}; the same command "
+            f"resumes (exit code {EXIT_SIGNALLED})")  # fmt: skip
 
 
 def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
@@ -259,21 +236,30 @@ def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
                      timeout_minutes=tr.timeout_minutes)  # fmt: skip
     c = build_components(cfg, dims)
     start = resume(c)
+    saved_at, stopped = start, None  # the newest checkpointed step; the one-line message after a signal
     with c.logger:
         if tr.val_before_train and start == 0:
             c.logger.log(validate(c, 0, PhaseTimer(tr.timeout_minutes)), step=0)
         for step in range(start, c.total_steps):
+            if signal_name := agreed_stop(device()):  # collective: every rank stops at the same step
+                stopped = _stop_on_signal(c, signal_name, step, saved_at)
+                break
             timer, t0 = PhaseTimer(tr.timeout_minutes), time.perf_counter()
             metrics, batch = train_step(c, step, timer)
-            _finish_step(c, step + 1, metrics, batch, timer, t0)
+            if _finish_step(c, step + 1, metrics, batch, timer, t0):
+                saved_at = step + 1
     # every rank finished: tear the process groups down before the interpreter exits (letting gloo's
     # threads die during interpreter teardown aborted a rank now and then: "terminate called without an
     # active exception" after the last step)
-    rank = torch.distributed.get_rank()
     torch.distributed.barrier()
+    rank = torch.distributed.get_rank()
     destroy_distributed()
     if tr.write_report and rank == 0 and "jsonl" in tr.logger:
         _write_report(tr.output_dir)
+    if stopped is not None:
+        if rank == 0:
+            print(stopped, flush=True)
+        sys.exit(EXIT_SIGNALLED)
 
 
 def _write_report(output_dir: str) -> None:

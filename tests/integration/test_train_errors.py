@@ -72,3 +72,18 @@ def test_custom_reward_function_errors(tmp_path, body, needle):
     )
     assert needle in err.lower() or needle in err
     assert "custom" in err
+
+
+def test_tokenizer_larger_than_the_embedding_is_refused_before_weights_load(tmp_path):
+    import json
+
+    from megatron_rl.trainer.builtin_task import prepare_builtin_task
+
+    from megatron_rl.config.schema import ModelConfig
+
+    model_dir, train_file, _ = prepare_builtin_task(ModelConfig(), tmp_path / "task", seed=0)
+    config = json.loads((tmp_path / "task" / "model" / "config.json").read_text())
+    tokens, config["vocab_size"] = config["vocab_size"], config["vocab_size"] - 4
+    (tmp_path / "task" / "model" / "config.json").write_text(json.dumps(config))
+    err = _fails(tmp_path, f"model.path={model_dir}", f"data.train_files={train_file}")
+    assert f"has {tokens} tokens" in err and f"embedding has {tokens - 4} rows" in err and model_dir in err

@@ -63,8 +63,8 @@ STUCK = textwrap.dedent("""
 
 
 def test_nccl_style_stuck_phase_ends_the_process_with_a_named_error(tmp_path):
-    """NCCL only logs a timed-out collective; the phase monitor (on for NCCL, forced here) turns a phase that
-    outlives trainer.timeout_minutes into a named error and a non-zero exit instead of a hang."""
+    """NCCL only logs a timed-out collective; the phase monitor turns a phase that outlives
+    trainer.timeout_minutes into a named error and a non-zero exit instead of a hang."""
     script = tmp_path / "stuck.py"
     script.write_text(STUCK)
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "MEGATRON_RL_PHASE_MONITOR": "1",
@@ -77,3 +77,36 @@ def test_nccl_style_stuck_phase_ends_the_process_with_a_named_error(tmp_path):
         in proc.stderr
     )
     assert "phase 'update_actor'" in (tmp_path / "error_rank0.log").read_text()
+
+
+NESTED = textwrap.dedent("""
+    import subprocess, sys, time
+    from megatron_rl.distributed.phase_watchdog import phase
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    print("child", child.pid, flush=True)
+    with phase("val", timeout_minutes=0.02, what="validation"):
+        for _ in range(3):
+            with phase("gen", timeout_minutes=0.02):
+                time.sleep(0.7)  # the outer phase lasts longer than the limit, but no stretch of it does
+        print("validation done", flush=True)
+        with phase("reward", timeout_minutes=0.02, what="the reward function"):
+            time.sleep(60)  # a reward function that never returns: no collective involved
+""")
+
+
+def test_stuck_phase_is_bounded_without_nccl_names_outer_phase_and_ends_children(tmp_path):
+    """On by default on every backend (no process group at all here); the clock restarts at each phase
+    change; the children of the process end with it."""
+    import psutil
+
+    script = tmp_path / "nested.py"
+    script.write_text(NESTED)
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "MEGATRON_RL_PHASE_POLL_S": "0.2", "RANK": "0"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 3 and "validation done" in proc.stdout, proc.stderr[-2000:]
+    assert (
+        "rank 0: phase 'reward' has not finished after 0.02 min (trainer.timeout_minutes); it runs the reward "
+        "function, inside phase 'val'." in proc.stderr
+    )
+    child = int(proc.stdout.split("child ")[1].split()[0])
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE

@@ -79,3 +79,43 @@ def test_unsupported_options_and_missing_config(tmp_path):
         ModelArgs.from_hf_config({**BASE, "model_type": "llama", "hidden_act": "gelu"})
     with pytest.raises(FileNotFoundError, match="config.json"):
         ModelArgs.from_hf_config(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize(
+    "shape, hf_count",  # the published parameter counts of the public checkpoints of these shapes
+    [("qwen2.5-0.5b", 494_032_768), ("qwen2.5-7b", 7_615_616_512), ("llama-3.1-8b", 8_030_261_248)],
+)
+def test_num_params_matches_the_published_checkpoints(shape, hf_count):
+    from megatron_rl.models.shapes import hf_config
+
+    a = ModelArgs.from_hf_config(hf_config(shape))
+    assert a.num_params() == hf_count
+    # the 6N rule counts the LM head once and no embedding lookup: untied 7B/8B lose one vocab x hidden
+    untied = 0 if a.tie_word_embeddings else a.vocab_size * a.hidden_size
+    assert 0 < hf_count - untied - a.matmul_params() < 0.001 * hf_count  # norms and biases only
+
+
+def test_stage_params_split_over_tp_and_pp():
+    from megatron_rl.models.shapes import hf_config
+
+    a = ModelArgs.from_hf_config(hf_config("qwen2.5-0.5b"))
+    full = a.stage_params(1, 1)["first"]
+    assert full == a.num_params() + (a.padded_vocab_size - a.vocab_size) * a.hidden_size
+    assert 0.5 * full < a.stage_params(2, 1)["first"] < 0.51 * full  # norms are replicated
+    pp2 = a.stage_params(1, 2)  # tied at PP=2: the last stage holds a copy of the embedding as its head
+    assert pp2["first"] == pytest.approx(pp2["last"], rel=1e-3)
+    critic = a.stage_params(1, 1, head="value")["first"]
+    assert critic == full + a.hidden_size  # tied: the value head [1, h] is an extra tensor
+    assert a.kv_bytes_per_token() == 24 * 2 * 2 * 64 * 2
+
+
+def test_tiny_fixture_and_config_lookup(tmp_path):
+    from megatron_rl.models.args import find_hf_config
+    from megatron_rl.models.shapes import tiny_hf_config
+
+    (tmp_path / "hf_config").mkdir()
+    (tmp_path / "hf_config" / "config.json").write_text(json.dumps(tiny_hf_config("qwen3", vocab_size=99)))
+    assert find_hf_config(tmp_path) == tmp_path / "hf_config" / "config.json"
+    a = ModelArgs.from_hf_config(tmp_path)  # a checkpoint directory: config under hf_config/
+    assert (a.arch, a.vocab_size, a.num_layers, a.head_dim) == ("qwen3", 99, 4, 16)
+    assert find_hf_config(tmp_path / "nowhere") is None

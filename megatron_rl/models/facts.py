@@ -1,0 +1,22 @@
+"""Hardware reference numbers every throughput figure is measured against (one H200, the GPU of the
+benchmarks): MFU divides by the dense bf16 rate, the roofline's decode term by the HBM bandwidth.
+
+Model facts (parameter counts, padded vocab, KV bytes per token, where config.json lives) are methods and
+functions of ``models.args``; this module holds only what is not a property of the model.
+"""
+
+from __future__ import annotations
+
+PEAK_BF16_FLOPS = 790e12  # H200 dense bf16 matmul, measured on random data (vendor: ~990)
+PEAK_HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e, the datasheet figure the decode floors use
+
+
+def roofline_step_s(n_matmul: int, trained_tokens: float, prompt_tokens: float, decode_bytes: float) -> dict:
+    """The roofline step time of one RL step and its terms, in seconds:
+    (6N per trained token + 2N per prefilled prompt token) / PEAK_BF16_FLOPS + decode bytes (weights and
+    the live KV cache read once per decode step, summed over the steps) / PEAK_HBM_BYTES_PER_S."""
+    update_s = 6 * n_matmul * trained_tokens / PEAK_BF16_FLOPS
+    prefill_s = 2 * n_matmul * prompt_tokens / PEAK_BF16_FLOPS
+    decode_s = decode_bytes / PEAK_HBM_BYTES_PER_S
+    return {"update_s": update_s, "prefill_s": prefill_s, "decode_s": decode_s,
+            "total_s": update_s + prefill_s + decode_s}  # fmt: skip
