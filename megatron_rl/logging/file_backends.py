@@ -105,6 +105,9 @@ class WandbBackend:
 
     def close(self) -> None:
         self.run.finish()
+        # end wandb's service process now, while connected: the entry point ends leftover children on
+        # exit, and wandb's own exit hook would then print a traceback about the lost connection
+        self.wandb.teardown()
 
 
 class MlflowBackend:
