@@ -25,13 +25,23 @@ setup(
         "wandb>=0.18,<1",
         "tensorboard>=2.15,<3",
         "tqdm>=4.66",
+        "matplotlib>=3.7",  # the report (report.html + PNGs) every run writes at its end
         "rich>=13",
         "psutil>=5.9",  # megatron-core dist_checkpointing writer processes need it (else save hangs)
     ],
     extras_require={
         # triton: the decode-attention kernel runs under its interpreter in the CPU tests (CUDA builds of
         # torch bring their own triton)
-        "dev": ["pytest>=8", "ruff==0.17.6", "hydra-submitit-launcher==1.2.0", "triton>=3.2"],
+        # mlflow-skinny: the tracking client and local file store without the server stack (SQLAlchemy,
+        # Flask, pandas...) that the full `mlflow` package pulls in; dev includes it so CI tests the backend
+        "dev": [
+            "pytest>=8",
+            "ruff==0.17.6",
+            "hydra-submitit-launcher==1.2.0",
+            "triton>=3.2",
+            "mlflow-skinny>=2.16,<4",
+        ],
+        "mlflow": ["mlflow-skinny>=2.16,<4"],
         "te": ["transformer-engine[pytorch]"],
         "slurm": ["hydra-submitit-launcher==1.2.0"],
     },

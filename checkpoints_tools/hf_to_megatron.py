@@ -34,7 +34,17 @@ def main(argv=None) -> int:
         from megatron_rl.checkpoint.convert import hf_to_megatron
 
         report = hf_to_megatron(a.hf_path, a.output, tp=a.tp, pp=a.pp, fmt=a.format)
-        return report.line("hf_to_megatron") if report else None
+        if report is None:
+            return None
+        line = report.line("hf_to_megatron")
+        if a.format == "torch_dist" and f"TP={a.tp} PP={a.pp}" not in report.layout:
+            # one process cannot build TP x PP shards; say what was written and why it still fits
+            line += (
+                f"\n  --tp {a.tp} --pp {a.pp} asked for, one process wrote it at TP=1 PP=1: torch_dist is "
+                f"layout-free and loads at TP={a.tp} PP={a.pp} (or any other layout); run under torchrun "
+                f"with {a.tp * a.pp} processes to build it sharded"
+            )
+        return line
 
     return _cli.run("hf_to_megatron", convert)
 

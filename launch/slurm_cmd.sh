@@ -5,6 +5,12 @@
 #   --dry (first argument) or LAUNCH_DRY=1: print the command instead of running it.
 set -euo pipefail
 
+# The project's venv when there is one (the README's set-up makes .venv): no activation needed.
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x "${repo}/.venv/bin/python" ]]; then PYTHON="${repo}/.venv/bin/python"; else PYTHON=python3; fi
+fi
+
 dry="${LAUNCH_DRY:-0}"
 if [[ "${1:-}" == "--dry" ]]; then dry=1; shift; fi
 
@@ -35,7 +41,7 @@ if [[ -z "${gpus}" ]]; then
   [[ "${gpus}" -ge 1 ]] || gpus=1
 fi
 
-cmd=("${PYTHON:-python}" -m torch.distributed.run
+cmd=("${PYTHON}" -m torch.distributed.run
      "--nnodes=${SLURM_NNODES}" "--nproc-per-node=${gpus}"
      --rdzv-backend=c10d "--rdzv-endpoint=${head_node}:${MASTER_PORT:-29500}" "--rdzv-id=${SLURM_JOB_ID}"
      --max-restarts=0

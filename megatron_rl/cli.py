@@ -1,4 +1,4 @@
-"""The `megatron-rl` console script: `megatron-rl <train|generate> [hydra overrides...]`."""
+"""The `megatron-rl` console script: `megatron-rl <train|generate|score|report|ckpt> [arguments...]`."""
 
 from __future__ import annotations
 
@@ -8,10 +8,14 @@ import sys
 COMMANDS = {
     "train": ("megatron_rl.train", "train a policy with PPO/GRPO (Hydra app; --help for options)"),
     "generate": ("megatron_rl.generate", "sample from a model or checkpoint with the rollout engine"),
+    "score": ("megatron_rl.score", "score (prompt, response, ground truth) rows with a reward function"),
+    "report": ("megatron_rl.report", "plot a run or a sweep: report.html + PNGs from metrics.jsonl"),
+    "ckpt": ("megatron_rl.ckpt", "ckpt info DIR: step, shape, layout, contents, sizes, verification"),
 }
 
-USAGE = "usage: megatron-rl <command> [hydra overrides ...]\n\ncommands:\n" + "\n".join(
-    f"  {name:<10} {text}" for name, (_, text) in COMMANDS.items()
+USAGE = (
+    "usage: megatron-rl <command> [arguments ...] (megatron-rl <command> --help for each)\n\ncommands:\n"
+    + "\n".join(f"  {name:<10} {text}" for name, (_, text) in COMMANDS.items())
 )
 
 

@@ -1,23 +1,32 @@
 """`megatron-rl generate`: sample from a model with the trainer's rollout engine (same sampling keys).
 
     megatron-rl generate model.path=<HF dir> generate.prompts=<jsonl with "prompt"> generate.output=<jsonl> \
-        rollout.temperature=0 rollout.max_new_tokens=64 [generate.chat_template=true]
+        [generate.max_new_tokens=128] [generate.n=1] [generate.temperature=0] [generate.chat_template=true]
+Defaults: one greedy completion of up to 128 tokens per prompt; generate.temperature > 0 samples (with
+rollout.top_p / rollout.top_k).
 Runs under torchrun with parallel.tensor_model_parallel_size / pipeline_model_parallel_size and
 rollout.tensor_model_parallel_size; prompts are split over data-parallel ranks, rank 0 writes the output.
 """
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
 from megatron_rl.config.entry import checked_layout, fail, job_config, quiet_third_party, reported_errors
+from megatron_rl.config.run_dir import with_run_dir
 from megatron_rl.config.store import CONFIG_DIR
+from megatron_rl.logging.noise import quiet_dependencies, verbose
+
+COMMAND = "generate"
 
 
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="config")
-def main(dcfg: DictConfig) -> None:
+def _main(dcfg: DictConfig) -> None:
     quiet_third_party()
+    quiet_dependencies()
     cfg = job_config(dcfg)
     missing = [
         k
@@ -35,15 +44,21 @@ def main(dcfg: DictConfig) -> None:
         )
     dims = checked_layout(cfg, training=False)
 
+    import dataclasses
+
     import torch
 
-    from megatron_rl.rollout.generate_job import generate_from_config, read_prompts
+    from megatron_rl.apps.generate_job import generate_from_config, read_prompts
 
+    g = cfg.generate  # its own n / length / temperature: the training preset's (n=8, 4 tokens) do not fit
+    rollout = dataclasses.replace(
+        cfg.rollout, n=g.n, temperature=g.temperature, max_new_tokens=g.max_new_tokens
+    )
     with reported_errors(cfg.trainer.output_dir):
         rows = generate_from_config(
             cfg.model.path,
             read_prompts(cfg.generate.prompts),
-            cfg.rollout,
+            rollout,
             seed=cfg.trainer.seed,
             chat_template=cfg.generate.chat_template,
             tp=dims.tp,
@@ -52,6 +67,24 @@ def main(dcfg: DictConfig) -> None:
             output=cfg.generate.output,
         )
         print(f"megatron-rl generate: wrote {len(rows)} completions to {cfg.generate.output}")
+
+
+def main() -> None:
+    """Every rank of a launch gets the same run directory (``config/run_dir.py``), then Hydra runs;
+    ``--help`` lists every key with its description (``config/help.py``)."""
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        from megatron_rl.config.help import render_help
+
+        print(render_help(COMMAND, [a for a in sys.argv[1:] if a not in ("--help", "-h")]))
+        return
+    sys.argv[1:] = with_run_dir(sys.argv[1:])
+    try:
+        _main()
+    except KeyboardInterrupt:
+        if verbose():
+            raise
+        print(f"\nmegatron-rl {COMMAND}: interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -168,11 +168,16 @@ class Checkpointer:
 
     # ---- save ----
     def maybe_save(self, step: int, last: bool) -> Path | None:
-        """Save after ``step`` every ``trainer.save_freq`` steps and at the last step (save_freq > 0)."""
+        """Save after ``step`` every ``trainer.save_freq`` steps, and at the last step when save_freq > 0 or
+        ``trainer.save_final`` (the default: a run keeps its final model); the final one's place is printed."""
         freq = self.tr.save_freq
-        if freq > 0 and (step % freq == 0 or last):
-            return self.save(step)
-        return None
+        if not ((freq > 0 and step % freq == 0) or (last and (freq > 0 or self.tr.save_final))):
+            return None
+        path = self.save(step)
+        if last and _rank() == 0:
+            hf = f"; HF export in {path}/hf" if self.tr.save_hf else ""
+            print(f"megatron-rl: final checkpoint in {path}{hf} (megatron-rl ckpt info {path})", flush=True)
+        return path
 
     def save(self, step: int) -> Path:
         """Write ``global_step_<step>/`` atomically; keep the newest ``trainer.max_ckpt_to_keep``. Returns it."""

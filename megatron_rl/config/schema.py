@@ -327,7 +327,11 @@ class RefConfig:
 
 @dataclass
 class CustomRewardConfig:
-    path: Optional[str] = doc(None, "Python file with a verl-style compute_score function.")
+    path: Optional[str] = doc(
+        None,
+        "Python file with a verl-style compute_score function (returns a float, or a dict with 'score'; its "
+        "other keys are logged as reward/<key>/mean).",
+    )
     name: str = doc("compute_score", "Function name in that file.")
 
 
@@ -341,7 +345,11 @@ class OverlongBufferConfig:
 
 @dataclass
 class RewardConfig:
-    reward_fn: str = doc("auto", "auto (by data_source) | gsm8k | math | custom | builtin | model.")
+    reward_fn: str = doc(
+        "auto",
+        "auto (by data_source; custom when custom_reward_function.path is set) | gsm8k | math | custom | "
+        "builtin | model.",
+    )
     reward_model_path: Optional[str] = doc(
         None,
         "reward_fn=model: HF *ForSequenceClassification checkpoint (num_labels=1, the actor's tokenizer).",
@@ -371,10 +379,19 @@ class TrainerConfig:
     total_training_steps: int = doc(20, "Training steps (rollout + update); stops earlier at total_epochs.")
     total_epochs: int = doc(1000, "Epoch limit over the training prompts.")
     critic_warmup: int = doc(0, "Steps at the start that update only the critic.")
-    save_freq: int = doc(-1, "Checkpoint every N steps (-1 = never; the last step is saved if > 0).")
+    save_freq: int = doc(-1, "Checkpoint every N steps (-1 = only the final one, see save_final).")
+    save_final: bool = doc(
+        True,
+        "Checkpoint after the last step whatever save_freq (false with save_freq=-1: keep no checkpoint).",
+    )
+    write_report: bool = doc(
+        True, "At the end, write report.html + PNGs of the metrics (megatron-rl report)."
+    )
     test_freq: int = doc(5, "Validate every N steps (-1 = never).")
     val_before_train: bool = doc(True, "Validate once before the first step.")
-    logger: list = doc(["console", "jsonl"], "Any of console, jsonl, tensorboard, wandb.")
+    logger: list = doc(
+        ["console", "jsonl"], "Any of console, jsonl, tensorboard, wandb, mlflow (the mlflow extra)."
+    )
     project_name: str = doc("megatron_rl", "Project name (wandb/tensorboard).")
     experiment_name: str = doc("default", "Run name (wandb/tensorboard).")
     output_dir: str = doc("outputs/default", "Where metrics, logs and checkpoints go.")
@@ -410,7 +427,13 @@ class TrainerConfig:
 
 @dataclass
 class LoggerConfig:
-    wandb_mode: str = doc("offline", "wandb mode: offline | online | disabled.")
+    wandb_mode: str = doc(
+        "offline",
+        "wandb mode: offline (no key or network; `wandb sync` later) | online (needs `wandb login`) | disabled.",
+    )
+    mlflow_tracking_uri: Optional[str] = doc(
+        None, "trainer.logger with mlflow: tracking URI (e.g. http://host:5000); None = <output_dir>/mlruns."
+    )
     num_generations_to_log: int = doc(2, "Sample generations printed per log_generations_freq.")
 
 
@@ -419,6 +442,21 @@ class GenerateConfig:
     prompts: Optional[str] = doc(None, "megatron-rl generate: JSONL file with a 'prompt' field per line.")
     output: Optional[str] = doc(None, "megatron-rl generate: output JSONL path.")
     chat_template: bool = doc(False, "Apply the tokenizer's chat template to each prompt.")
+    n: int = doc(
+        1, "megatron-rl generate: completions per prompt (the training preset's rollout.n is not used)."
+    )
+    max_new_tokens: int = doc(128, "megatron-rl generate: response length limit.")
+    temperature: float = doc(
+        0.0, "megatron-rl generate: sampling temperature, 0 = greedy (rollout.top_p / top_k apply when > 0)."
+    )
+
+
+@dataclass
+class ScoreConfig:
+    input: Optional[str] = doc(
+        None, "megatron-rl score: JSONL/parquet rows with prompt, response, data_source, ground_truth."
+    )
+    output: Optional[str] = doc(None, "megatron-rl score: output JSONL; None = <input stem>.scores.jsonl.")
 
 
 @dataclass
@@ -435,3 +473,4 @@ class JobConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    score: ScoreConfig = field(default_factory=ScoreConfig)

@@ -38,10 +38,11 @@ def choices() -> dict[str, tuple]:
         "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
         "actor.optim.backend": OPTIM_BACKENDS,
         "critic.optim.backend": OPTIM_BACKENDS,
+        "logger.wandb_mode": ("offline", "online", "disabled"),
     }
 
 
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
 class ConfigError(LayoutError):

@@ -93,7 +93,14 @@ def read_prompt_file(
     path: Path, prompt_key: str = "prompt", files_key: str = "data.train_files"
 ) -> list[SourceRow]:
     """Read one parquet file into a list of ``SourceRow``; raise naming the file on any problem."""
-    table = _read_table(path, files_key)
+    return rows_from_table(_read_table(path, files_key), path, prompt_key, files_key)
+
+
+def rows_from_table(
+    table: pa.Table, path: Path, prompt_key: str = "prompt", files_key: str = "data.train_files"
+) -> list[SourceRow]:
+    """The ``SourceRow`` of each row of a verl-format table read from ``path`` (parquet, or the JSONL rows
+    of ``megatron-rl score``): the same column and row checks, the same messages."""
     _require_columns(table, path, prompt_key)
     if table.num_rows == 0:
         raise ValueError(f"{files_key}: '{path}' has no rows; remove it from {files_key} or regenerate it")

@@ -9,11 +9,18 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.logging.console import ConsoleBackend
-from megatron_rl.logging.file_backends import JsonlBackend, TensorboardBackend, WandbBackend
+from megatron_rl.logging.file_backends import (
+    JsonlBackend,
+    MlflowBackend,
+    TensorboardBackend,
+    WandbBackend,
+    check_wandb_mode,
+)
 
-BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 WANDB_MODES = (None, "offline", "online", "disabled")
-_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+_EXTRAS = {"mlflow": 'pip install -e ".[mlflow]"'}
 
 
 def _scalar_item(value: Any) -> Any:
@@ -48,7 +55,7 @@ def check_backends(backends: str | Sequence[str]) -> list[str]:
         if package and importlib.util.find_spec(package) is None:
             raise ImportError(
                 f"trainer.logger includes '{name}' but the '{package}' package is not installed; "
-                f"pip install {package}, or remove '{name}' from trainer.logger"
+                f"{_EXTRAS.get(name, f'pip install {package}')}, or remove '{name}' from trainer.logger"
             )
     return list(dict.fromkeys(names))
 
@@ -64,6 +71,7 @@ class MetricsLogger:
         rank: global rank; only rank 0 writes.
         total_steps: length of the console progress bar (``None``: unknown).
         wandb_mode: ``logger.wandb_mode`` (offline | online | disabled); ``None`` defers to ``WANDB_MODE``.
+        mlflow_tracking_uri: ``logger.mlflow_tracking_uri``; ``None``: ``<output_dir>/mlruns``.
     """
 
     def __init__(
@@ -76,12 +84,15 @@ class MetricsLogger:
         rank: int = 0,
         total_steps: int | None = None,
         wandb_mode: str | None = None,
+        mlflow_tracking_uri: str | None = None,
     ) -> None:
         self.names = check_backends(backends)
         if wandb_mode not in WANDB_MODES:
             raise ValueError(
                 f"logger.wandb_mode={wandb_mode!r} is not one of {[m for m in WANDB_MODES if m]}"
             )
+        if "wandb" in self.names:
+            check_wandb_mode(wandb_mode)  # on every rank: all of them stop, not only rank 0
         self.output_dir = Path(output_dir)
         self.rank = rank
         self.backends: list = []
@@ -95,6 +106,11 @@ class MetricsLogger:
                 self.backends.append(JsonlBackend(self.output_dir))
             elif name == "tensorboard":
                 self.backends.append(TensorboardBackend(self.output_dir))
+            elif name == "mlflow":
+                run = MlflowBackend(
+                    self.output_dir, project, experiment, dict(config or {}), mlflow_tracking_uri
+                )
+                self.backends.append(run)
             else:
                 wandb = WandbBackend(self.output_dir, project, experiment, dict(config or {}), wandb_mode)
                 self.backends.append(wandb)

@@ -5,7 +5,7 @@ and returns a float or a dict with ``score``. Names:
 
 - ``auto``: pick the rule from each sample's ``data_source`` (``DATA_SOURCE_RULES``).
 - ``gsm8k`` / ``math`` (or any name added with ``register_rule``): that rule for every sample.
-- ``custom``: ``reward.custom_reward_function.path`` / ``.name``.
+- ``custom``: ``reward.custom_reward_function.path`` / ``.name``; ``auto`` with a path set means ``custom``.
 - ``model``: a reward *model* scores the batch; that scorer (``RewardModelScorer``) is built by the trainer
   from ``megatron_rl.models``, not here, so ``build_reward_fn("model")`` raises. It should keep the batch
   contract of ``score_batch``: ``(scores: list[float], extra_metrics: dict[str, list[float]])``.
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_rl.rewards import gsm8k, math_boxed
-from megatron_rl.rewards.custom import load_custom_reward_fn
+from megatron_rl.rewards.custom import describe_fn, load_custom_reward_fn
 
 RewardFn = Callable[..., Any]
 
@@ -51,9 +51,24 @@ _RESERVED = ("auto", "custom", "model")
 
 
 def register_rule(name: str, fn: RewardFn, data_sources: tuple[str, ...] = ()) -> None:
-    """Add a rule usable as ``reward.reward_fn=<name>`` and, for ``data_sources``, by ``auto``."""
+    """Add a rule usable as ``reward.reward_fn=<name>`` and, for ``data_sources``, by ``auto``.
+
+    A name (or data source) already taken by another function (rule) is an error, as in verl's
+    registries; registering the same function again is a no-op.
+    """
     if name in _RESERVED:
         raise ValueError(f"'{name}' is a reserved reward.reward_fn name; pick another rule name")
+    if RULES.get(name, fn) is not fn:
+        raise ValueError(
+            f"reward rule '{name}' is already registered ({describe_fn(RULES[name])}); pick another name "
+            f"for {describe_fn(fn)}"
+        )
+    taken = {s: DATA_SOURCE_RULES[s] for s in data_sources if DATA_SOURCE_RULES.get(s, name) != name}
+    if taken:
+        raise ValueError(
+            f"data_source(s) {taken} already map to other reward rules; register '{name}' for other "
+            "data sources, or set reward.reward_fn to a rule name to score every sample with it"
+        )
     RULES[name] = fn
     for source in data_sources:
         DATA_SOURCE_RULES[source] = name
@@ -105,6 +120,8 @@ def build_reward_fn(
     ``format_score`` / ``gsm8k_method`` (``reward.format_score`` / ``reward.gsm8k_mode``) configure the
     built-in rules; ``reward_kwargs`` are bound to a custom function (verl's ``reward_kwargs``).
     """
+    if name == "auto" and custom_path:
+        name = "custom"  # a given reward.custom_reward_function.path is used, as in verl
     if gsm8k_method not in gsm8k.METHODS:
         raise ValueError(f"reward.gsm8k_mode={gsm8k_method!r} is not one of {list(gsm8k.METHODS)}")
     if name == "custom":

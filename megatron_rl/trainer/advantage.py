@@ -66,9 +66,24 @@ def score_responses(batch: RolloutBatch, reward_fn, tokenizer, reward_model=None
     batch.token_level_scores = tls
     out = {"score": score_t}
     out.update(
-        {f"reward_extra/{k}": torch.tensor(v, dtype=torch.float32, device=dev) for k, v in extra.items()}
+        {reward_extra_key(k): torch.tensor(v, dtype=torch.float32, device=dev) for k, v in extra.items()}
     )
     return out
+
+
+def reward_extra_key(name: str) -> str:
+    """``reward/<name>/mean``: the metric for an extra key a reward function returns in its dict (verl's)."""
+    return f"reward/{name}/mean"
+
+
+def reward_extra_metrics(scored: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The extra keys of ``score_responses``' result ([B] each), averaged over the global batch."""
+    extra = {k: v.double().mean() for k, v in scored.items() if k.startswith("reward/")}
+    if not extra:
+        return {}
+    weight = float(len(scored["score"]))
+    reduced = all_reduce_metrics(extra, ps.get_data_parallel_group(), weight=weight)
+    return {k: float(v) for k, v in reduced.items()}
 
 
 def apply_overlong_penalty(batch: RolloutBatch, cfg: OverlongBufferConfig, max_new_tokens: int) -> dict:

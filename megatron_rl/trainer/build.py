@@ -22,9 +22,9 @@ from megatron_rl.rewards.reward_model import RewardModelScorer
 from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
 from megatron_rl.rollout.multi_turn import MultiTurn, build_multi_turn
 from megatron_rl.rollout.sampling import logprob_temperature
-from megatron_rl.trainer import builtin_tool_task
+from megatron_rl.tasks import register_builtin_tasks, secret_digit
+from megatron_rl.tasks.last_digit import prepare_builtin_task
 from megatron_rl.trainer.advantage import build_kl_controller
-from megatron_rl.trainer.builtin_task import prepare_builtin_task
 from megatron_rl.trainer.workers import CriticWorker, PolicyWorker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -57,11 +57,13 @@ def _resolve_paths(cfg: JobConfig) -> tuple[str, str | None, str | None, bool]:
     if model.path is not None and data.train_files is not None:
         return model.path, data.train_files, data.val_files, data.apply_chat_template
     workdir = Path(cfg.trainer.output_dir) / "builtin_task"
-    mt = cfg.rollout.multi_turn
-    tool_task = mt.enable and mt.tool_path == builtin_tool_task.TOOL_SET  # the tool-using built-in task
-    prepare = builtin_tool_task.prepare_tool_task if tool_task else prepare_builtin_task
-    model_dir, train, val = prepare(model, workdir, cfg.trainer.seed)
     builtin_data = data.train_files is None
+    mt = cfg.rollout.multi_turn
+    tool_task = mt.enable and mt.tool_path == secret_digit.TOOL_SET  # the tool-using built-in task
+    if tool_task:
+        model_dir, train, val = secret_digit.prepare_tool_task(model, workdir, cfg.trainer.seed)
+    else:
+        model_dir, train, val = prepare_builtin_task(model, workdir, cfg.trainer.seed, builtin_data)
     return (
         model.path or model_dir,
         train if builtin_data else data.train_files,
@@ -122,6 +124,7 @@ def _reward_fn(cfg: JobConfig):
     rw = cfg.reward
     if rw.reward_fn == "model":
         return None
+    register_builtin_tasks()
     return build_reward_fn(
         rw.reward_fn,
         rw.custom_reward_function.path,
@@ -188,6 +191,8 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
         config=dataclasses.asdict(cfg),
         rank=torch.distributed.get_rank(),
         total_steps=total,
+        wandb_mode=cfg.logger.wandb_mode,
+        mlflow_tracking_uri=cfg.logger.mlflow_tracking_uri,
     )
     kl_ctrl = build_kl_controller(cfg.algorithm)
     for worker in (actor, critic):

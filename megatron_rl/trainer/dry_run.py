@@ -23,10 +23,9 @@ def read_arch(cfg: JobConfig, tp: int = 1) -> tuple[ModelArgs, str]:
     """(model facts, where they came from): model.path's config.json, or the built-in tiny model."""
     m = cfg.model
     if m.path is None:
-        from megatron_rl.data import build_char_tokenizer
-        from megatron_rl.trainer.builtin_task import ALPHABET
+        from megatron_rl.tasks.last_digit import builtin_tokenizer
 
-        vocab = len(build_char_tokenizer(ALPHABET, chat_template=None))
+        vocab = len(builtin_tokenizer(builtin_data=cfg.data.train_files is None))
         hf = dict(model_type="qwen2", num_hidden_layers=m.num_layers, hidden_size=m.hidden_size,
                   num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
                   intermediate_size=m.ffn_hidden_size, vocab_size=vocab, tie_word_embeddings=True)  # fmt: skip

@@ -28,6 +28,7 @@ from megatron_rl.trainer.advantage import (
     batch_metrics,
     compute_advantages,
     needs_old_log_probs,
+    reward_extra_metrics,
     rollout_correction,
     score_responses,
 )
@@ -135,8 +136,9 @@ def scored_rollout(c: Components, rows, offset: int, seed: int, timer: Timer) ->
         by_prompt[greedy.group_index - offset] = greedy_scores  # [prompts]
         batch.reward_baselines = by_prompt[batch.group_index - offset]  # [B]
     with timer("reward"):
-        score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)
+        scored = score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)
         metrics = apply_overlong_penalty(batch, cfg.reward.overlong_buffer, cfg.rollout.max_new_tokens)
+        metrics |= reward_extra_metrics(scored)  # extra keys of a custom reward's dict: reward/<key>/mean
     return batch, metrics
 
 
@@ -195,10 +197,12 @@ def _perf(c: Components, batch: RolloutBatch, seconds: float, update_s: float) -
 
 def _samples(c: Components, batch: RolloutBatch, k: int) -> list[dict]:
     scores = batch.token_level_scores.sum(-1).tolist()
+    # data_source and ground_truth make generations.jsonl a valid `megatron-rl score` input
     return [
-        {"prompt": batch.rows[i].prompt_text, "response": batch.response_texts[i], "score": scores[i]}
+        {"prompt": batch.rows[i].prompt_text, "response": batch.response_texts[i], "score": scores[i],
+         "data_source": batch.rows[i].data_source, "ground_truth": batch.rows[i].ground_truth}
         for i in range(min(k, len(batch)))
-    ]
+    ]  # fmt: skip
 
 
 def _finish_step(c: Components, done: int, metrics: dict, batch: RolloutBatch, timer: PhaseTimer, t0: float):
@@ -268,7 +272,21 @@ def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
     torch.distributed.barrier()
     rank = torch.distributed.get_rank()
     destroy_distributed()
+    if tr.write_report and rank == 0 and "jsonl" in tr.logger:
+        _write_report(tr.output_dir)
     if stopped is not None:
         if rank == 0:
             print(stopped, flush=True)
         sys.exit(EXIT_SIGNALLED)
+
+
+def _write_report(output_dir: str) -> None:
+    """Plots at the end of a run; a plotting failure is reported, never fails the finished training."""
+    from megatron_rl.logging.report import write_report
+
+    try:
+        report = write_report(output_dir)
+    except Exception as err:  # noqa: BLE001 - any plotting problem: warn, the run itself succeeded
+        print(f"megatron-rl: could not write the report ({type(err).__name__}: {err})", flush=True)
+        return
+    print(f"megatron-rl: report in {report.html} (charts in {report.html.parent}/report)", flush=True)

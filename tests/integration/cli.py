@@ -9,7 +9,12 @@ from pathlib import Path
 
 from tests.distributed.launch import cpu_env, torchrun_cmd
 
-FAST = ["trainer.logger=[jsonl]", "trainer.log_generations_freq=-1"]
+FAST = [
+    "trainer.logger=[jsonl]",
+    "trainer.log_generations_freq=-1",
+    "trainer.save_final=false",
+    "trainer.write_report=false",
+]
 
 
 def train(out: Path, *overrides: str, nproc: int = 1, timeout: float = 900) -> subprocess.CompletedProcess:

@@ -99,7 +99,7 @@ def _check(proc: subprocess.CompletedProcess) -> None:
 
 def test_sigkill_after_second_checkpoint_then_restart_matches_uninterrupted(tmp_path):
     """8 prompts, 4 per step: checkpoint 2 sits on the epoch boundary and the restart trains epoch 2."""
-    from megatron_rl.trainer.builtin_task import _write_split
+    from megatron_rl.tasks.last_digit import _write_split
 
     _write_split(tmp_path / "train8.parquet", 8, seed=3)
     data = [f"data.train_files={tmp_path / 'train8.parquet'}", "trainer.total_epochs=2"]

@@ -34,9 +34,7 @@ def test_generate_cli_greedy_matches_transformers(tmp_path):
             f"model.path={model_dir}",
             f"generate.prompts={tmp_path / 'p.jsonl'}",
             f"generate.output={out}",
-            "rollout.temperature=0",
-            "rollout.max_new_tokens=6",
-            "rollout.n=1",
+            "generate.max_new_tokens=6",  # no generate.n / temperature: the defaults are 1 and greedy
             f"trainer.output_dir={tmp_path / 'run'}",
         ],
         capture_output=True,
@@ -47,7 +45,11 @@ def test_generate_cli_greedy_matches_transformers(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["prompt"] for r in rows] == prompts
+    assert [
+        r["prompt"] for r in rows
+    ] == prompts  # one completion each, not the training preset's rollout.n=8
+    assert not (tmp_path / "outputs").exists()  # trainer.output_dir given: Hydra writes into it, not outputs/
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     for row in rows:
         ids = torch.tensor([tok(row["prompt"])["input_ids"]])

@@ -41,7 +41,7 @@ def test_trainer_checkpoint_converts_and_generates(tmp_path):
     prompts.write_text('{"prompt": "123="}\n{"prompt": "98="}\n')
     for model_path, name in ((step, "from_ckpt.jsonl"), (out, "from_hf.jsonl")):
         _run(["-m", "megatron_rl.cli", "generate", f"model.path={model_path}", f"generate.prompts={prompts}",
-              f"generate.output={tmp_path / name}", "rollout.temperature=0", "rollout.max_new_tokens=4", "rollout.n=1",
+              f"generate.output={tmp_path / name}", "generate.max_new_tokens=4", "generate.n=1",
               f"trainer.output_dir={tmp_path / 'gen'}"], tmp_path)  # fmt: skip
     rows = [(tmp_path / n).read_text().splitlines() for n in ("from_ckpt.jsonl", "from_hf.jsonl")]
     assert [json.loads(r)["response_ids"] for r in rows[0]] == [

@@ -98,3 +98,12 @@ def test_cli_round_trip_under_torchrun_loads_in_transformers(tmp_path):
     assert (out / "tokenizer_config.json").is_file()
     ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(0))
     assert torch.equal(hf_logits(out, ids), hf_logits(hf, ids))
+
+
+def test_single_process_torch_dist_says_what_it_wrote(tmp_path):
+    hf = make_tiny_hf("qwen2", tmp_path / "hf", seed=1)
+    args = ["--hf-path", str(hf), "--output", str(tmp_path / "ckpt"), "--tp", "2", "--pp", "2"]
+    log = _run([sys.executable, str(TOOLS / "hf_to_megatron.py"), *args])
+    assert "-> torch_dist TP=1 PP=1" in log  # what it wrote...
+    assert "--tp 2 --pp 2 asked for, one process wrote it at TP=1 PP=1" in log  # ...and why that still fits
+    assert "loads at TP=2 PP=2" in log

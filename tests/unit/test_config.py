@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from megatron_rl.config import ConfigError, JobConfig, validate_job
+from megatron_rl.config.help import schema_docs
 from megatron_rl.distributed import LayoutError
 
 CLI = [sys.executable, "-m", "megatron_rl.cli"]
@@ -80,7 +81,7 @@ def test_unknown_choice_and_logger():
     with pytest.raises(ConfigError, match="algorithm.adv_estimator='ppo' is not one of"):
         validate_job(cfg, world_size=1)
     cfg = JobConfig()
-    cfg.trainer.logger = ["console", "mlflow"]
+    cfg.trainer.logger = ["console", "neptune"]
     with pytest.raises(ConfigError, match="trainer.logger"):
         validate_job(cfg, world_size=1)
 
@@ -94,9 +95,19 @@ def test_rollout_tp_must_divide_train_tp():
 
 
 def test_cli_help_and_cfg_job(tmp_path):
-    out = _run(["train", "--help"], tmp_path)
+    out = _run(["train", "--help", "algorithm=ppo"], tmp_path)
     assert out.returncode == 0, out.stderr
-    assert "algorithm: grpo, ppo" in out.stdout
+    assert "algorithm=grpo | ppo" in out.stdout  # the YAML groups and their options
+    lines = out.stdout.splitlines()
+    for key, text in schema_docs():  # every key, with its composed value and its schema description
+        assert any(
+            line.split()[0].startswith(f"{key}=") and line.endswith(text) for line in lines if line.strip()
+        ), key
+    assert any(
+        line.split()[:1] == ["algorithm.adv_estimator=gae"] for line in lines
+    )  # ppo's value, not grpo's
+    assert any(line.split()[:1] == ["actor.optim.lr=0.003"] for line in lines)  # the tiny model group's value
+    assert not (tmp_path / "outputs").exists()
     out = _run(["train", "--cfg", "job", "algorithm=ppo", "rollout.temperature=0.7"], tmp_path)
     assert out.returncode == 0, out.stderr
     assert "adv_estimator: gae" in out.stdout and "temperature: 0.7" in out.stdout

@@ -91,3 +91,11 @@ def test_hydra_slurm_launcher_config_extends_submitit():
     text = (REPO / "configs" / "hydra" / "launcher" / "slurm.yaml").read_text()
     assert text.startswith("# @package hydra.launcher") and "- submitit_slurm" in text
     assert "hydra-submitit-launcher" in (REPO / "setup.py").read_text()
+
+
+def test_torchrun_script_uses_the_project_venv_without_activation():
+    venv_python = REPO / ".venv" / "bin" / "python"
+    env = {"LAUNCH_DRY": "1", "NPROC": "2", "PYTHON": ""}
+    argv = shlex.split(_run("torchrun.sh", "algorithm=ppo", env=env).stdout)
+    assert argv[0] == (str(venv_python) if venv_python.exists() else "python3")
+    assert shlex.split(_run("torchrun.sh", env={**env, "PYTHON": "/opt/py"}).stdout)[0] == "/opt/py"

@@ -51,8 +51,8 @@ def test_only_rank_zero_writes(tmp_path, capsys):
 
 def test_bad_backend_and_bad_values(tmp_path, monkeypatch):
     with pytest.raises(ValueError) as err:
-        MetricsLogger(["console", "mlflow"], tmp_path)
-    assert "trainer.logger" in str(err.value) and "mlflow" in str(err.value)
+        MetricsLogger(["console", "neptune"], tmp_path)
+    assert "trainer.logger" in str(err.value) and "neptune" in str(err.value)
     assert all(name in str(err.value) for name in BACKENDS)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(ImportError, match="trainer.logger includes 'wandb'"):
@@ -142,3 +142,34 @@ def test_timer_accumulates_phases_and_resets():
     with pytest.raises(ValueError, match="without '/'"):
         with timer("a/b"):
             pass
+
+
+def test_wandb_online_without_a_key_is_one_clear_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a wandb login
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    with pytest.raises(RuntimeError) as err:
+        MetricsLogger(["wandb"], tmp_path, wandb_mode="online", rank=1)  # every rank stops, before wandb.init
+    message = str(err.value)
+    assert "\n" not in message and "logger.wandb_mode=online" in message and "wandb login" in message
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_mlflow_run_reads_back_with_mlflows_client(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    config = {"actor": {"optim": {"lr": 3e-3}}, "trainer": {"total_training_steps": 2}}
+    with MetricsLogger(["mlflow"], tmp_path, project="proj", experiment="exp", config=config) as logger:
+        logger.log({names.SCORE_MEAN: 0.25, "timing_s/gen": 1.5}, 1)
+        logger.log({names.SCORE_MEAN: 0.75, "timing_s/gen": 1.0}, 2)
+        logger.log_generations([{"prompt": "12=", "response": "2", "score": 1.0}], 2)
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    experiment = client.get_experiment_by_name("proj")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.run_name == "exp" and run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, names.SCORE_MEAN)
+    assert [(m.step, m.value) for m in history] == [(1, 0.25), (2, 0.75)]
+    assert run.data.params["actor.optim.lr"] == "0.003"
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "generations")] == [
+        "generations/step_2.txt"
+    ]

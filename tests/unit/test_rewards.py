@@ -194,3 +194,45 @@ def test_scalar_types_and_inconsistent_extras():
 
     with pytest.raises(ValueError, match="extra keys .* for sample 1"):
         score_batch(uneven, ["s", "s"], ["0", "1"], ["", ""])
+
+
+def test_a_rule_name_or_data_source_taken_by_another_function_is_refused(monkeypatch):
+    monkeypatch.setattr("megatron_rl.rewards.registry.RULES", dict(registry.RULES))
+    monkeypatch.setattr("megatron_rl.rewards.registry.DATA_SOURCE_RULES", dict(registry.DATA_SOURCE_RULES))
+
+    def mine(data_source, solution_str, ground_truth, extra_info=None):
+        return 0.0
+
+    with pytest.raises(ValueError, match="reward rule 'gsm8k' is already registered"):
+        registry.register_rule("gsm8k", mine)
+    with pytest.raises(ValueError, match=r"data_source\(s\) \{'openai/gsm8k': 'gsm8k'\} already map"):
+        registry.register_rule("mine", mine, data_sources=("openai/gsm8k",))
+    assert "mine" not in registry.RULES  # a refused registration leaves nothing behind
+    registry.register_rule("mine", mine, data_sources=("toy/mine",))
+    registry.register_rule("mine", mine, data_sources=("toy/mine",))  # the same function again: a no-op
+    assert registry.RULES["gsm8k"] is registry.gsm8k_reward
+
+
+def test_auto_with_a_custom_path_uses_the_custom_function(tmp_path):
+    path = write_reward_file(
+        tmp_path,
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.25\n",
+    )
+    assert (
+        build_reward_fn("auto", custom_path=path)("openai/gsm8k", "#### 3", "3") == 0.25
+    )  # not the gsm8k rule
+
+
+def test_built_in_tasks_register_only_when_asked():
+    import subprocess
+    import sys
+
+    code = (
+        "import megatron_rl.tasks as t, megatron_rl.rewards.registry as r\n"
+        "assert 'builtin' not in r.RULES and 'megatron_rl/last_digit' not in r.DATA_SOURCE_RULES\n"
+        "t.register_builtin_tasks(); t.register_builtin_tasks()\n"
+        "assert r.RULES['builtin'] is t.last_digit.compute_score\n"
+        "assert r.DATA_SOURCE_RULES['megatron_rl/last_digit'] == 'builtin'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr

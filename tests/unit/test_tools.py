@@ -208,7 +208,10 @@ def test_turn_renderer_appends_what_the_template_writes_after_the_model_stopped(
 def test_builtin_tool_task_pieces(tmp_path):
     from megatron_rl.config.schema import ModelConfig
     from megatron_rl.rollout.multi_turn import build_multi_turn
-    from megatron_rl.trainer import builtin_tool_task as task
+    from megatron_rl.tasks import register_builtin_tasks
+    from megatron_rl.tasks import secret_digit as task
+
+    register_builtin_tasks()
 
     model_dir, train, _ = task.prepare_tool_task(ModelConfig(), tmp_path, seed=0)
     from transformers import AutoTokenizer

@@ -18,8 +18,8 @@ from transformers import PreTrainedTokenizerFast
 sys.path.insert(0, os.path.dirname(__file__))
 from rollout_common import EOS, VOCAB, hf_greedy, tiny_hf  # noqa: E402
 
+from megatron_rl.apps.generate_job import encode_prompts, generate_from_config, read_prompts  # noqa: E402
 from megatron_rl.config.schema import RolloutConfig  # noqa: E402
-from megatron_rl.rollout.generate_job import encode_prompts, generate_from_config, read_prompts  # noqa: E402
 
 
 def word_tokenizer():

@@ -3,7 +3,7 @@
 
 Task ("secret digit"): the prompt is a few random digits; the answer is a digit derived from the prompt by
 a hash, which only the ``secret`` tool returns. The call format is the smallest one possible for a tiny
-char-level model: a turn that ends with ``?`` calls the tool (parser ``secret_call``, registered here to
+char-level model: a turn that ends with ``?`` calls the tool (parser ``secret_call``, registered by ``register`` to
 show the parser registry; real models use ``hermes``). The reward is 1 when the final turn starts with the
 secret digit, plus the tool's reward delta of 0.3 for the first call (without it a random model almost
 never finds the two-step solution). A model that never calls the tool guesses right 1 time in 10.
@@ -26,8 +26,9 @@ from megatron_rl.data import build_char_tokenizer
 from megatron_rl.rewards.registry import register_rule
 from megatron_rl.rollout.tool_parsers import ToolCall, register_parser
 from megatron_rl.rollout.tools import Tool, ToolSet, register_tool_set
+from megatron_rl.tasks.last_digit import save_tiny_model
 
-TOOL_SET = "secret_digit"
+TOOL_SET = REWARD_NAME = "secret_digit"
 DATA_SOURCE = "megatron_rl/secret_digit"
 ALPHABET = "0123456789?tol"  # digits, the call marker and the "tool" role name of the template
 
@@ -51,17 +52,17 @@ def _parse(text: str) -> list[ToolCall]:
     return [ToolCall("secret", {})] if text.endswith("?") else []
 
 
-register_tool_set(TOOL_SET, lambda: ToolSet({"secret": SecretTool()}))
-register_parser("secret_call", _parse, end="?")
-
-
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **_) -> float:
     """1.0 when the last turn (after the template's last "assistant" role line) starts with the secret."""
     final = solution_str.rsplit("assistant", 1)[-1]
     return 1.0 if final.strip().startswith(str(ground_truth)) else 0.0
 
 
-register_rule("secret_digit", compute_score, data_sources=(DATA_SOURCE,))
+def register() -> None:
+    """Its tool set, its call parser and its reward rule (``megatron_rl.tasks.register_builtin_tasks``)."""
+    register_tool_set(TOOL_SET, lambda: ToolSet({"secret": SecretTool()}))
+    register_parser("secret_call", _parse, end="?")
+    register_rule(REWARD_NAME, compute_score, data_sources=(DATA_SOURCE,))
 
 
 def _write_split(path: Path, n: int, seed: int) -> None:
@@ -80,14 +81,12 @@ def _write_split(path: Path, n: int, seed: int) -> None:
 
 def prepare_tool_task(model_cfg: ModelConfig, workdir: Path, seed: int) -> tuple[str, str, str]:
     """Create (on rank 0) the tiny model + chat tokenizer and the train/val files under ``workdir``."""
-    from megatron_rl.trainer.builtin_task import _save_tiny_model
-
     model_dir, train, val = workdir / "model", workdir / "train.parquet", workdir / "val.parquet"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0 and not (model_dir / "config.json").is_file():
         workdir.mkdir(parents=True, exist_ok=True)
         tokenizer = build_char_tokenizer(ALPHABET)
-        _save_tiny_model(model_cfg, model_dir, len(tokenizer), seed)
+        save_tiny_model(model_cfg, model_dir, len(tokenizer), seed)
         tokenizer.save_pretrained(model_dir)
         _write_split(train, 2048, seed)
         _write_split(val, 64, seed + 1)

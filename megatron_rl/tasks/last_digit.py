@@ -3,7 +3,9 @@
 Task ("last digit"): the prompt is a few random digits followed by "="; the answer is the prompt's last
 digit. A random model emits it with probability ~1/40; a policy that learned to copy scores 1.0.
 Everything is made in code (no download): a char-level tokenizer, a tiny Qwen2-style model saved in HF
-format (so it loads through the same path as real checkpoints), and verl-format parquet files.
+format (so it loads through the same path as real checkpoints), and verl-format parquet files. The tiny
+model also serves user data (``data.train_files`` without ``model.path``, e.g. GSM8K on CPU): its
+tokenizer then covers printable ASCII and carries a chat template, so chat-format prompts render.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import torch.distributed as dist
 
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.data import build_char_tokenizer
-from megatron_rl.rewards.registry import register_rule
+from megatron_rl.data.tiny_tokenizer import DEFAULT_ALPHABET
 
+REWARD_NAME = "builtin"  # reward.reward_fn=builtin
 DATA_SOURCE = "megatron_rl/last_digit"
 ALPHABET = "0123456789="
 
@@ -29,7 +32,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **_)
     return 1.0 if solution_str.strip().startswith(str(ground_truth)) else 0.0
 
 
-register_rule("builtin", compute_score, data_sources=(DATA_SOURCE,))
+def builtin_tokenizer(builtin_data: bool):
+    """The tiny model's tokenizer: the task's few characters for the built-in data (a small vocabulary
+    keeps the task learnable in minutes), printable ASCII for user data; both with the chat template."""
+    return build_char_tokenizer(ALPHABET if builtin_data else DEFAULT_ALPHABET)
 
 
 def _write_split(path: Path, n: int, seed: int) -> None:
@@ -50,7 +56,7 @@ def _write_split(path: Path, n: int, seed: int) -> None:
     pq.write_table(table, path)
 
 
-def _save_tiny_model(model_cfg: ModelConfig, out: Path, vocab_size: int, seed: int) -> None:
+def save_tiny_model(model_cfg: ModelConfig, out: Path, vocab_size: int, seed: int) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
@@ -60,7 +66,7 @@ def _save_tiny_model(model_cfg: ModelConfig, out: Path, vocab_size: int, seed: i
         num_hidden_layers=model_cfg.num_layers,
         num_attention_heads=model_cfg.num_attention_heads,
         num_key_value_heads=model_cfg.num_key_value_heads,
-        max_position_embeddings=256,
+        max_position_embeddings=2048,  # room for chat-format prompts (GSM8K)
         rope_theta=10000.0,
         tie_word_embeddings=True,
         bos_token_id=1,
@@ -71,8 +77,12 @@ def _save_tiny_model(model_cfg: ModelConfig, out: Path, vocab_size: int, seed: i
     Qwen2ForCausalLM(config).save_pretrained(out)
 
 
-def prepare_builtin_task(model_cfg: ModelConfig, workdir: Path, seed: int) -> tuple[str, str, str]:
+def prepare_builtin_task(
+    model_cfg: ModelConfig, workdir: Path, seed: int, builtin_data: bool = True
+) -> tuple[str, str, str]:
     """Create (on rank 0) the tiny model + tokenizer and the train/val parquet files under ``workdir``.
+
+    ``builtin_data=False``: the model is for the user's data files (see ``builtin_tokenizer``).
 
     Returns ``(model_dir, train_file, val_file)``; every rank waits until they exist.
     """
@@ -80,8 +90,8 @@ def prepare_builtin_task(model_cfg: ModelConfig, workdir: Path, seed: int) -> tu
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0 and not (model_dir / "config.json").is_file():
         workdir.mkdir(parents=True, exist_ok=True)
-        tokenizer = build_char_tokenizer(ALPHABET, chat_template=None)
-        _save_tiny_model(model_cfg, model_dir, len(tokenizer), seed)
+        tokenizer = builtin_tokenizer(builtin_data)
+        save_tiny_model(model_cfg, model_dir, len(tokenizer), seed)
         tokenizer.save_pretrained(model_dir)
         _write_split(train, 2048, seed)
         _write_split(val, 64, seed + 1)
