@@ -1,22 +1,20 @@
 """``megatron-rl ckpt info DIR``: what a training checkpoint holds, read from its files alone.
 
 Reads the JSON files a checkpoint directory carries (manifest, host state, model description) and the
-sizes on disk; it loads no tensor and imports no checkpoint code, so it works on any machine, on a
-checkpoint of any layout, and cannot run anything stored in it.
+sizes on disk, and verifies every file against the manifest's size and content digest with the same
+(pure filesystem) check a resume runs; it loads no tensor and unpickles nothing, so it works on any machine,
+on a checkpoint of any layout, and cannot run anything stored in it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_rl.checkpoint.convert import META_FILE
-from megatron_rl.checkpoint.layout import CKPT_DIR, DIST, HF, MANIFEST, POINTER, RNG, STATE
-
-_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+from megatron_rl.checkpoint.layout import check_files, read_manifest
+from megatron_rl.checkpoint.names import CKPT_DIR, DIST, HF, MANIFEST, META_FILE, POINTER, RNG, STATE
+from megatron_rl.checkpoint.names import STEP_DIR as _STEP_DIR
 
 
 @dataclass
@@ -71,29 +69,13 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def verify_manifest(step_dir: Path, manifest: dict) -> list[str]:
-    """Every file the manifest lists exists with its size (and its sha256, where the manifest has one)."""
-    if not manifest:
-        return [f"no {MANIFEST}: the write did not finish, or this is not a training checkpoint"]
-    problems = []
-    for name, expected in manifest.get("files", {}).items():
-        file = step_dir / name
-        want = expected if isinstance(expected, dict) else {"size": expected}
-        if not file.is_file():
-            problems.append(f"{name} is missing")
-        elif "size" in want and file.stat().st_size != want["size"]:
-            problems.append(f"{name} has {file.stat().st_size} bytes, the manifest says {want['size']}")
-        elif "sha256" in want and _sha256(file) != want["sha256"]:
-            problems.append(f"{name} does not match its sha256 in the manifest")
-    return problems
+def verify_manifest(step_dir: Path) -> list[str]:
+    """Every reason ``step_dir`` would be rejected on resume (missing file, wrong size, other content than
+    its digest says), one per file, with the resume's own per-file check."""
+    info, reason = read_manifest(step_dir)
+    if reason:
+        return [f"{reason}: the write did not finish, or this is not a training checkpoint"]
+    return [r for rel in info["files"] if (r := check_files(step_dir, info["files"], [rel]))]
 
 
 def inspect_checkpoint(path: str | Path) -> CheckpointSummary:
@@ -113,7 +95,7 @@ def inspect_checkpoint(path: str | Path) -> CheckpointSummary:
         "hf_export": (step_dir / HF / "config.json").is_file(),
     }
     sizes = {entry.name: _size(entry) for entry in sorted(step_dir.iterdir())}
-    problems += verify_manifest(step_dir, manifest)
+    problems += verify_manifest(step_dir)
     if not (step_dir / DIST).is_dir():
         problems.append(f"no {DIST}/ (the megatron-core weights)")
     return CheckpointSummary(step_dir, step, meta.get("model_args", {}), layout, contents, sizes, problems)

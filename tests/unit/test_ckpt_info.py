@@ -5,6 +5,7 @@ import json
 import pytest
 
 from megatron_rl.apps.ckpt_info import format_summary, inspect_checkpoint
+from megatron_rl.checkpoint.layout import write_manifest
 
 
 def _checkpoint(root):
@@ -21,8 +22,7 @@ def _checkpoint(root):
     (step / "megatron_rl_model.json").write_text(
         json.dumps({"tp": 2, "pp": 2, "role": "actor", "model_args": args})
     )
-    files = {str(p.relative_to(step)): p.stat().st_size for p in step.rglob("*") if p.is_file()}
-    (step / "complete.json").write_text(json.dumps({"step": 4, "files": files}))
+    write_manifest(step, 4)  # sizes and content digests, as the Checkpointer writes them
     (root / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("4")
     return step
 
@@ -49,6 +49,8 @@ def test_a_changed_or_missing_file_fails_verification(tmp_path, capsys):
     s = inspect_checkpoint(step)
     assert not s.verified and any("dist/__0_0.distcp has 2999 bytes" in p for p in s.problems)
     assert any("rng/rank_00000.pt is missing" in p for p in s.problems)
+    (step / "state.json").write_text((step / "state.json").read_text().replace('"step": 4', '"step": 5'))
+    assert any("state.json has other content" in p for p in inspect_checkpoint(step).problems)  # same size
     with pytest.raises(SystemExit) as exit_info:
         main(["ckpt", "info", str(step)])
     assert exit_info.value.code == 1 and "verified    NO" in capsys.readouterr().out
