@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import sys
-
 import hydra
 from omegaconf import DictConfig
 
-from megatron_rl.config.entry import checked_layout, job_config, quiet_third_party, reported_errors
-from megatron_rl.config.run_dir import with_run_dir
+from megatron_rl.config.entry import (
+    checked_layout,
+    job_config,
+    quiet_third_party,
+    reported_errors,
+    run_command,
+)
 from megatron_rl.config.store import CONFIG_DIR
-from megatron_rl.logging.noise import quiet_dependencies, verbose
+from megatron_rl.logging.noise import quiet_dependencies
 
 COMMAND = "train"
 
@@ -32,21 +35,7 @@ def _main(dcfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """Every rank of a launch gets the same run directory (``config/run_dir.py``), then Hydra runs;
-    ``--help`` lists every key with its description (``config/help.py``)."""
-    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
-        from megatron_rl.config.help import render_help
-
-        print(render_help(COMMAND, [a for a in sys.argv[1:] if a not in ("--help", "-h")]))
-        return
-    sys.argv[1:] = with_run_dir(sys.argv[1:])
-    try:
-        _main()
-    except KeyboardInterrupt:
-        if verbose():
-            raise
-        print(f"\nmegatron-rl {COMMAND}: interrupted", file=sys.stderr, flush=True)
-        sys.exit(130)
+    run_command(COMMAND, _main)
 
 
 if __name__ == "__main__":

@@ -80,3 +80,25 @@ def reported_errors(output_dir: str):
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(traceback.format_exc())
         fail(f"{type(err).__name__}: {err} (traceback: {log}; MEGATRON_RL_TRACEBACK=1 shows it)", code=1)
+
+
+def run_command(command: str, hydra_main) -> None:
+    """What ``megatron-rl <command>`` does around its Hydra app: ``--help`` lists every key with its
+    description (``config/help.py``); every rank of a launch gets the same run directory
+    (``config/run_dir.py``); Ctrl-C ends with one line (the traceback only with MEGATRON_RL_VERBOSE=1)."""
+    from megatron_rl.config.run_dir import with_run_dir
+    from megatron_rl.logging.noise import verbose
+
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        from megatron_rl.config.help import render_help
+
+        print(render_help(command, [a for a in sys.argv[1:] if a not in ("--help", "-h")]))
+        return
+    sys.argv[1:] = with_run_dir(sys.argv[1:])
+    try:
+        hydra_main()
+    except KeyboardInterrupt:
+        if verbose():
+            raise
+        print(f"\nmegatron-rl {command}: interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)

@@ -7,12 +7,11 @@ extra_info=None)`` and returns a float, or a dict with a ``score`` key whose oth
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from megatron_rl.config.user_code import import_user_file
 
 PATH_KEY = "reward.custom_reward_function.path"
 NAME_KEY = "reward.custom_reward_function.name"
@@ -27,18 +26,7 @@ def load_custom_reward_fn(
     file = Path(path).expanduser().resolve()
     if not file.is_file():
         raise FileNotFoundError(f"{PATH_KEY}='{path}' does not exist; set it to a .py file defining {name}()")
-    # A name unique per file so that two reward files called reward.py do not shadow each other.
-    module_name = f"megatron_rl_custom_reward_{hashlib.sha1(str(file).encode()).hexdigest()[:12]}"
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"{PATH_KEY}='{file}' cannot be imported as a Python module; use a .py file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        sys.modules.pop(module_name, None)
-        raise ImportError(f"importing {PATH_KEY}='{file}' failed: {type(err).__name__}: {err}") from err
+    module = import_user_file(file, PATH_KEY)
     fn = getattr(module, name, None)
     if fn is None:
         found = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))

@@ -19,10 +19,7 @@ daemon threads, so a call that never returns does not keep the process alive at 
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_rl.config.user_code import import_user_file
 from megatron_rl.rollout.tool_parsers import ToolCall
 
 PATH_KEY = "rollout.multi_turn.tool_path"
@@ -72,26 +70,6 @@ def register_tool_set(name: str, factory: Callable[[], ToolSet]) -> None:
     TOOL_SETS[name] = factory
 
 
-def _import_file(file: Path):
-    # a file already imported (e.g. also named as the custom reward function) is not run twice: its
-    # registrations (a tool-call parser) would then be duplicates
-    for module in list(sys.modules.values()):
-        if getattr(module, "__file__", None) and Path(module.__file__).resolve() == file:
-            return module
-    module_name = f"megatron_rl_tools_{hashlib.sha1(str(file).encode()).hexdigest()[:12]}"
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"{PATH_KEY}='{file}' cannot be imported as a Python module; use a .py file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        sys.modules.pop(module_name, None)
-        raise ImportError(f"importing {PATH_KEY}='{file}' failed: {type(err).__name__}: {err}") from err
-    return module
-
-
 def _check_tools(tools, where: str) -> dict[str, Tool]:
     if not isinstance(tools, (list, tuple)) or not tools:
         raise TypeError(f"{where}: get_tools() returned {tools!r}; return a non-empty list of Tool objects")
@@ -128,7 +106,7 @@ def load_tool_set(path_or_name: str | None) -> ToolSet:
             f"{PATH_KEY}='{path_or_name}' is neither a file nor a built-in tool set {sorted(TOOL_SETS)}; "
             "set it to a .py file defining get_tools()"
         )
-    module = _import_file(file)
+    module = import_user_file(file, PATH_KEY)
     where = f"{PATH_KEY}='{file}'"
     if not callable(getattr(module, "get_tools", None)):
         raise AttributeError(f"{where} defines no get_tools(); define get_tools() -> list[Tool]")

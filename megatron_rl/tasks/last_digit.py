@@ -77,24 +77,26 @@ def save_tiny_model(model_cfg: ModelConfig, out: Path, vocab_size: int, seed: in
     Qwen2ForCausalLM(config).save_pretrained(out)
 
 
-def prepare_builtin_task(
-    model_cfg: ModelConfig, workdir: Path, seed: int, builtin_data: bool = True
-) -> tuple[str, str, str]:
-    """Create (on rank 0) the tiny model + tokenizer and the train/val parquet files under ``workdir``.
-
-    ``builtin_data=False``: the model is for the user's data files (see ``builtin_tokenizer``).
-
-    Returns ``(model_dir, train_file, val_file)``; every rank waits until they exist.
-    """
+def prepare_task_files(model_cfg: ModelConfig, workdir: Path, seed: int, tokenizer, write_split) -> tuple[str, str, str]:  # fmt: skip
+    """Create (on rank 0, once) a built-in task's tiny model + ``tokenizer`` and its train/val parquet files
+    (``write_split(path, n, seed)``) under ``workdir``. Returns ``(model_dir, train_file, val_file)``;
+    every rank waits until they exist."""
     model_dir, train, val = workdir / "model", workdir / "train.parquet", workdir / "val.parquet"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0 and not (model_dir / "config.json").is_file():
         workdir.mkdir(parents=True, exist_ok=True)
-        tokenizer = builtin_tokenizer(builtin_data)
         save_tiny_model(model_cfg, model_dir, len(tokenizer), seed)
         tokenizer.save_pretrained(model_dir)
-        _write_split(train, 2048, seed)
-        _write_split(val, 64, seed + 1)
+        write_split(train, 2048, seed)
+        write_split(val, 64, seed + 1)
     if dist.is_initialized():
         dist.barrier()
     return str(model_dir), str(train), str(val)
+
+
+def prepare_builtin_task(
+    model_cfg: ModelConfig, workdir: Path, seed: int, builtin_data: bool = True
+) -> tuple[str, str, str]:
+    """This task's model, tokenizer and files (``prepare_task_files``). ``builtin_data=False``: the model is
+    for the user's data files (see ``builtin_tokenizer``)."""
+    return prepare_task_files(model_cfg, workdir, seed, builtin_tokenizer(builtin_data), _write_split)

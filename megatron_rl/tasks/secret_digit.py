@@ -19,14 +19,13 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch.distributed as dist
 
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.data import build_char_tokenizer
 from megatron_rl.rewards.registry import register_rule
 from megatron_rl.rollout.tool_parsers import ToolCall, register_parser
 from megatron_rl.rollout.tools import Tool, ToolSet, register_tool_set
-from megatron_rl.tasks.last_digit import save_tiny_model
+from megatron_rl.tasks.last_digit import prepare_task_files
 
 TOOL_SET = REWARD_NAME = "secret_digit"
 DATA_SOURCE = "megatron_rl/secret_digit"
@@ -80,16 +79,5 @@ def _write_split(path: Path, n: int, seed: int) -> None:
 
 
 def prepare_tool_task(model_cfg: ModelConfig, workdir: Path, seed: int) -> tuple[str, str, str]:
-    """Create (on rank 0) the tiny model + chat tokenizer and the train/val files under ``workdir``."""
-    model_dir, train, val = workdir / "model", workdir / "train.parquet", workdir / "val.parquet"
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0 and not (model_dir / "config.json").is_file():
-        workdir.mkdir(parents=True, exist_ok=True)
-        tokenizer = build_char_tokenizer(ALPHABET)
-        save_tiny_model(model_cfg, model_dir, len(tokenizer), seed)
-        tokenizer.save_pretrained(model_dir)
-        _write_split(train, 2048, seed)
-        _write_split(val, 64, seed + 1)
-    if dist.is_initialized():
-        dist.barrier()
-    return str(model_dir), str(train), str(val)
+    """The tiny model + chat tokenizer and the train/val files of this task under ``workdir``."""
+    return prepare_task_files(model_cfg, workdir, seed, build_char_tokenizer(ALPHABET), _write_split)

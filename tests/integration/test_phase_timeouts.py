@@ -19,7 +19,7 @@ STUCK_REWARD = textwrap.dedent("""
 
 
 def test_reward_function_that_never_returns_ends_the_run_naming_the_phase(tmp_path):
-    from megatron_rl.trainer.builtin_task import _write_split
+    from megatron_rl.tasks.last_digit import _write_split
 
     (tmp_path / "reward.py").write_text(STUCK_REWARD)
     _write_split(tmp_path / "val.parquet", 2, seed=5)

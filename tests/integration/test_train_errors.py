@@ -77,9 +77,8 @@ def test_custom_reward_function_errors(tmp_path, body, needle):
 def test_tokenizer_larger_than_the_embedding_is_refused_before_weights_load(tmp_path):
     import json
 
-    from megatron_rl.trainer.builtin_task import prepare_builtin_task
-
     from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.tasks.last_digit import prepare_builtin_task
 
     model_dir, train_file, _ = prepare_builtin_task(ModelConfig(), tmp_path / "task", seed=0)
     config = json.loads((tmp_path / "task" / "model" / "config.json").read_text())

@@ -97,8 +97,8 @@ def stop_when_every_checkpoint_is_unusable(c, base, work) -> dict:
 
 
 def refuse_malicious_metadata(c, base, work) -> dict:
+    from megatron_rl.apps.generate_job import generate_from_config
     from megatron_rl.checkpoint import load_model_weights
-    from megatron_rl.rollout.generate_job import generate_from_config
 
     out = copy_run(base, work, "malicious")
     marker = work / "PWNED"
