@@ -131,6 +131,8 @@ def overrides(a: argparse.Namespace) -> list[str]:
         "trainer.test_freq=-1",
         "trainer.val_before_train=false",
         "trainer.save_freq=-1",
+        "trainer.save_final=false",
+        "trainer.write_report=false",
         "trainer.log_generations_freq=-1",
         "trainer.logger=[jsonl]",
         f"trainer.output_dir={a.output_dir}",

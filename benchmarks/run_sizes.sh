@@ -20,7 +20,8 @@ SIZES=${SIZES:-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b qwen2.5-7b llama-3.1-8b}
 TRL_SIZES=${TRL_SIZES-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b}; TRL_GC_SIZES=${TRL_GC_SIZES-qwen2.5-7b llama-3.1-8b}
 STEPS=${STEPS:-3}; TRL_STEPS=${TRL_STEPS:-2}; BUDGET_S=${BUDGET_S:-570}
 OFFLOAD_KEYS=${OFFLOAD_KEYS:-actor.optim.backend=megatron actor.optim.use_distributed_optimizer=true \
-actor.optim.optimizer_cpu_offload=true actor.optim.optimizer_offload_fraction=0.5}
+actor.optim.optimizer_cpu_offload=true actor.optim.optimizer_offload_fraction=0.5 \
+trainer.save_final=false trainer.save_on_signal=false}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=${PYTHONPATH:-}:$PWD
