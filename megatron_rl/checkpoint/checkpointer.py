@@ -206,8 +206,16 @@ class Checkpointer:
         all_digests = {}
         for part in _gather(digests):
             all_digests |= part
+        last_failure = None
         if _rank() == 0:
-            write_manifest(tmp, step, all_digests)
+            try:  # the manifest is the last file written into the checkpoint: a full disk can still hit it
+                write_manifest(tmp, step, all_digests)
+            except OSError as err:
+                last_failure = err
+        failures = [f for f in _gather(None if last_failure is None else repr(last_failure)) if f]
+        if failures:
+            self._abandon(tmp, step, last_failure, failures)
+        if _rank() == 0:
             publish(tmp, final)
             write_pointer(self.root, step)
             rotate(self.root, self.tr.max_ckpt_to_keep, final)

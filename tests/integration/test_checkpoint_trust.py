@@ -70,8 +70,9 @@ def test_malicious_metadata_is_refused_by_the_converter_cli(results):
     assert not marker.exists() and not (out / "model.safetensors").exists()
 
 
-def test_disk_full_is_one_paragraph_and_leaves_the_previous_checkpoint(results):
-    r = results["disk_full"]
+@pytest.mark.parametrize("where", ["disk_full", "disk_full_manifest"])  # a shard, or the last file (rank 0)
+def test_disk_full_is_one_paragraph_and_leaves_the_previous_checkpoint(results, where):
+    r = results[where]
     assert r["error"].startswith("CheckpointDiskFull: the disk is full"), r["error"]
     assert ".tmp_global_step_3" in r["error"] and "needs about" in r["error"] and "\n" not in r["error"]
     assert r["left"] == ["global_step_1", "global_step_2", "latest_checkpointed_iteration.txt"]

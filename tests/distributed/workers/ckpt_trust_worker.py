@@ -135,6 +135,27 @@ def disk_full_during_save(c, base, work) -> dict:
             "previous_ok": check_complete(step_dir(out, 2)) is None}  # fmt: skip
 
 
+def disk_full_at_the_manifest(c, base, work) -> dict:
+    """The disk fills up only when rank 0 writes the manifest, after every shard is written."""
+    from megatron_rl.checkpoint import checkpointer as module
+
+    out = copy_run(base, work, "diskfull_manifest")
+    ck = checkpointer(c, out)
+    original = module.write_manifest
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    module.write_manifest = no_space
+    try:
+        err = error_of(lambda: ck.save(3))
+    finally:
+        module.write_manifest = original
+    root = out / "checkpoints"
+    return {"error": err, "left": sorted(p.name for p in root.iterdir()),
+            "previous_ok": check_complete(step_dir(out, 2)) is None}  # fmt: skip
+
+
 def refuse_nonfinite_save(c, base, work) -> dict:
     out = copy_run(base, work, "nansave")
     ck = checkpointer(c, out)
@@ -214,6 +235,7 @@ def main() -> None:
         "unusable": stop_when_every_checkpoint_is_unusable(c, base, work),
         "malicious": refuse_malicious_metadata(c, base, work),
         "disk_full": disk_full_during_save(c, base, work),
+        "disk_full_manifest": disk_full_at_the_manifest(c, base, work),
         "nan_save": refuse_nonfinite_save(c, base, work),
         "betas": refuse_changed_betas(c, base, work),
         "lr": apply_changed_lr(c, base, work),
