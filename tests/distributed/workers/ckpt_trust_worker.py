@@ -115,45 +115,37 @@ def refuse_malicious_metadata(c, base, work) -> dict:
     }
 
 
-def disk_full_during_save(c, base, work) -> dict:
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    out = copy_run(base, work, "diskfull")
+def _save_on_a_full_disk(c, base, work, name: str, module, attr: str) -> dict:
+    """Save step 3 with ``module.attr`` raising ENOSPC; what is left and whether step 2 still verifies."""
+    out = copy_run(base, work, name)
     ck = checkpointer(c, out)
-    original = filesystem_async._write_item
+    original = getattr(module, attr)
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    filesystem_async._write_item = no_space  # the writer processes are forked after this: they see it too
+    setattr(module, attr, no_space)
     try:
         err = error_of(lambda: ck.save(3))
     finally:
-        filesystem_async._write_item = original
+        setattr(module, attr, original)
     root = out / "checkpoints"
     return {"error": err, "left": sorted(p.name for p in root.iterdir()),
             "previous_ok": check_complete(step_dir(out, 2)) is None}  # fmt: skip
+
+
+def disk_full_during_save(c, base, work) -> dict:
+    """A shard write fails: megatron-core's writer processes are forked after the patch, they see it too."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    return _save_on_a_full_disk(c, base, work, "diskfull", filesystem_async, "_write_item")
 
 
 def disk_full_at_the_manifest(c, base, work) -> dict:
     """The disk fills up only when rank 0 writes the manifest, after every shard is written."""
     from megatron_rl.checkpoint import checkpointer as module
 
-    out = copy_run(base, work, "diskfull_manifest")
-    ck = checkpointer(c, out)
-    original = module.write_manifest
-
-    def no_space(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    module.write_manifest = no_space
-    try:
-        err = error_of(lambda: ck.save(3))
-    finally:
-        module.write_manifest = original
-    root = out / "checkpoints"
-    return {"error": err, "left": sorted(p.name for p in root.iterdir()),
-            "previous_ok": check_complete(step_dir(out, 2)) is None}  # fmt: skip
+    return _save_on_a_full_disk(c, base, work, "diskfull_manifest", module, "write_manifest")
 
 
 def refuse_nonfinite_save(c, base, work) -> dict:
