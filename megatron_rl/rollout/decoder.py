@@ -154,6 +154,29 @@ def decode_attention(q, k, v, mask, positions) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def _prefill_layers(w: GenWeights, spec: ModelArgs, x: torch.Tensor, cos, sin, attend) -> torch.Tensor:
+    """The layer stack over a block of new tokens: x [B, T, h] -> [B, T, h]. ``attend(i, q, k, v)`` writes
+    layer i's new keys/values into the cache and attends (q [B, Hl, T, D], k / v [B, T, Gl, D] after RoPE)
+    -> [B, Hl, T, D]; it is the only difference between a first prefill and an extension of a slot."""
+    B, T, _ = x.shape
+    rep = spec.num_attention_heads // spec.num_query_groups
+    for i, layer in enumerate(w.layers):
+        qkv = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps), layer, spec)  # [B, T, Gl, rep+2, D]
+        qk = apply_rope(qkv[:, :, :, : rep + 1], cos, sin)  # [B, T, Gl, rep+1, D]
+        q = qk[:, :, :, :rep].reshape(B, T, -1, spec.head_dim).transpose(1, 2)  # [B, Hl, T, D]
+        a = attend(i, q, qk[:, :, :, rep], qkv[:, :, :, rep + 1])  # [B, Hl, T, D]
+        a = a.transpose(1, 2).reshape(B, T, -1)  # [B, T, Hl*D]
+        x = x + _all_reduce(F.linear(a, layer["proj"]), w)
+        x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps), layer, w)
+    return x
+
+
+def _last_logits(x: torch.Tensor, lengths: torch.Tensor, w: GenWeights, spec: ModelArgs) -> torch.Tensor:
+    """x [B, T, h] -> logits [B, V] of each row's last real token (``lengths`` [B])."""
+    last = x[torch.arange(x.shape[0], device=x.device), lengths - 1]  # [B, h]
+    return logits(rms_norm(last, w.final_norm, spec.norm_eps), w, spec)
+
+
 def prefill(
     w: GenWeights,
     spec: ModelArgs,
@@ -171,21 +194,14 @@ def prefill(
     B, T = tokens.shape
     positions = torch.arange(T, device=tokens.device).expand(B, T)  # [B, T]
     cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta, w.embed.dtype)
-    rep = spec.num_attention_heads // spec.num_query_groups
-    x = embed(tokens, w)
-    for i, layer in enumerate(w.layers):
-        qkv = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps), layer, spec)  # [B, T, Gl, rep+2, D]
-        qk = apply_rope(qkv[:, :, :, : rep + 1], cos, sin)  # [B, T, Gl, rep+1, D]
-        q = qk[:, :, :, :rep].reshape(B, T, -1, spec.head_dim).transpose(1, 2)  # [B, Hl, T, D]
-        k, v = qk[:, :, :, rep].transpose(1, 2), qkv[:, :, :, rep + 1].transpose(1, 2)  # [B, Gl, T, D]
+
+    def attend(i, q, k, v):
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Gl, T, D]
         cache[i, 0, slots, :, :T] = k
         cache[i, 1, slots, :, :T] = v
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, Hl, T, D]
-        a = a.transpose(1, 2).reshape(B, T, -1)  # [B, T, Hl*D]
-        x = x + _all_reduce(F.linear(a, layer["proj"]), w)
-        x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps), layer, w)
-    last = x[torch.arange(B, device=x.device), lengths - 1]  # [B, h]
-    return logits(rms_norm(last, w.final_norm, spec.norm_eps), w, spec)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    return _last_logits(_prefill_layers(w, spec, embed(tokens, w), cos, sin, attend), lengths, w, spec)
 
 
 def decode(
@@ -256,18 +272,11 @@ def extend(
     mask = torch.zeros(B, 1, T, end, dtype=w.embed.dtype, device=dev)
     mask.masked_fill_(~visible[:, None], float("-inf"))  # [B, 1, T, end]
     cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta, w.embed.dtype)
-    rep = spec.num_attention_heads // spec.num_query_groups
-    x = embed(tokens, w)
-    for i, layer in enumerate(w.layers):
-        qkv = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps), layer, spec)  # [B, T, Gl, rep+2, D]
-        qk = apply_rope(qkv[:, :, :, : rep + 1], cos, sin)  # [B, T, Gl, rep+1, D]
-        q = qk[:, :, :, :rep].reshape(B, T, -1, spec.head_dim).transpose(1, 2)  # [B, Hl, T, D]
-        cache[i, 0][at_slot, :, at_pos] = qk[rows, cols, :, rep]  # [N, Gl, D]
-        cache[i, 1][at_slot, :, at_pos] = qkv[rows, cols, :, rep + 1]
+
+    def attend(i, q, k, v):
+        cache[i, 0][at_slot, :, at_pos] = k[rows, cols]  # [N, Gl, D]
+        cache[i, 1][at_slot, :, at_pos] = v[rows, cols]
         k, v = cache[i, 0, slots, :, :end], cache[i, 1, slots, :, :end]  # [B, Gl, end, D]
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [B, Hl, T, D]
-        a = a.transpose(1, 2).reshape(B, T, -1)  # [B, T, Hl*D]
-        x = x + _all_reduce(F.linear(a, layer["proj"]), w)
-        x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps), layer, w)
-    last = x[torch.arange(B, device=dev), lengths - 1]  # [B, h]
-    return logits(rms_norm(last, w.final_norm, spec.norm_eps), w, spec)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    return _last_logits(_prefill_layers(w, spec, embed(tokens, w), cos, sin, attend), lengths, w, spec)

@@ -4,9 +4,11 @@
 Task ("secret digit"): the prompt is a few random digits; the answer is a digit derived from the prompt by
 a hash, which only the ``secret`` tool returns. The call format is the smallest one possible for a tiny
 char-level model: a turn that ends with ``?`` calls the tool (parser ``secret_call``, registered by ``register`` to
-show the parser registry; real models use ``hermes``). The reward is 1 when the final turn starts with the
-secret digit, plus the tool's reward delta of 0.3 for the first call (without it a random model almost
-never finds the two-step solution). A model that never calls the tool guesses right 1 time in 10.
+show the parser registry; real models use ``hermes``). The reward is 1 when the tool answered in this
+response and the final turn starts with the digit it answered, else 0: no credit for calling alone, and
+none for a right guess without a call. Validation prompts never occur in training (they end in an odd
+digit, training prompts in an even one), so the hash cannot be memorised: a policy that never calls
+scores 0, one that calls and then guesses 0.1 in expectation.
 Everything is made in code, as for the built-in task: tokenizer (with a ChatML chat template), tiny model
 and parquet files.
 """
@@ -42,9 +44,7 @@ class SecretTool(Tool):
                                                "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
 
     def call(self, args: dict, state: dict) -> tuple[str, float, bool]:
-        first = not state.get("called")
-        state["called"] = True
-        return secret(state["extra_info"]["prompt"]), 0.3 if first else 0.0, False
+        return secret(state["extra_info"]["prompt"]), 0.0, False
 
 
 def _parse(text: str) -> list[ToolCall]:
@@ -52,9 +52,13 @@ def _parse(text: str) -> list[ToolCall]:
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **_) -> float:
-    """1.0 when the last turn (after the template's last "assistant" role line) starts with the secret."""
-    final = solution_str.rsplit("assistant", 1)[-1]
-    return 1.0 if final.strip().startswith(str(ground_truth)) else 0.0
+    """1.0 when the tool's answer precedes the last turn and that turn starts with it. ``solution_str`` has
+    the special tokens dropped: ``?tool7assistant7`` for a call, its answer 7 and the final answer 7 (the
+    template's newlines, if any, are stripped)."""
+    text = solution_str.replace("\n", "")
+    before, _, final = text.rpartition("assistant")
+    answered = before.endswith("tool" + str(ground_truth))
+    return 1.0 if answered and final.strip().startswith(str(ground_truth)) else 0.0
 
 
 def register() -> None:
@@ -66,7 +70,11 @@ def register() -> None:
 
 def _write_split(path: Path, n: int, seed: int) -> None:
     rng = random.Random(seed)
-    prompts = ["".join(rng.choice("0123456789") for _ in range(rng.randint(2, 4))) for _ in range(n)]
+    last = "02468" if path.stem == "train" else "13579"  # validation prompts never occur in training
+    prompts = [
+        "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 3))) + rng.choice(last)
+        for _ in range(n)
+    ]
     table = pa.table(
         {
             "prompt": prompts,

@@ -213,18 +213,31 @@ def test_builtin_tool_task_pieces(tmp_path):
 
     register_builtin_tasks()
 
-    model_dir, train, _ = task.prepare_tool_task(ModelConfig(), tmp_path, seed=0)
+    model_dir, train, val = task.prepare_tool_task(ModelConfig(), tmp_path, seed=0)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     mt = build_multi_turn(MultiTurnConfig(enable=True, tool_path=task.TOOL_SET, parser="secret_call"), tok)
     assert mt.turn_stop_ids == (tok.convert_tokens_to_ids("?"),)  # a turn ends at the call marker
     state = {"extra_info": {"prompt": "123"}}
-    assert mt.tool_set.tools["secret"].call({}, state) == (task.secret("123"), 0.3, False)
-    assert mt.tool_set.tools["secret"].call({}, state)[1] == 0.0  # the shaping reward is paid once
+    assert mt.tool_set.tools["secret"].call({}, state) == (
+        task.secret("123"),
+        0.0,
+        False,
+    )  # no credit for calling
     assert mt.parser("?") == [ToolCall("secret", {})] and mt.parser("7") == []
     answer = mt.renderer.text([{"role": "tool", "content": "7"}], tok.convert_tokens_to_ids("?"))
     solved = "?" + tok.decode(tok(answer)["input_ids"], skip_special_tokens=True) + "7"
     assert task.compute_score("", solved, "7") == 1.0 and task.compute_score("", solved, "3") == 0.0
-    assert task.compute_score("", "7", "7") == 1.0  # a lucky guess without the tool
+    assert task.compute_score("", "7", "7") == 0.0  # a right guess without the tool earns nothing
+    assert task.compute_score("", solved.replace("tool7", "tool3"), "7") == 0.0  # nor a final that ignores it
+    assert (
+        task.compute_score("", solved.replace("tool", "tool\n").replace("assistant", "assistant\n"), "7")
+        == 1.0
+    )
+    # validation prompts never occur in training, so a policy that never calls cannot memorise the hash
+    import pyarrow.parquet as pq
+
+    seen = set(pq.read_table(train).column("prompt").to_pylist())
+    assert seen.isdisjoint(pq.read_table(val).column("prompt").to_pylist())
     mt.close()
