@@ -14,8 +14,8 @@
 # is warm-up), TRL_STEPS (2), BUDGET_S (570), CAP_OURS / CAP_TRL (per-part timeouts, s; default per size).
 # The session's two device calls (each within 9.5 min; see benchmarks/README.md):
 #   A: SIZES='qwen2.5-3b qwen2.5-1.5b qwen2.5-0.5b' TRL_SIZES='qwen2.5-3b' \
-#      TRL_LATE_SIZES='qwen2.5-1.5b qwen2.5-0.5b' bash benchmarks/run_sizes.sh
-#   B: SIZES='qwen2.5-7b llama-3.1-8b' TRL_SIZES='' bash benchmarks/run_sizes.sh
+#      TRL_LATE_SIZES='qwen2.5-1.5b qwen2.5-0.5b' BUDGET_S=550 bash benchmarks/run_sizes.sh
+#   B: SIZES='qwen2.5-7b llama-3.1-8b' TRL_SIZES='' BUDGET_S=550 bash benchmarks/run_sizes.sh
 #   CPU smoke: TINY=1 bash benchmarks/run_sizes.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
