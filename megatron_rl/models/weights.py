@@ -18,6 +18,7 @@ from megatron_rl.models.hf_mapping import (
     layer_range,
     megatron_shard_from_hf,
 )
+from megatron_rl.models.lora import is_adapter
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -44,10 +45,10 @@ def parallel_ranks() -> tuple[int, int, int, int]:
 
 
 def tensor_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict without ``_extra_state`` entries, in local-spec names (tensors share storage
-    with the parameters)."""
+    """The model's state dict without ``_extra_state`` entries and LoRA adapters (``lora.adapter_state``), in
+    local-spec names (tensors share storage with the parameters)."""
     sd = unwrap(model).state_dict(keep_vars=False)
-    return canonical_names({k: v for k, v in sd.items() if isinstance(v, torch.Tensor)})
+    return canonical_names({k: v for k, v in sd.items() if isinstance(v, torch.Tensor) and not is_adapter(k)})
 
 
 def check_layer_offsets(model: torch.nn.Module, args: ModelArgs, pp: int, pp_rank: int) -> None:
