@@ -230,5 +230,16 @@ def merged_params(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> di
     return out
 
 
+def adapter_state(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """This rank's adapters (or with ``grads`` their gradients) by local-spec name (``...linear_qkv.lora_A``)."""
+    out = {}
+    for name, p in model.named_parameters():
+        while name.startswith("module."):
+            name = name[len("module.") :]
+        if is_adapter(name):
+            out[name] = (p.main_grad if getattr(p, "main_grad", None) is not None else p.grad) if grads else p
+    return out
+
+
 def has_adapters(model: torch.nn.Module) -> bool:
     return next(lora_modules(model), None) is not None

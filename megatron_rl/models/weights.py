@@ -127,13 +127,16 @@ def load_hf_weights(
     return missing
 
 
-def gather_shards(model: torch.nn.Module) -> dict[tuple[int, int], dict[str, torch.Tensor]] | None:
-    """Every (tp_rank, pp_rank) shard of the model on global rank 0 (CPU tensors); None on other ranks.
+def gather_shards(
+    model: torch.nn.Module, state=tensor_state
+) -> dict[tuple[int, int], dict[str, torch.Tensor]] | None:
+    """Every (tp_rank, pp_rank) shard of ``state(model)`` (default: the base weights; ``lora.adapter_state``:
+    the adapters) on global rank 0 (CPU tensors); None on other ranks.
 
     Collective over the world; only data-parallel rank 0 of each shard sends.
     """
     tp, tp_rank, pp, pp_rank = parallel_ranks()
-    local = {k: v.detach().cpu() for k, v in tensor_state(model).items()}
+    local = {k: v.detach().cpu() for k, v in state(model).items()}
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return {(tp_rank, pp_rank): local}
     sends = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
