@@ -418,9 +418,8 @@ class Checkpointer:
         self._check_roles(state, path)
         for name, r in self.roles.items():
             check_optimizer_backend(name, state["optimizers"][name], r.opt, path)
-            check_base(
-                name, state.get("lora_base", {}).get(name), _unwrap(r.model), self.side.hf_source, path
-            )
+            now = base_record(_unwrap(r.model), self.side.hf_source)
+            check_base(name, state.get("lora_base", {}).get(name), now, path)
         loaded = load_dist(self._sharded(is_loading=True), path / DIST)
         for name, r in self.roles.items():
             prefix = f"{name}."

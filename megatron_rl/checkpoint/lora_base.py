@@ -38,11 +38,9 @@ def base_record(model: torch.nn.Module, hf_dir: Path | None) -> dict | None:
     return {"path": str(hf_dir), "digests": dict(_digests(str(Path(hf_dir).resolve())))}
 
 
-def check_base(
-    role: str, saved: dict | None, model: torch.nn.Module, hf_dir: Path | None, path: Path
-) -> None:
-    """Refuse to resume adapters onto a base model other than the one they were trained on."""
-    now = base_record(model, hf_dir)
+def check_base(role: str, saved: dict | None, now: dict | None, path: Path) -> None:
+    """Refuse to resume adapters onto a base model other than the one they were trained on (``saved`` /
+    ``now``: ``base_record`` of the checkpoint and of this run)."""
     if (saved is None) != (now is None):
         was, is_ = ("LoRA adapters" if saved else "full weights"), ("LoRA" if now else "full fine-tuning")
         raise CheckpointError(

@@ -136,3 +136,22 @@ def test_memory_model_counts_only_adapters_and_no_reference_model():
     )
     assert lora["bytes"]["optimizer"] == n_adapters * 8  # fp32 weights: Adam moments only
     assert lora["bytes"]["optimizer"] < full["bytes"]["optimizer"] / 4
+
+
+def test_resume_refuses_adapters_on_another_base(tmp_path):
+    from megatron_rl.checkpoint.layout import CheckpointError
+    from megatron_rl.checkpoint.lora_base import _digests, check_base
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "model.safetensors").write_bytes(b"weights v1")
+    saved = {"path": str(base), "digests": dict(_digests(str(base)))}
+    check_base("actor", saved, dict(saved), tmp_path / "ckpt")  # same base: fine
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model.safetensors").write_bytes(b"weights v2")
+    now = {"path": str(other), "digests": dict(_digests(str(other)))}
+    with pytest.raises(CheckpointError, match="were trained on the base model in .*base.*differ"):
+        check_base("actor", saved, now, tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="holds actor LoRA adapters but this run uses full fine-tuning"):
+        check_base("actor", saved, None, tmp_path / "ckpt")
