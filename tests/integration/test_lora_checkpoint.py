@@ -4,8 +4,12 @@ model with a digest, resumes to the next step; the generation weights never drif
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 from megatron_rl.checkpoint.safe_load import read_metadata_file
+from tests.distributed.launch import REPO, cpu_env
 from tests.integration.cli import metrics
 from tests.integration.test_checkpoint_resume import SMALL, train
 
@@ -31,3 +35,27 @@ def test_lora_checkpoint_is_adapters_only_and_resumes(tmp_path):
     resumed = train(out, *SMALL, *LORA, "trainer.total_training_steps=3", "trainer.save_freq=2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    check_exports(tmp_path, out / "checkpoints" / "global_step_3", Path(base["path"]))
+
+
+def check_exports(tmp_path: Path, step: Path, base: Path) -> None:
+    """megatron_to_hf on the LoRA checkpoint: the PEFT folder on the base == the merged full model."""
+    import torch
+    import transformers as tf
+    from peft import PeftModel
+
+    tool = [sys.executable, str(REPO / "checkpoints_tools" / "megatron_to_hf.py"), "--checkpoint", str(step)]
+    for name, extra in (("peft", []), ("merged", ["--merged"])):
+        proc = subprocess.run([*tool, "--output", str(tmp_path / name), *extra], capture_output=True, text=True,
+                              env=cpu_env(), timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    peft_model = PeftModel.from_pretrained(
+        tf.AutoModelForCausalLM.from_pretrained(base), tmp_path / "peft"
+    ).eval()
+    merged = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    plain = tf.AutoModelForCausalLM.from_pretrained(base).eval()
+    ids = torch.randint(0, plain.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b, c = peft_model(ids).logits, merged(ids).logits, plain(ids).logits
+    assert (a - b).abs().max() < 1e-4 * a.abs().max(), "PEFT folder on the base != merged export"
+    assert (a - c).abs().max() > 1e-3, "the trained adapters should change the logits"
