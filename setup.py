@@ -40,6 +40,7 @@ setup(
             "hydra-submitit-launcher==1.2.0",
             "triton>=3.2",
             "mlflow-skinny>=2.16,<4",
+            "peft>=0.13",  # the LoRA parity and adapter-export tests compare with PEFT
         ],
         "mlflow": ["mlflow-skinny>=2.16,<4"],
         "te": ["transformer-engine[pytorch]"],

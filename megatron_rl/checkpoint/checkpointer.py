@@ -42,6 +42,7 @@ from megatron_rl.checkpoint.layout import (
     write_pointer,
     writer_rank,
 )
+from megatron_rl.checkpoint.lora_base import base_record, check_base, load_trainable
 from megatron_rl.checkpoint.names import (
     DIST,
     HF,
@@ -62,8 +63,11 @@ from megatron_rl.checkpoint.state import (
     restore_rng,
     role_sharded_state,
 )
+from megatron_rl.config.schema import LoRAConfig
 from megatron_rl.distributed import device
 from megatron_rl.models.hf_io import copy_hf_side_files
+from megatron_rl.models.lora import has_adapters
+from megatron_rl.models.lora_export import save_peft_adapter
 from megatron_rl.optim import Optimizer
 
 FORMAT_VERSION = 1
@@ -272,6 +276,9 @@ class Checkpointer:
             "data": data,
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "optimizers": {n: r.opt.host_state() for n, r in self.roles.items()},
+            "lora_base": {
+                n: base_record(_unwrap(r.model), self.side.hf_source) for n, r in self.roles.items()
+            },
             "config": self.config,
         }
 
@@ -280,7 +287,14 @@ class Checkpointer:
         from megatron_rl.models import export_hf_state_dict
         from megatron_rl.models.hf_io import write_safetensors
 
-        state = export_hf_state_dict(self.roles["actor"].model, self.side.args)
+        actor = self.roles["actor"].model
+        if has_adapters(actor):  # a PEFT adapter folder for the base model in ``side.hf_source``
+            lora = LoRAConfig(**self.config["actor"]["lora"])
+            save_peft_adapter(actor, self.side.args, lora, out_dir, str(self.side.hf_source))
+            if _rank() == 0:
+                self.side.tokenizer.save_pretrained(str(out_dir))
+            return
+        state = export_hf_state_dict(actor, self.side.args)
         if _rank() != 0:
             return
         write_safetensors({k: v.contiguous() for k, v in state.items()}, out_dir)
@@ -404,10 +418,13 @@ class Checkpointer:
         self._check_roles(state, path)
         for name, r in self.roles.items():
             check_optimizer_backend(name, state["optimizers"][name], r.opt, path)
+            now = base_record(_unwrap(r.model), self.side.hf_source)
+            check_base(name, state.get("lora_base", {}).get(name), now, path)
         loaded = load_dist(self._sharded(is_loading=True), path / DIST)
         for name, r in self.roles.items():
             prefix = f"{name}."
-            _unwrap(r.model).load_state_dict({k[len(prefix) :]: v for k, v in loaded[name]["model"].items()})
+            weights = {k[len(prefix) :]: v for k, v in loaded[name]["model"].items()}
+            load_trainable(_unwrap(r.model), weights, name, path)
             r.opt.load_sharded_state_dict(loaded[name]["optim"])
             r.opt.load_host_state(state["optimizers"][name])
             if any(resume_config.is_schedule(c.key) for c in found):

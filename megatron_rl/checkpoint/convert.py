@@ -358,13 +358,18 @@ def megatron_to_hf(
     hf_config: str | Path | None = None,
     tp: int = 1,
     pp: int = 1,
+    merged: bool = False,
 ) -> ConversionReport | None:
     """Convert a Megatron checkpoint (format auto-detected) to an HF directory; report on rank 0, else None.
 
     legacy: read by rank 0 alone. torch_dist: loaded at (tp, pp) under torchrun, (1, 1) in one process.
+    A LoRA training checkpoint gives a PEFT adapter folder for its base model, or with ``merged`` the full
+    model with the adapters merged in.
     """
     info = inspect_checkpoint(checkpoint, hf_config)
     rank, _ = launch_rank_world()
+    if info.format == "trainer" and lora_of(info) is not None:
+        return _lora_to_hf(info, Path(output), tp, pp, merged)
     if info.format == "legacy":
         if rank != 0:
             return None
@@ -391,3 +396,57 @@ def megatron_to_hf(
     arch = f"{','.join(info.args.architectures) or info.args.model_type} ({info.args.arch})"
     layout = f"{info.format} TP={tp_read} PP={pp_read} ({info.role}) -> HF safetensors"
     return ConversionReport(arch, layout, len(state), nbytes, out)
+
+
+def lora_of(info: CheckpointInfo):
+    """(LoRAConfig, base HF dir) of a LoRA training checkpoint's role, else None."""
+    from megatron_rl.config.schema import LoRAConfig
+
+    state = json.loads((info.iter_dir / "state.json").read_text())
+    base = (state.get("lora_base") or {}).get(info.role)
+    if base is None:
+        return None
+    return LoRAConfig(**state["config"][info.role]["lora"]), Path(base["path"])
+
+
+def _lora_to_hf(info: CheckpointInfo, out: Path, tp: int, pp: int, merged: bool) -> ConversionReport | None:
+    """Base weights from the base model the checkpoint names (digest-checked), adapters from the checkpoint."""
+    from megatron_rl.checkpoint.lora_base import check_base, load_trainable
+    from megatron_rl.models import build_model, load_hf_weights
+    from megatron_rl.models.lora_export import merged_hf_state_dict, save_peft_adapter
+
+    lora, base_dir = lora_of(info)
+    state = json.loads((info.iter_dir / "state.json").read_text())
+    tp_read, pp_read = init_for_conversion(tp, pp, info.args.num_layers)
+    args = info.args.with_tp(tp_read)
+    model = build_model(args, role=info.role, lora=lora)
+    check_base(info.role, state["lora_base"][info.role], _base_now(base_dir), info.iter_dir)
+    load_hf_weights(model, base_dir, args, role=info.role)
+    prefix = f"{info.role}."
+    from megatron_rl.checkpoint.state import role_sharded_state
+
+    loaded = load_dist(
+        {info.role: role_sharded_state(info.role, model, None, is_loading=True)}, info.iter_dir / DIST
+    )
+    load_trainable(
+        model, {k[len(prefix) :]: v for k, v in loaded[info.role]["model"].items()}, info.role, info.iter_dir
+    )
+    layout = f"trainer LoRA TP={tp_read} PP={pp_read} ({info.role}) -> "
+    if merged:
+        hf = merged_hf_state_dict(model, args)
+        if launch_rank_world()[0] != 0:
+            return None
+        nbytes = write_hf_dir(hf, info.args, out, info.hf_side)
+        return ConversionReport(info.args.arch, layout + "HF safetensors (merged)", len(hf), nbytes, out)
+    save_peft_adapter(model, args, lora, out, str(base_dir))
+    if launch_rank_world()[0] != 0:
+        return None
+    copy_hf_side_files(info.hf_side, out, with_config=False)
+    n = len(list(out.glob("*.safetensors")))
+    return ConversionReport(info.args.arch, layout + "PEFT adapter", n, _disk_bytes(out), out)
+
+
+def _base_now(base_dir: Path) -> dict:
+    from megatron_rl.checkpoint.lora_base import _digests
+
+    return {"path": str(base_dir), "digests": dict(_digests(str(base_dir.resolve())))}

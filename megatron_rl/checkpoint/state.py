@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from megatron_rl.checkpoint.layout import CheckpointError
+from megatron_rl.checkpoint.lora_base import trainable_only
 from megatron_rl.optim import Optimizer, OptimizerKindError
 
 
@@ -32,7 +33,7 @@ def role_sharded_state(
     (``Optimizer.sharded_state_dict``); the ShardedTensors point at the live tensors. ``is_loading``: the
     dict is for ``dist_checkpointing.load``.
     """
-    model_sd = model.sharded_state_dict(prefix=f"{role}.")
+    model_sd = trainable_only(model, model.sharded_state_dict(prefix=f"{role}."))  # LoRA: adapters only
     out = {"model": model_sd}
     if opt is not None:
         out["optim"] = opt.sharded_state_dict(model_sd, is_loading=is_loading)

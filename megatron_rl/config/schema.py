@@ -257,8 +257,37 @@ class PolicyLossParams:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters on the linear layers of a trained model (actor or critic; PEFT's LoRA)."""
+
+    rank: int = doc(
+        0,
+        "LoRA rank; 0 = off (full fine-tuning). With rank > 0 the base weights are frozen (no gradients, no "
+        "optimizer state) and only the adapters train; the reference policy is the actor with its adapters "
+        "switched off (no separate reference model).",
+    )
+    alpha: float = doc(16.0, "Adapter scale numerator: the adapter's output is multiplied by alpha / rank.")
+    dropout: float = doc(0.0, "Dropout probability on the adapters' input (training only), 0 <= p < 1.")
+    target_modules: list = doc(
+        ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+        "megatron-core linear layers that get adapters, any of linear_qkv (HF q/k/v_proj) | linear_proj "
+        "(o_proj) | linear_fc1 (gate/up_proj) | linear_fc2 (down_proj).",
+    )
+    init: str = doc(
+        "kaiming_uniform",
+        "Initialisation of A (B starts at zero, so training starts from the base model): kaiming_uniform "
+        "(PEFT's default) | gaussian (N(0, 1/rank), PEFT's init_lora_weights=gaussian).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass
 class ActorConfig(RecomputeKeys):
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     ppo_mini_batch_size: int = doc(8, "Prompts per optimizer step, global (times rollout.n sequences).")
     ppo_micro_batch_size_per_gpu: int = doc(4, "Sequences per forward/backward on each rank.")
     use_dynamic_bsz: bool = doc(
@@ -309,6 +338,7 @@ class ActorConfig(RecomputeKeys):
 @dataclass
 class CriticConfig(RecomputeKeys):
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     ppo_mini_batch_size: int = doc(8, "Prompts per critic optimizer step, global.")
     ppo_micro_batch_size_per_gpu: int = doc(4, "Sequences per critic forward/backward on each rank.")
     use_dynamic_bsz: bool = doc(False, "Critic micro-batches by token budget (as actor.use_dynamic_bsz).")

@@ -250,6 +250,29 @@ def _check_recompute(cfg: JobConfig, role: str, layers_per_stage: int | None) ->
                           f"{list(RECOMPUTE_MODULES)} (at least one) with recompute_granularity=selective.")  # fmt: skip
 
 
+def _check_lora(cfg: JobConfig, role: str) -> None:
+    """``<role>.lora``: rank >= 0 (0 = off), alpha > 0, 0 <= dropout < 1, known targets and init."""
+    from megatron_rl.models.lora import LORA_INITS, TARGETS
+
+    lora, key = getattr(cfg, role).lora, f"{role}.lora"
+    if not isinstance(lora.rank, int) or lora.rank < 0:
+        raise ConfigError(f"{key}.rank={lora.rank!r} must be an integer >= 0 (0 = off, e.g. {key}.rank=16).")
+    if not lora.enabled:
+        return
+    if not lora.alpha > 0:
+        raise ConfigError(f"{key}.alpha={lora.alpha} must be > 0 (the scale is alpha / rank; e.g. 2 x rank).")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"{key}.dropout={lora.dropout} must be in [0, 1) (e.g. 0.05, or 0 for none).")
+    bad = [t for t in lora.target_modules if t not in TARGETS]
+    if bad or not lora.target_modules or len(set(lora.target_modules)) != len(lora.target_modules):
+        raise ConfigError(
+            f"{key}.target_modules={list(lora.target_modules)}: use a non-empty list without repeats of "
+            f"{' | '.join(TARGETS)}, e.g. {key}.target_modules=[{','.join(TARGETS)}]."
+        )
+    if lora.init not in LORA_INITS:
+        raise ConfigError(f"{key}.init={lora.init!r} is not one of: {' | '.join(LORA_INITS)}.")
+
+
 def _check_algorithm_settings(cfg: JobConfig) -> None:
     """Bounds of the DAPO / estimator / rollout-correction settings that only fail deep inside a step."""
     n, max_new = cfg.rollout.n, cfg.rollout.max_new_tokens
@@ -322,6 +345,8 @@ def validate_job(
         return dims
     per_stage = num_layers // dims.pp if num_layers else None
     _check_algorithm_settings(cfg)
+    _check_lora(cfg, "actor")
+    _check_lora(cfg, "critic")
     _check_update_batches(cfg, "actor", dims.dp)
     _check_optim(cfg, "actor")
     _check_recompute(cfg, "actor", per_stage)

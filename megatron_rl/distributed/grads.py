@@ -70,7 +70,7 @@ def reduce_gradients(model: torch.nn.Module) -> None:
         [grad_of(p) for n, p in named if _tp_partial(n, p)], ps.get_tensor_model_parallel_group()
     )
     shared = _shared_embedding(model)
-    if shared is not None:
+    if shared is not None and shared.requires_grad:  # frozen under LoRA
         dist.all_reduce(grad_of(shared), group=ps.get_embedding_group())
 
 

@@ -9,9 +9,11 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_rl.config.schema import LoRAConfig
 from megatron_rl.distributed import device
 from megatron_rl.kernels.mcore import fusion_flags
 from megatron_rl.models.args import ModelArgs
+from megatron_rl.models.lora import freeze_base, init_adapters
 from megatron_rl.models.spec import block_spec, uses_te
 
 ROLES = ("actor", "critic", "reward", "ref")
@@ -61,6 +63,7 @@ def build_model(
     backend: str = "auto",
     sequence_parallel: bool = False,
     recompute: dict | None = None,
+    lora: LoRAConfig | None = None,
 ) -> GPTModel:
     """A GPTModel for this rank's pipeline stage (pre/post_process from parallel_state).
 
@@ -69,9 +72,13 @@ def build_model(
     ref: the actor's architecture, in eval mode with requires_grad False.
     Non-last stages return hidden states [T, B, h]. Weights are random until ``load_hf_weights``.
     ``recompute``: megatron-core activation-recomputation fields (``RecomputeKeys.recompute_kwargs``).
+    ``lora`` (rank > 0, actor/critic): LoRA adapters on its target layers, initialised (B = 0); every other
+    parameter is frozen except a critic's value head.
     """
     if role not in ROLES:
         raise ValueError(f"model role={role!r}; use one of {ROLES}")
+    if lora is not None and lora.enabled and backend == "auto":
+        backend = "local"  # the adapters wrap megatron-core's own linear layers, not Transformer Engine's
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if args.padded_vocab_size % tp:
         raise ValueError(
@@ -88,7 +95,7 @@ def build_model(
     cls = ValueModel if is_value else GPTModel
     model = cls(
         config=config,
-        transformer_layer_spec=block_spec(config, args.qk_norm, backend),
+        transformer_layer_spec=block_spec(config, args.qk_norm, backend, lora),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -104,6 +111,11 @@ def build_model(
     if is_value and model.post_process:
         model.output_layer = ValueHead(config, args.hidden_size)
     model.to(device())
+    if lora is not None and lora.enabled:
+        if role not in ("actor", "critic"):
+            raise ValueError(f"LoRA adapters are for the trained roles (actor, critic), not role={role!r}")
+        init_adapters(model, lora.init)
+        freeze_base(model, trainable=("output_layer.weight",) if is_value else ())
     if role == "ref":
         model.eval()
         model.requires_grad_(False)

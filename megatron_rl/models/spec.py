@@ -15,7 +15,9 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_rl.config.schema import LoRAConfig
 from megatron_rl.kernels.swiglu import SwiGLU
+from megatron_rl.models.lora import apply_to_layer_spec
 
 try:  # guarded: TE is a GPU-only extra
     import transformer_engine  # noqa: F401
@@ -104,13 +106,21 @@ def uses_te(backend: str) -> bool:
     return backend == "te" or (backend == "auto" and HAVE_TE)
 
 
-def layer_spec(qk_norm: bool, backend: str = "auto", fused_swiglu: bool = False) -> ModuleSpec:
+def layer_spec(
+    qk_norm: bool, backend: str = "auto", fused_swiglu: bool = False, lora: LoRAConfig | None = None
+) -> ModuleSpec:
     """The GPT layer ModuleSpec. ``backend``: "local" (megatron-core modules + SDPA), "te" (Transformer
     Engine; fuses the pre-attention/pre-MLP norms into linear_qkv/linear_fc1) or "auto" (TE if importable).
     ``fused_swiglu``: the local MLP's activation is ``kernels.swiglu.SwiGLU`` (needs the config's
-    ``use_te_activation_func``, see ``kernels.mcore``).
+    ``use_te_activation_func``, see ``kernels.mcore``). ``lora`` (rank > 0): its target linear layers are
+    the LoRA variants of ``models.lora`` (local backend only).
     """
     if uses_te(backend):
+        if lora is not None and lora.enabled:
+            raise ValueError(
+                "actor.lora / critic.lora (rank > 0) adapts megatron-core's local linear layers, not Transformer "
+                "Engine's; build the model with backend='local' (or 'auto', which picks it for LoRA)"
+            )
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
     spec = copy.deepcopy(get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm"))
     layer, attn = spec.submodules, spec.submodules.self_attention.submodules
@@ -120,10 +130,12 @@ def layer_spec(qk_norm: bool, backend: str = "auto", fused_swiglu: bool = False)
         attn.q_layernorm = attn.k_layernorm = RMSNorm
     if fused_swiglu:
         layer.mlp.submodules.activation_func = SwiGLU
+    if lora is not None and lora.enabled:
+        apply_to_layer_spec(spec, lora)
     return spec
 
 
-def block_spec(config, qk_norm: bool, backend: str = "auto"):
+def block_spec(config, qk_norm: bool, backend: str = "auto", lora: LoRAConfig | None = None):
     """This pipeline stage's decoder block: its layers, and (local backend) our RMSNorm as the final norm
     so that sequence parallelism works without TE/apex."""
     from megatron.core.transformer.transformer_block import (
@@ -131,7 +143,7 @@ def block_spec(config, qk_norm: bool, backend: str = "auto"):
         get_num_layers_to_build,
     )
 
-    layer = layer_spec(qk_norm, backend, fused_swiglu=config.use_te_activation_func)
+    layer = layer_spec(qk_norm, backend, fused_swiglu=config.use_te_activation_func, lora=lora)
     if uses_te(backend):
         return layer
     return TransformerBlockSubmodules(

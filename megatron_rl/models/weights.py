@@ -18,6 +18,7 @@ from megatron_rl.models.hf_mapping import (
     layer_range,
     megatron_shard_from_hf,
 )
+from megatron_rl.models.lora import is_adapter
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -44,10 +45,10 @@ def parallel_ranks() -> tuple[int, int, int, int]:
 
 
 def tensor_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict without ``_extra_state`` entries, in local-spec names (tensors share storage
-    with the parameters)."""
+    """The model's state dict without ``_extra_state`` entries and LoRA adapters (``lora.adapter_state``), in
+    local-spec names (tensors share storage with the parameters)."""
     sd = unwrap(model).state_dict(keep_vars=False)
-    return canonical_names({k: v for k, v in sd.items() if isinstance(v, torch.Tensor)})
+    return canonical_names({k: v for k, v in sd.items() if isinstance(v, torch.Tensor) and not is_adapter(k)})
 
 
 def check_layer_offsets(model: torch.nn.Module, args: ModelArgs, pp: int, pp_rank: int) -> None:
@@ -126,13 +127,16 @@ def load_hf_weights(
     return missing
 
 
-def gather_shards(model: torch.nn.Module) -> dict[tuple[int, int], dict[str, torch.Tensor]] | None:
-    """Every (tp_rank, pp_rank) shard of the model on global rank 0 (CPU tensors); None on other ranks.
+def gather_shards(
+    model: torch.nn.Module, state=tensor_state
+) -> dict[tuple[int, int], dict[str, torch.Tensor]] | None:
+    """Every (tp_rank, pp_rank) shard of ``state(model)`` (default: the base weights; ``lora.adapter_state``:
+    the adapters) on global rank 0 (CPU tensors); None on other ranks.
 
     Collective over the world; only data-parallel rank 0 of each shard sends.
     """
     tp, tp_rank, pp, pp_rank = parallel_ranks()
-    local = {k: v.detach().cpu() for k, v in tensor_state(model).items()}
+    local = {k: v.detach().cpu() for k, v in state(model).items()}
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return {(tp_rank, pp_rank): local}
     sends = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron_rl.config.rollout_rules import check_engine
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.kernels import decode_attention as decode_kernel
+from megatron_rl.models import lora
 from megatron_rl.rollout import decoder, reshard
 from megatron_rl.rollout.decoder import GenWeights, check_decodable
 from megatron_rl.rollout.kv_cache import KV_KEYS, KVCache, bytes_per_token, plan_cache
@@ -127,7 +128,10 @@ class RolloutEngine:
         self._state: _DecodeState | None = None  # kept between calls with config.keep_cache
 
     def _params(self) -> dict[str, torch.Tensor]:
-        return dict(self.model) if isinstance(self.model, dict) else reshard.model_params(self.model)
+        """The weights to generate with; a LoRA actor's adapted weights are merged copies (``lora``)."""
+        if isinstance(self.model, dict):
+            return dict(self.model)
+        return lora.merged_params(self.model, reshard.model_params(self.model))
 
     def validate(self, prompts: list[list[int]], params: SamplingParams) -> int:
         """Check arguments before any work; returns the per-slot cache length."""

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from megatron_rl.checkpoint import Checkpointer, ModelSide, TrainedRole
 from megatron_rl.checkpoint.checkpointer import hf_source_dir
-from megatron_rl.config.schema import JobConfig
+from megatron_rl.config.schema import JobConfig, LoRAConfig
 from megatron_rl.data import PromptDataLoader, PromptDataset
 from megatron_rl.data.tokenizer_fit import check_tokenizer_fits
 from megatron_rl.distributed import ParallelDims
@@ -74,11 +74,17 @@ def _resolve_paths(cfg: JobConfig) -> tuple[str, str | None, str | None, bool]:
 
 
 def _model(
-    args: ModelArgs, role: str, dtype: torch.dtype, weights_dir: str, sp: bool, recompute: dict | None = None
+    args: ModelArgs,
+    role: str,
+    dtype: torch.dtype,
+    weights_dir: str,
+    sp: bool,
+    recompute: dict | None = None,
+    lora: LoRAConfig | None = None,
 ) -> torch.nn.Module:
     """Build and load one role; the whole module is cast to ``dtype`` (megatron-core's norms are created
     in fp32 whatever ``params_dtype`` says; its Float16Module casts likewise)."""
-    model = build_model(args, role, dtype, sequence_parallel=sp, recompute=recompute)
+    model = build_model(args, role, dtype, sequence_parallel=sp, recompute=recompute, lora=lora)
     load_hf_weights(model, weights_dir, args, role=role)
     return model.to(dtype)
 
@@ -86,10 +92,17 @@ def _model(
 def _build_models(cfg: JobConfig, args: ModelArgs, model_dir: str, total_steps: int):
     dtype, r, sp = DTYPES[cfg.model.dtype], cfg.rollout.max_new_tokens, cfg.parallel.sequence_parallel
     temperature = logprob_temperature(cfg.rollout.temperature)  # greedy rollouts score at T = 1
-    actor_model = _model(args, "actor", dtype, model_dir, sp, cfg.actor.recompute_kwargs())
+    lora = cfg.actor.lora
+    actor_model = _model(args, "actor", dtype, model_dir, sp, cfg.actor.recompute_kwargs(), lora)
     actor = PolicyWorker(actor_model, cfg.actor, temperature, args.vocab_size, total_steps, r)
     ref = None
-    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+    if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and lora.enabled:
+        # the reference policy is the base model: the actor with its adapters switched off
+        ref = PolicyWorker(
+            actor_model, cfg.actor, temperature, args.vocab_size, total_steps, r, trainable=False,
+            adapters_off=True,
+        )  # fmt: skip
+    elif cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         ref_model = _model(args, "ref", dtype, model_dir, sp)
         ref = PolicyWorker(
             ref_model,
@@ -104,7 +117,9 @@ def _build_models(cfg: JobConfig, args: ModelArgs, model_dir: str, total_steps: 
     critic = None
     if cfg.algorithm.adv_estimator == "gae":
         critic_dir = cfg.model.critic_path or model_dir
-        critic_model = _model(args, "critic", dtype, critic_dir, sp, cfg.critic.recompute_kwargs())
+        critic_model = _model(
+            args, "critic", dtype, critic_dir, sp, cfg.critic.recompute_kwargs(), cfg.critic.lora
+        )
         critic = CriticWorker(critic_model, cfg.critic, total_steps, r)
     return actor, ref, critic
 

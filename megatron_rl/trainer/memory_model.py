@@ -18,6 +18,7 @@ import math
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.distributed.dims import ParallelDims
 from megatron_rl.models.args import ModelArgs
+from megatron_rl.models.lora_hf import adapter_params_per_layer
 
 BYTES = {"float32": 4, "bfloat16": 2}
 GIB = 2**30
@@ -26,7 +27,8 @@ GIB = 2**30
 def trained_roles(cfg: JobConfig) -> dict[str, str]:
     """Role -> head ("lm" | "value") of every model the job holds on the GPU."""
     roles = {"actor": "lm"}
-    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+    # a LoRA actor is its own reference (adapters off): no second copy of the weights
+    if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not cfg.actor.lora.enabled:
         roles["ref"] = "lm"
     if cfg.algorithm.adv_estimator == "gae":
         roles["critic"] = "value"
@@ -157,6 +159,25 @@ def optimizer_state(cfg: JobConfig, role: str, n: float, dp: int) -> dict[str, f
             "step_temporaries": n * 4 / shard * (1 - on_host) if main_b else 0.0}  # fmt: skip
 
 
+def _trained_params(cfg: JobConfig, a: ModelArgs, dims: ParallelDims, role: str, stage_total: int) -> float:
+    """Parameters of ``role`` on this rank that have gradients and optimizer state: all of them, or with
+    ``<role>.lora`` the adapters (+ a critic's value head)."""
+    lora = getattr(cfg, role).lora
+    if not lora.enabled:
+        return stage_total
+    per = adapter_params_per_layer(a, lora.target_modules, lora.rank, dims.tp)["adapters"]
+    return per * a.num_layers // dims.pp + (a.hidden_size if role == "critic" else 0)
+
+
+def _lora_merged_bytes(cfg: JobConfig, a: ModelArgs, dims: ParallelDims, dtype_b: int) -> float:
+    """A LoRA actor generates on merged copies of its adapted weights (the base stays untouched)."""
+    lora = cfg.actor.lora
+    if not lora.enabled:
+        return 0.0
+    per = adapter_params_per_layer(a, lora.target_modules, lora.rank, dims.tp)["adapted"]
+    return per * (a.num_layers // dims.pp) * dtype_b
+
+
 def estimate(cfg: JobConfig, dims: ParallelDims, a: ModelArgs, p: int, budgets: dict | None = None) -> dict:
     """Bytes per GPU by category and per phase. ``p``: the prompt length assumed; ``budgets``: values to
     use instead of the configured ``actor`` / ``critic`` token budgets and ``rollout`` KV slots (the
@@ -166,7 +187,8 @@ def estimate(cfg: JobConfig, dims: ParallelDims, a: ModelArgs, p: int, budgets: 
     roles = trained_roles(cfg)
     counts = {r: a.stage_params(dims.tp, dims.pp, head) for r, head in roles.items()}
     worst = max(("first", "last"), key=lambda s: sum(c[s] for c in counts.values()))
-    state = {r: optimizer_state(cfg, r, counts[r][worst], dims.dp) for r in roles if r != "ref"}
+    trained = {r: _trained_params(cfg, a, dims, r, counts[r][worst]) for r in roles if r != "ref"}
+    state = {r: optimizer_state(cfg, r, trained[r], dims.dp) for r in trained}
     tp_g = cfg.rollout.tensor_model_parallel_size or dims.tp
     _, slots = gen_slots(cfg, dims, budgets.get("max_num_seqs"))
     act = {r: activation_bytes(cfg, a, dims, r, p, budgets.get(r)) for r in state}
@@ -176,7 +198,8 @@ def estimate(cfg: JobConfig, dims: ParallelDims, a: ModelArgs, p: int, budgets: 
         "optimizer": sum(s["resident"] for s in state.values()),
         "optimizer_on_host": sum(s["host"] for s in state.values()),
         "generation_gathered_weights": max(0.0, a.stage_params(tp_g, 1)["first"] - counts["actor"][worst])
-        * dtype_b,
+        * dtype_b
+        + _lora_merged_bytes(cfg, a, dims, dtype_b),
         "kv_cache": kv_cache_bytes(cfg, a, dims, p, slots),
         "generation_temporaries": decode_temporaries(cfg, a, dims, slots),
         "activations": act["actor"],

@@ -26,6 +26,7 @@ from megatron_rl.algos import (
     vocab_parallel_log_probs_and_entropy,
 )
 from megatron_rl.config.schema import ActorConfig, CriticConfig
+from megatron_rl.models.lora import adapters_disabled
 from megatron_rl.models.pipeline import broadcast_from_last_stage, gather_positions, run_micro_batches
 from megatron_rl.optim import build_optimizer
 from megatron_rl.rollout.batch import RolloutBatch, split_by_tokens, split_micro_batches
@@ -161,8 +162,10 @@ class PolicyWorker(_TrainedModel):
         response_len: int,
         trainable: bool = True,
         offload_to_cpu: bool = False,
+        adapters_off: bool = False,
     ):
         self.temperature = temperature
+        self.adapters_off = adapters_off  # the reference of a LoRA actor: the actor's model, adapters off
         self.vocab_size = vocab_size
         self.offload = offload_to_cpu and torch.cuda.is_available()
         if trainable:
@@ -182,7 +185,8 @@ class PolicyWorker(_TrainedModel):
 
         if self.offload:  # the frozen reference lives on CPU between uses (ref.offload_to_cpu)
             self.model.to(batch.input_ids.device)
-        lp = self._forward_only(batch, loss_fn, "lp")
+        with adapters_disabled(self.model) if self.adapters_off else contextlib.nullcontext():
+            lp = self._forward_only(batch, loss_fn, "lp")
         if self.offload:
             self.model.to("cpu")
         return lp

@@ -1,0 +1,157 @@
+"""LoRA config keys (off by default, validated at start-up), the recipe, the PEFT mapping's pure parts and
+the memory model's LoRA accounting. The TP/PP parity with PEFT is tests/distributed/test_lora_dist.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.config import ConfigError, JobConfig, validate_job
+from megatron_rl.config.schema import LoRAConfig
+from megatron_rl.models.args import ModelArgs
+from megatron_rl.models.lora_hf import adapter_params_per_layer, adapters_from_peft, peft_from_adapter_shards
+from megatron_rl.models.shapes import tiny_hf_config
+
+
+def test_lora_is_off_by_default_for_actor_and_critic():
+    cfg = JobConfig()
+    assert not cfg.actor.lora.enabled and not cfg.critic.lora.enabled
+    validate_job(cfg, world_size=1, num_layers=2)
+
+
+@pytest.mark.parametrize(
+    "role,field,value,needle",
+    [
+        ("actor", "rank", -1, "actor.lora.rank=-1 must be an integer >= 0"),
+        ("actor", "alpha", 0.0, "actor.lora.alpha=0.0 must be > 0"),
+        ("actor", "dropout", 1.0, r"actor.lora.dropout=1.0 must be in \[0, 1\)"),
+        (
+            "actor",
+            "target_modules",
+            ["q_proj"],
+            "actor.lora.target_modules=\\['q_proj'\\]: use a non-empty list",
+        ),
+        ("actor", "target_modules", [], "actor.lora.target_modules=\\[\\]"),
+        ("actor", "init", "zeros", "actor.lora.init='zeros' is not one of: kaiming_uniform | gaussian"),
+        ("critic", "alpha", -2.0, "critic.lora.alpha=-2.0 must be > 0"),
+    ],
+)
+def test_bad_lora_settings_fail_at_start_up_naming_the_key(role, field, value, needle):
+    cfg = JobConfig()
+    if role == "critic":
+        cfg.algorithm.adv_estimator = "gae"
+    lora = getattr(cfg, role).lora
+    lora.rank = 8 if field != "rank" else value
+    setattr(lora, field, value)
+    with pytest.raises(ConfigError, match=needle):
+        validate_job(cfg, world_size=1, num_layers=2)
+
+
+def test_lora_recipe_composes_and_validates(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from megatron_rl.config.store import CONFIG_DIR, to_job_config
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        overrides = ["experiment=gsm8k_qwen2_5_0_5b_grpo_lora", f"trainer.output_dir={tmp_path}"]
+        cfg = to_job_config(compose("config", overrides=overrides))
+    assert cfg.actor.lora.rank == 32 and cfg.actor.lora.alpha == 64 and cfg.actor.optim.lr == 1e-5
+    assert cfg.actor.use_kl_loss and cfg.reward.reward_fn == "gsm8k" and not cfg.critic.lora.enabled
+    validate_job(cfg, world_size=1, num_layers=24)
+
+
+ARGS = ModelArgs.from_hf_config(
+    tiny_hf_config("qwen2", vocab_size=250), tp=2
+)  # hidden 64, 4 layers, 4 heads / 2 KV, ffn 128
+
+
+def _random_peft(rank: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    h, d = ARGS.hidden_size, ARGS.head_dim
+    outs = {"q_proj": 4 * d, "k_proj": 2 * d, "v_proj": 2 * d, "o_proj": h, "gate_proj": 128, "up_proj": 128,
+            "down_proj": h}  # fmt: skip
+    ins = {
+        "q_proj": h,
+        "k_proj": h,
+        "v_proj": h,
+        "o_proj": 4 * d,
+        "gate_proj": h,
+        "up_proj": h,
+        "down_proj": 128,
+    }
+    sd = {}
+    for i in range(ARGS.num_layers):
+        shared = {"attn": torch.randn(rank, h, generator=g), "mlp": torch.randn(rank, h, generator=g)}
+        for m in outs:
+            parent = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            pre = f"base_model.model.model.layers.{i}.{parent}.{m}"
+            fused = {
+                "q_proj": "attn",
+                "k_proj": "attn",
+                "v_proj": "attn",
+                "gate_proj": "mlp",
+                "up_proj": "mlp",
+            }
+            a = shared[fused[m]] if m in fused else torch.randn(rank, ins[m], generator=g)
+            sd[f"{pre}.lora_A.weight"], sd[f"{pre}.lora_B.weight"] = (
+                a,
+                torch.randn(outs[m], rank, generator=g),
+            )
+    return sd
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (2, 2), (1, 4)])
+def test_peft_mapping_round_trips_at_every_layout(tp, pp):
+    targets = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    sd = _random_peft(rank=3)
+    shards = {(t, p): adapters_from_peft(sd, ARGS, targets, tp=tp, tp_rank=t, pp=pp, pp_rank=p)
+              for t in range(tp) for p in range(pp)}  # fmt: skip
+    per_rank = adapter_params_per_layer(ARGS, targets, 3, tp)["adapters"]
+    assert sum(v.numel() for v in shards[(0, 0)].values()) == per_rank * ARGS.num_layers // pp
+    back = peft_from_adapter_shards(shards, ARGS, targets)
+    assert set(back) == set(sd) and all(torch.equal(back[k], v) for k, v in sd.items())
+
+
+def test_unfusable_peft_adapters_are_refused():
+    sd = _random_peft(rank=2)
+    k = "base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"
+    sd[k] = sd[k] + 1.0  # a new tensor: q/k/v share one A here
+    with pytest.raises(ValueError, match="different lora_A"):
+        adapters_from_peft(sd, ARGS, ["linear_qkv"], tp=1, tp_rank=0, pp=1, pp_rank=0)
+
+
+def test_memory_model_counts_only_adapters_and_no_reference_model():
+    from megatron_rl.distributed.dims import ParallelDims
+    from megatron_rl.trainer.memory_model import estimate
+
+    cfg = JobConfig()
+    cfg.actor.use_kl_loss = True
+    dims = ParallelDims.build(1, 1, 1, num_layers=ARGS.num_layers)
+    full = estimate(cfg, dims, ARGS, 16)
+    cfg.actor.lora = LoRAConfig(rank=4)
+    lora = estimate(cfg, dims, ARGS, 16)
+    assert "ref" not in lora["roles"] and "ref" in full["roles"]
+    n_adapters = (
+        adapter_params_per_layer(ARGS, cfg.actor.lora.target_modules, 4)["adapters"] * ARGS.num_layers
+    )
+    assert lora["bytes"]["optimizer"] == n_adapters * 8  # fp32 weights: Adam moments only
+    assert lora["bytes"]["optimizer"] < full["bytes"]["optimizer"] / 4
+
+
+def test_resume_refuses_adapters_on_another_base(tmp_path):
+    from megatron_rl.checkpoint.layout import CheckpointError
+    from megatron_rl.checkpoint.lora_base import _digests, check_base
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "model.safetensors").write_bytes(b"weights v1")
+    saved = {"path": str(base), "digests": dict(_digests(str(base)))}
+    check_base("actor", saved, dict(saved), tmp_path / "ckpt")  # same base: fine
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model.safetensors").write_bytes(b"weights v2")
+    now = {"path": str(other), "digests": dict(_digests(str(other)))}
+    with pytest.raises(CheckpointError, match="were trained on the base model in .*base.*differ"):
+        check_base("actor", saved, now, tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="holds actor LoRA adapters but this run uses full fine-tuning"):
+        check_base("actor", saved, None, tmp_path / "ckpt")
