@@ -61,6 +61,7 @@ def build_model(
     backend: str = "auto",
     sequence_parallel: bool = False,
     recompute: dict | None = None,
+    exact: bool = False,
 ) -> GPTModel:
     """A GPTModel for this rank's pipeline stage (pre/post_process from parallel_state).
 
@@ -69,6 +70,8 @@ def build_model(
     ref: the actor's architecture, in eval mode with requires_grad False.
     Non-last stages return hidden states [T, B, h]. Weights are random until ``load_hf_weights``.
     ``recompute``: megatron-core activation-recomputation fields (``RecomputeKeys.recompute_kwargs``).
+    ``exact``: ``rollout.exact_logprobs`` (batch-invariant local layers and LM head, RoPE and SwiGLU
+    unfused: the engine's decoder computes them with the same elementwise ops).
     """
     if role not in ROLES:
         raise ValueError(f"model role={role!r}; use one of {ROLES}")
@@ -81,14 +84,14 @@ def build_model(
     config = args.transformer_config(
         dtype,
         sequence_parallel=sequence_parallel,
-        fusions=fusion_flags(device(), uses_te(backend)),
+        fusions={} if exact else fusion_flags(device(), uses_te(backend)),
         recompute=recompute,
     )
     is_value = role in VALUE_ROLES
     cls = ValueModel if is_value else GPTModel
     model = cls(
         config=config,
-        transformer_layer_spec=block_spec(config, args.qk_norm, backend),
+        transformer_layer_spec=block_spec(config, args.qk_norm, backend, exact=exact),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -103,6 +106,10 @@ def build_model(
     )
     if is_value and model.post_process:
         model.output_layer = ValueHead(config, args.hidden_size)
+    elif exact:
+        from megatron_rl.models.exact_layers import exact_head
+
+        exact_head(model)
     model.to(device())
     if role == "ref":
         model.eval()

@@ -25,12 +25,18 @@ import torch.distributed as dist
 
 from megatron_rl.config.rollout_rules import check_engine
 from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.kernels import batch_invariant
 from megatron_rl.kernels import decode_attention as decode_kernel
 from megatron_rl.rollout import decoder, reshard
 from megatron_rl.rollout.decoder import GenWeights, check_decodable
 from megatron_rl.rollout.kv_cache import KV_KEYS, KVCache, bytes_per_token, plan_cache
 from megatron_rl.rollout.multi_turn import Session
-from megatron_rl.rollout.sampling import SamplingParams, sample_row_keys, sample_with_logprobs
+from megatron_rl.rollout.sampling import (
+    SamplingParams,
+    logprob_temperature,
+    sample_row_keys,
+    sample_with_logprobs,
+)
 
 if TYPE_CHECKING:
     from megatron_rl.models.args import ModelArgs
@@ -58,6 +64,8 @@ class EngineConfig:
     # allocation and the capture (while the weights stay where they are), but the cache's memory stays
     # taken during training
     keep_cache: bool = _ROLLOUT.keep_cache
+    # batch-invariant prefill/decode and log-probs: the trainer's exact recompute gives the same bits
+    exact_logprobs: bool = _ROLLOUT.exact_logprobs
 
     def __post_init__(self):
         if self.kv_cache_tokens == 0:  # the config's "sized from the batch"
@@ -153,7 +161,7 @@ class RolloutEngine:
         """The kept cache and graphs when they fit this call, else a new cache sized for it."""
         slots = max(1, min(self.config.max_num_seqs, num_seqs))
         kept, self._state = self._state, None
-        if kept is not None and kept.fits(max_len, slots, w.embed.dtype):
+        if kept is not None and kept.fits(max_len, slots, w.embed.dtype, self.config.exact_logprobs):
             kept.bind(w)
             return kept
         del kept  # its memory is free for the new cache
@@ -169,7 +177,8 @@ class RolloutEngine:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             device=dev,
         )
-        state = _DecodeState(spec, plan, groups, w.embed.dtype, dev, dev.type == "cuda" and cfg.cuda_graphs)
+        state = _DecodeState(spec, plan, groups, w.embed.dtype, dev, dev.type == "cuda" and cfg.cuda_graphs,
+                             cfg.exact_logprobs)  # fmt: skip
         state.bind(w)
         return state
 
@@ -250,8 +259,10 @@ class _DecodeState:
     tensors (updated in place by the optimizer) reuse the graphs with no new capture.
     """
 
-    def __init__(self, spec: ModelArgs, plan, local_groups: int, dtype, device, use_graphs: bool):
-        self.spec, self.use_graphs = spec, use_graphs
+    def __init__(
+        self, spec: ModelArgs, plan, local_groups: int, dtype, device, use_graphs: bool, exact: bool
+    ):
+        self.spec, self.use_graphs, self.exact = spec, use_graphs, exact
         # the Triton decode kernel stops at each sequence's own position: no length buckets needed
         self.reads_live_only = decode_kernel.serves(device, dtype, spec.head_dim)
         self.cache = KVCache(plan, spec.num_layers, local_groups, spec.head_dim, dtype, device)
@@ -263,9 +274,10 @@ class _DecodeState:
         self.key: tuple | None = None
         self.capture_s = 0.0  # this generate call's
 
-    def fits(self, max_len: int, slots: int, dtype) -> bool:
+    def fits(self, max_len: int, slots: int, dtype, exact: bool) -> bool:
         plan = self.cache.plan
-        return plan.max_len >= max_len and plan.slots >= slots and self.cache.data.dtype == dtype
+        fits = plan.max_len >= max_len and plan.slots >= slots and self.cache.data.dtype == dtype
+        return fits and self.exact == exact
 
     def bind(self, w: GenWeights) -> None:
         key = _weights_key(w)
@@ -274,7 +286,7 @@ class _DecodeState:
         self.w, self.capture_s = w, 0.0
 
     def _eager(self, b: int, kv: int) -> torch.Tensor:
-        return decoder.decode(self.w, self.spec, self.cache.data, self.tok[:b], self.pos[:b], kv)
+        return decoder.decode(self.w, self.spec, self.cache.data, self.tok[:b], self.pos[:b], kv, self.exact)
 
     def _capture(self, b: int, kv: int) -> None:
         t0 = time.perf_counter()
@@ -360,7 +372,10 @@ class _Runner:
                 dist.broadcast(tokens, src=self.lay.gen_src, group=self.lay.gen_group)
                 return tokens
 
-        return sample_with_logprobs(logits, self.params, self.gen, row_keys, share)
+        tokens, lps = sample_with_logprobs(logits, self.params, self.gen, row_keys, share)
+        if self.state.exact:  # the trainer's exact recompute calls this same log-softmax
+            lps = batch_invariant.token_logprobs(logits, tokens, logprob_temperature(self.params.temperature))
+        return tokens, lps
 
     def _record(self, rows, tokens, lps, live, next_pos) -> None:
         """On the device: append one sampled token to each live row. rows [R] slot ids; tokens, lps,
@@ -396,7 +411,9 @@ class _Runner:
             tokens[row, : len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids)
         lengths = torch.tensor([len(s.prompt_ids) for s in batch], device=dev)
         slot_t = torch.tensor(slots, device=dev)
-        logits = decoder.prefill(self.w, self.state.spec, self.cache.data, tokens.to(dev), lengths, slot_t)
+        logits = decoder.prefill(
+            self.w, self.state.spec, self.cache.data, tokens.to(dev), lengths, slot_t, self.state.exact
+        )
         self.count[slot_t] = 0
         self.keys[slot_t] = torch.tensor([seq.key for seq in batch], device=dev)
         live = torch.ones(len(batch), dtype=torch.bool, device=dev)

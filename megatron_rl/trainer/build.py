@@ -74,11 +74,17 @@ def _resolve_paths(cfg: JobConfig) -> tuple[str, str | None, str | None, bool]:
 
 
 def _model(
-    args: ModelArgs, role: str, dtype: torch.dtype, weights_dir: str, sp: bool, recompute: dict | None = None
+    args: ModelArgs,
+    role: str,
+    dtype: torch.dtype,
+    weights_dir: str,
+    sp: bool,
+    recompute: dict | None = None,
+    exact: bool = False,
 ) -> torch.nn.Module:
     """Build and load one role; the whole module is cast to ``dtype`` (megatron-core's norms are created
     in fp32 whatever ``params_dtype`` says; its Float16Module casts likewise)."""
-    model = build_model(args, role, dtype, sequence_parallel=sp, recompute=recompute)
+    model = build_model(args, role, dtype, sequence_parallel=sp, recompute=recompute, exact=exact)
     load_hf_weights(model, weights_dir, args, role=role)
     return model.to(dtype)
 
@@ -86,11 +92,12 @@ def _model(
 def _build_models(cfg: JobConfig, args: ModelArgs, model_dir: str, total_steps: int):
     dtype, r, sp = DTYPES[cfg.model.dtype], cfg.rollout.max_new_tokens, cfg.parallel.sequence_parallel
     temperature = logprob_temperature(cfg.rollout.temperature)  # greedy rollouts score at T = 1
-    actor_model = _model(args, "actor", dtype, model_dir, sp, cfg.actor.recompute_kwargs())
-    actor = PolicyWorker(actor_model, cfg.actor, temperature, args.vocab_size, total_steps, r)
+    exact = cfg.rollout.exact_logprobs  # actor and reference share the engine's batch-invariant kernels
+    actor_model = _model(args, "actor", dtype, model_dir, sp, cfg.actor.recompute_kwargs(), exact)
+    actor = PolicyWorker(actor_model, cfg.actor, temperature, args.vocab_size, total_steps, r, exact=exact)
     ref = None
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-        ref_model = _model(args, "ref", dtype, model_dir, sp)
+        ref_model = _model(args, "ref", dtype, model_dir, sp, exact=exact)
         ref = PolicyWorker(
             ref_model,
             cfg.actor,
@@ -100,6 +107,7 @@ def _build_models(cfg: JobConfig, args: ModelArgs, model_dir: str, total_steps: 
             r,
             trainable=False,
             offload_to_cpu=cfg.ref.offload_to_cpu,
+            exact=exact,
         )
     critic = None
     if cfg.algorithm.adv_estimator == "gae":

@@ -22,27 +22,52 @@ from megatron_rl.algos import (
     compute_policy_loss,
     compute_value_loss,
     global_loss_denominators,
-    masked_mean,
     vocab_parallel_log_probs_and_entropy,
 )
+from megatron_rl.algos.rollout_correction import rollout_gap_metrics
 from megatron_rl.config.schema import ActorConfig, CriticConfig
+from megatron_rl.kernels import batch_invariant as bi
 from megatron_rl.models.pipeline import broadcast_from_last_stage, gather_positions, run_micro_batches
 from megatron_rl.optim import build_optimizer
 from megatron_rl.rollout.batch import RolloutBatch, split_by_tokens, split_micro_batches
 
 
-def response_log_probs(logits, mb: RolloutBatch, temperature: float, vocab_size: int, with_entropy: bool):
+def response_log_probs(
+    logits, mb: RolloutBatch, temperature: float, vocab_size: int, with_entropy: bool, exact: bool = False
+):
     """logits [B, R, V/tp] at ``score_pos`` (``run_micro_batches(..., response_logits=True)``) -> log-probs
     [B, R] of the response tokens (and entropy [B, R] if asked).
 
     Vocab rows past the true vocabulary (padding to a multiple of 128*TP) are excluded, as the engine
     excludes them when sampling; the fused kernel works in fp32 chunks and keeps no fp32 [B, R, V/tp]
-    tensor for backward."""
+    tensor for backward. ``exact`` (``rollout.exact_logprobs``, TP=1): the values are the engine's
+    batch-invariant log-softmax (``kernels.batch_invariant.token_logprobs``), the gradient the fused
+    kernel's."""
     lp, ent = vocab_parallel_log_probs_and_entropy(
         logits, mb.responses, tp_group=ps.get_tensor_model_parallel_group(), temperature=temperature,
         vocab_size=vocab_size,
     )  # fmt: skip
+    if exact:
+        b, r, v = logits.shape
+        with torch.no_grad():
+            flat = bi.token_logprobs(
+                logits.reshape(b * r, v), mb.responses.reshape(-1), temperature, vocab_size
+            )
+        lp = _ValueOf.apply(lp, flat.view(b, r).to(lp.dtype))
     return lp, (ent if with_entropy else None)
+
+
+class _ValueOf(torch.autograd.Function):
+    """Forward: ``value``; backward: the gradient flows to ``differentiable`` (same quantity, other
+    rounding)."""
+
+    @staticmethod
+    def forward(ctx, differentiable, value):
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def _reduce_update_metrics(per_micro: list[dict], num_optimizer_steps: int) -> dict[str, float]:
@@ -161,8 +186,10 @@ class PolicyWorker(_TrainedModel):
         response_len: int,
         trainable: bool = True,
         offload_to_cpu: bool = False,
+        exact: bool = False,
     ):
         self.temperature = temperature
+        self.exact = exact  # rollout.exact_logprobs
         self.vocab_size = vocab_size
         self.offload = offload_to_cpu and torch.cuda.is_available()
         if trainable:
@@ -177,7 +204,7 @@ class PolicyWorker(_TrainedModel):
         self.model.eval()
 
         def loss_fn(mb, logits):
-            lp, _ = response_log_probs(logits, mb, self.temperature, self.vocab_size, with_entropy=False)
+            lp, _ = response_log_probs(logits, mb, self.temperature, self.vocab_size, False, self.exact)
             return logits.new_zeros(()), {"lp": lp}
 
         if self.offload:  # the frozen reference lives on CPU between uses (ref.offload_to_cpu)
@@ -195,7 +222,7 @@ class PolicyWorker(_TrainedModel):
             global_num_seqs=n_seq,
             seq_len_norm=self.response_len,
         )
-        lp, ent = response_log_probs(logits, mb, self.temperature, self.vocab_size, with_entropy=True)
+        lp, ent = response_log_probs(logits, mb, self.temperature, self.vocab_size, True, self.exact)
         # On-policy (one epoch, one mini-batch, no KL in reward): the trainer skips the old-log-prob pass;
         # the ratio is 1 by definition, so the current log-probs, detached, are the old ones.
         old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()
@@ -231,9 +258,7 @@ class PolicyWorker(_TrainedModel):
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss.detach()
         metrics = {k: v.detach() for k, v in metrics.items()}
-        metrics["rollout_logprob_abs_diff"] = masked_mean(
-            (mb.rollout_log_probs - old).abs(), mb.response_mask
-        )
+        metrics |= rollout_gap_metrics(mb.rollout_log_probs, old, mb.response_mask)
         metrics["_tokens"] = mb.response_mask.sum()
         return loss, metrics
 
