@@ -17,8 +17,15 @@ try:
 except ImportError:  # CPU-only installs: the torch references serve
     HAVE_TRITON = False
 
-# matmul tile: one configuration for every M (decode's few rows and training's many run the same code)
-BM, BN, BK, MM_WARPS, MM_STAGES = 128, 128, 64, 8, 3
+# matmul tile: one configuration for every M (decode's few rows and training's many run the same code).
+# The column tile may follow N (a property of the weight, the same in decode and training): narrower
+# tiles give the small projections more programs in a decode step, where few rows leave one row tile.
+BM, BK, MM_STAGES = 128, 64, 3
+
+
+def _column_tile(n: int) -> tuple[int, int]:
+    """(BN, num_warps) for a weight of ``n`` output rows."""
+    return (128, 8) if n >= 8192 else (64, 4)
 LSE_WARPS = 8
 
 
@@ -119,11 +126,12 @@ def matmul(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, BM), triton.cdiv(n, BN))
+    bn, warps = _column_tile(n)
+    grid = (triton.cdiv(m, BM), triton.cdiv(n, bn))
     _matmul_kernel[grid](
         x, w, w if bias is None else bias, out, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         out.stride(0), out.stride(1), HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        BM=BM, BN=BN, BK=BK, num_warps=MM_WARPS, num_stages=MM_STAGES,
+        BM=BM, BN=bn, BK=BK, num_warps=warps, num_stages=MM_STAGES,
     )  # fmt: skip
     return out
 
