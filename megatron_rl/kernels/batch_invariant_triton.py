@@ -26,6 +26,8 @@ BM, BK, MM_STAGES = 128, 64, 3
 def _column_tile(n: int) -> tuple[int, int]:
     """(BN, num_warps) for a weight of ``n`` output rows."""
     return (128, 8) if n >= 8192 else (64, 4)
+
+
 LSE_WARPS = 8
 
 

@@ -36,6 +36,7 @@ from megatron_rl.rollout.sampling import (
     logprob_temperature,
     sample_row_keys,
     sample_with_logprobs,
+    truncated_token_logprobs,
 )
 
 if TYPE_CHECKING:
@@ -96,6 +97,8 @@ class Completion:
     turns: int = 1
     tool_reward: float = 0.0  # sum of the tools' / interaction's reward deltas
     tool_counts: tuple[int, int, int] = (0, 0, 0)  # calls, errors, timeouts
+    # with top-k / top-p (single-turn): each token's log-prob under the truncated, renormalised distribution
+    truncated_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -348,6 +351,8 @@ class _Runner:
         # column n takes the harmless writes of idle / finished slots
         self.out_tok = torch.zeros(slots, n + 1, dtype=torch.long, device=dev)  # [S, N+1]
         self.out_lp = torch.zeros(slots, n + 1, dtype=torch.float32, device=dev)  # [S, N+1]
+        truncated = params.top_k > 0 or params.top_p < 1.0
+        self.out_tlp = torch.zeros_like(self.out_lp) if truncated else None  # [S, N+1] see Completion
         # multi-turn: a turn also ends at the end of a tool call (the parser's end marker, one token)
         stops = params.stop_token_ids + (session.turn_stop_ids if session is not None else ())
         self.stop_ids = torch.tensor(stops, dtype=torch.long, device=dev)
@@ -373,8 +378,12 @@ class _Runner:
                 return tokens
 
         tokens, lps = sample_with_logprobs(logits, self.params, self.gen, row_keys, share)
+        p = self.params
         if self.state.exact:  # the trainer's exact recompute calls this same log-softmax
-            lps = batch_invariant.token_logprobs(logits, tokens, logprob_temperature(self.params.temperature))
+            lps = batch_invariant.token_logprobs(logits, tokens, logprob_temperature(p.temperature))
+        if self.out_tlp is not None:  # at the column _record writes next
+            tlp = truncated_token_logprobs(logits, tokens, p.temperature, p.top_k, p.top_p, self.state.exact)
+            self.out_tlp[rows, self.count[rows]] = tlp
         return tokens, lps
 
     def _record(self, rows, tokens, lps, live, next_pos) -> None:
@@ -432,6 +441,7 @@ class _Runner:
         done = [slot for slot in self.active if not live[slot]]
         if done:
             idx = torch.tensor(done, device=self.rows.device)
+            tlps = dict(zip(done, self.out_tlp[idx].tolist())) if self.out_tlp is not None else {}
             ended = []
             for slot, toks, lps in zip(done, self.out_tok[idx].tolist(), self.out_lp[idx].tolist()):
                 n = count[slot]
@@ -441,6 +451,8 @@ class _Runner:
             for slot, toks, lps, stopped in ended:
                 seq = self.active.pop(slot)
                 seq.response_ids, seq.logprobs = toks, lps
+                if slot in tlps and self.session is None:
+                    seq.truncated_logprobs = tlps[slot][: len(toks)]
                 seq.finish_reason = seq.finish_reason or ("stop" if stopped else "length")
                 self._finish_episode(slot, seq)
                 del self.left[slot]

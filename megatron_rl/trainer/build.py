@@ -94,7 +94,10 @@ def _build_models(cfg: JobConfig, args: ModelArgs, model_dir: str, total_steps: 
     temperature = logprob_temperature(cfg.rollout.temperature)  # greedy rollouts score at T = 1
     exact = cfg.rollout.exact_logprobs  # actor and reference share the engine's batch-invariant kernels
     actor_model = _model(args, "actor", dtype, model_dir, sp, cfg.actor.recompute_kwargs(), exact)
-    actor = PolicyWorker(actor_model, cfg.actor, temperature, args.vocab_size, total_steps, r, exact=exact)
+    cut = (cfg.rollout.top_k, cfg.rollout.top_p)
+    actor = PolicyWorker(
+        actor_model, cfg.actor, temperature, args.vocab_size, total_steps, r, exact=exact, truncation=cut
+    )
     ref = None
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         ref_model = _model(args, "ref", dtype, model_dir, sp, exact=exact)

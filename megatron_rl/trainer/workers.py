@@ -30,6 +30,7 @@ from megatron_rl.kernels import batch_invariant as bi
 from megatron_rl.models.pipeline import broadcast_from_last_stage, gather_positions, run_micro_batches
 from megatron_rl.optim import build_optimizer
 from megatron_rl.rollout.batch import RolloutBatch, split_by_tokens, split_micro_batches
+from megatron_rl.rollout.sampling import truncated_token_logprobs
 
 
 def response_log_probs(
@@ -187,9 +188,11 @@ class PolicyWorker(_TrainedModel):
         trainable: bool = True,
         offload_to_cpu: bool = False,
         exact: bool = False,
+        truncation: tuple[int, float] = (-1, 1.0),
     ):
         self.temperature = temperature
         self.exact = exact  # rollout.exact_logprobs
+        self.truncation = truncation  # rollout.top_k, rollout.top_p
         self.vocab_size = vocab_size
         self.offload = offload_to_cpu and torch.cuda.is_available()
         if trainable:
@@ -259,11 +262,25 @@ class PolicyWorker(_TrainedModel):
             metrics["kl_loss"] = kl_loss.detach()
         metrics = {k: v.detach() for k, v in metrics.items()}
         metrics |= rollout_gap_metrics(mb.rollout_log_probs, old, mb.response_mask)
+        if mb.rollout_truncated_log_probs is not None and mb.old_log_probs is None:
+            metrics |= self.truncated_gap(logits, mb)
         metrics["_tokens"] = mb.response_mask.sum()
         return loss, metrics
 
     def update(self, batch: RolloutBatch, mini_seqs: int) -> dict[str, float]:
         return self._update(batch, self._loss, mini_seqs, "actor")
+
+    def truncated_gap(self, logits: torch.Tensor, mb: RolloutBatch) -> dict:
+        """The rollout gap of the sampled tokens' log-probs under the top-k/top-p renormalised distribution,
+        recomputed from logits [B, R, V] (TP=1: the whole vocabulary) by the engine's own function. Only on
+        the on-policy update's forward, whose weights are the rollout's."""
+        b, r, _ = logits.shape
+        with torch.no_grad():
+            flat = logits[..., : self.vocab_size].reshape(b * r, -1)  # [B*R, V]
+            lp = truncated_token_logprobs(flat, mb.responses.reshape(-1), self.temperature, *self.truncation,
+                                          exact=self.exact).view(b, r)  # fmt: skip
+        gap = rollout_gap_metrics(mb.rollout_truncated_log_probs, lp, mb.response_mask)
+        return {k.replace("rollout_", "rollout_truncated_", 1): v for k, v in gap.items()}
 
 
 class CriticWorker(_TrainedModel):

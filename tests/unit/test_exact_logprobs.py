@@ -25,7 +25,7 @@ from megatron_rl.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
 from megatron_rl.rollout.sampling import SamplingParams  # noqa: E402
 from megatron_rl.trainer.workers import PolicyWorker, response_log_probs  # noqa: E402
 
-T, R = 0.8, 10  # sampling temperature, max new tokens
+T, R = 0.8, 8  # sampling temperature, max new tokens
 
 
 @pytest.fixture(scope="module")
@@ -46,51 +46,61 @@ def setup(tmp_path_factory):
 
 
 def _rollout(model, args, exact: bool):
-    prompts = random_prompts(7, seed=3)
-    engine = RolloutEngine(
-        model, args, EngineConfig(max_num_seqs=3, max_prefill_tokens=40, exact_logprobs=exact)
+    prompts = random_prompts(5, seed=3)
+    cfg = EngineConfig(max_num_seqs=3, max_prefill_tokens=40, exact_logprobs=exact)
+    stops = tuple(range(100, 130))  # ~9% of the vocabulary: responses end at uneven lengths
+    sp = SamplingParams(
+        temperature=T, top_k=40, top_p=0.9, n=2, max_new_tokens=R, seed=5, stop_token_ids=stops
     )
-    sp = dict(temperature=T, n=2, max_new_tokens=R, seed=5, layout_invariant_sampling=True)
-    first = engine.generate(prompts, SamplingParams(**sp))
-    stops = (first[0].response_ids[2], first[5].response_ids[6])  # responses end at uneven lengths
-    done = engine.generate(prompts, SamplingParams(**sp, stop_token_ids=stops))
+    done = RolloutEngine(model, args, cfg).generate(prompts, sp)  # 10 sequences through 3 slots
     assert len({len(c.response_ids) for c in done}) >= 3, [len(c.response_ids) for c in done]
     return build_batch(done, [None] * len(prompts), 0, R, 0, torch.device("cpu"))
 
 
 def _worker(model, args, exact):
     cfg = ActorConfig(ppo_micro_batch_size_per_gpu=2)
-    return PolicyWorker(model, cfg, T, args.vocab_size, 1, R, trainable=False, exact=exact)
+    return PolicyWorker(
+        model, cfg, T, args.vocab_size, 1, R, trainable=False, exact=exact, truncation=(40, 0.9)
+    )
 
 
 @pytest.mark.parametrize("exact", [True, False])
 def test_rollout_logprobs_equal_the_training_recompute_exactly(setup, exact):
+    """Forward-only recompute in micro-batches of 2, then (exact) the update's forward of the whole batch in
+    train mode with backward, whose log-probs GRPO on-policy reads as the old ones; the top-k/top-p
+    renormalised log-prob of each sampled token likewise."""
     _, args, models = setup
     model = models[exact, torch.float32]
     batch = _rollout(model, args, exact)
     mask = batch.response_mask.bool()
-    recomputed = _worker(model, args, exact).log_probs(batch)  # [B, R], micro-batches of 2
+    worker = _worker(model, args, exact)
+    recomputed = worker.log_probs(batch)  # [B, R]
     gap = rollout_gap_metrics(batch.rollout_log_probs, recomputed, batch.response_mask)
-    if not exact:  # fp32 on CPU: close, not equal (what the metric is for)
+    model.train(exact)
+
+    def loss_fn(mb, logits):
+        lp, _ = response_log_probs(logits, mb, T, args.vocab_size, with_entropy=True, exact=exact)
+        return (lp * mb.response_mask).sum(), {"lp": lp.detach(), **worker.truncated_gap(logits, mb)}
+
+    out = run_micro_batches(model, [batch], loss_fn, forward_only=not exact, response_logits=True)[0]
+    model.eval()
+    if not exact:  # fp32 on CPU: close, not equal (what the metrics are for)
         assert gap["rollout_logprob_abs_diff"] < 1e-5 and gap["rollout_logprob_mismatch_frac"] > 0
+        assert out["rollout_truncated_logprob_abs_diff"] < 1e-5
+        assert out["rollout_truncated_logprob_mismatch_frac"] > 0
         return
     assert torch.equal(batch.rollout_log_probs[mask], recomputed[mask])
     assert gap["rollout_logprob_mismatch_frac"] == 0 and gap["rollout_logprob_abs_diff"] == 0
-    # the update's forward (train mode, with backward; GRPO on-policy reads its old log-probs from it)
-    model.train()
-
-    def loss_fn(mb, logits):
-        lp, _ = response_log_probs(logits, mb, T, args.vocab_size, with_entropy=True, exact=True)
-        return (lp * mb.response_mask).sum(), {"lp": lp.detach()}
-
-    out = run_micro_batches(model, [batch], loss_fn, forward_only=False, response_logits=True)
-    assert torch.equal(out[0]["lp"][mask], batch.rollout_log_probs[mask])
+    assert torch.equal(out["lp"][mask], batch.rollout_log_probs[mask])
+    assert out["rollout_truncated_logprob_mismatch_frac"] == 0
+    # renormalised over the kept tokens: strictly above the full-softmax log-prob where anything was cut
+    assert (batch.rollout_truncated_log_probs[mask] >= batch.rollout_log_probs[mask]).all()
+    assert (batch.rollout_truncated_log_probs[mask] > batch.rollout_log_probs[mask]).any()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads) and any(
         g.abs().sum() > 0 for g in grads
     )
     model.zero_grad(set_to_none=True)
-    model.eval()
 
 
 def test_exact_logits_are_as_close_to_transformers_as_the_default(setup):
