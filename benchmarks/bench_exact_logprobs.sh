@@ -5,7 +5,7 @@
 # response tokens whose rollout and training log-probs differ (rollout/logprob_mismatch_frac, every step),
 # the mean |gap| (rollout/logprob_abs_diff), the median step time and decode tokens/s, and the on/off ratios
 # against the targets (0 mismatching tokens; step <= 1.15x, decode <= 1.25x).
-#   GPU (about 5 min): bash benchmarks/bench_exact_logprobs.sh
+#   GPU (at most 5.6 min: two parts of <= 165 s each): bash benchmarks/bench_exact_logprobs.sh
 #   CPU smoke:         TINY=1 bash benchmarks/bench_exact_logprobs.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ LOG="$OUT/exact_logprobs.log"; : > "$LOG"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee -a "$LOG"
 for mode in false true; do
   echo "== rollout.exact_logprobs=$mode" | tee -a "$LOG"
-  timeout "${CAP_S:-170}" python3 benchmarks/bench_rl_step.py "${W[@]}" --out "$OUT/exact_$mode.json" \
+  timeout "${CAP_S:-165}" python3 benchmarks/bench_rl_step.py "${W[@]}" --out "$OUT/exact_$mode.json" \
     actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu=auto rollout.max_num_seqs=auto \
     "rollout.exact_logprobs=$mode" "${X[@]}" 2>&1 | grep -v -i -E 'warn|^\s*$' | tee -a "$LOG" | tail -n 4
   echo "== rc ${PIPESTATUS[0]}" | tee -a "$LOG"
