@@ -155,7 +155,7 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float, valid: in
     ``valid`` columns (default all; the rest is vocab padding), batch-invariant."""
     valid = logits.shape[-1] if valid is None else valid
     if use_triton(logits):
-        zmax, lse = tri.log_softmax_stats(logits, temperature, valid)
+        zmax, lse = tri.log_softmax_stats(logits, temperature, valid, VOCAB_BLOCK)
     else:
         z = logits[:, :valid].float() / temperature
         zmax, lse = log_softmax_stats_reference(z)

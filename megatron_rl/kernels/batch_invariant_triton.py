@@ -147,16 +147,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return out
 
 
-def log_softmax_stats(logits: Tensor, temperature: float, valid: int) -> tuple[Tensor, Tensor]:
+def log_softmax_stats(logits: Tensor, temperature: float, valid: int, block: int) -> tuple[Tensor, Tensor]:
     """logits [N, V] (unit stride in V) -> max [N] and log-sum-exp minus max [N] of the first ``valid``
-    columns divided by ``temperature`` (fp32)."""
-    from megatron_rl.kernels.batch_invariant import VOCAB_BLOCK
-
+    columns divided by ``temperature`` (fp32), summed in blocks of ``block`` columns."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     n = logits.shape[0]
     zmax = torch.empty(n, dtype=torch.float32, device=logits.device)
     lse = torch.empty_like(zmax)
-    _lse_kernel[(n,)](logits, zmax, lse, valid, logits.stride(0), float(temperature), BLOCK=VOCAB_BLOCK,
+    _lse_kernel[(n,)](logits, zmax, lse, valid, logits.stride(0), float(temperature), BLOCK=block,
                       num_warps=LSE_WARPS)  # fmt: skip
     return zmax, lse
 

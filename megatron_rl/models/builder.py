@@ -11,6 +11,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron_rl.distributed import device
 from megatron_rl.kernels.mcore import fusion_flags
+from megatron_rl.models import exact_layers
 from megatron_rl.models.args import ModelArgs
 from megatron_rl.models.spec import block_spec, uses_te
 
@@ -91,7 +92,9 @@ def build_model(
     cls = ValueModel if is_value else GPTModel
     model = cls(
         config=config,
-        transformer_layer_spec=block_spec(config, args.qk_norm, backend, exact=exact),
+        transformer_layer_spec=exact_layers.block_spec(config, args.qk_norm)
+        if exact
+        else block_spec(config, args.qk_norm, backend),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -107,9 +110,7 @@ def build_model(
     if is_value and model.post_process:
         model.output_layer = ValueHead(config, args.hidden_size)
     elif exact:
-        from megatron_rl.models.exact_layers import exact_head
-
-        exact_head(model)
+        exact_layers.exact_head(model)
     model.to(device())
     if role == "ref":
         model.eval()

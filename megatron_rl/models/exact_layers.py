@@ -3,8 +3,8 @@ their forward through ``kernels.batch_invariant``, the kernels the rollout engin
 mode, so a token's training log-prob and its rollout log-prob are the same bits.
 
 Only the forward values must match the engine; backward uses the plain torch ops (a gradient carries no
-log-prob). Swapped in through our ModuleSpec (``models.spec.layer_spec(exact=True)``) and, for the LM
-head GPTModel builds itself, ``exact_head``; megatron-core's code is untouched. TP=1 only (config
+log-prob). Swapped in through our ModuleSpec (``block_spec``: the local spec with these layers) and, for
+the LM head GPTModel builds itself, ``exact_head``; megatron-core's code is untouched. TP=1 only (config
 validation refuses more): the linears' ``_forward_impl`` skips megatron-core's TP communication.
 """
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from megatron_rl.kernels import batch_invariant as bi
-from megatron_rl.models.spec import RMSNorm, SDPACoreAttention
+from megatron_rl.models.spec import RMSNorm, SDPACoreAttention, layer_spec
 
 
 class _ExactLinear(torch.autograd.Function):
@@ -117,3 +117,28 @@ class ExactCoreAttention(SDPACoreAttention):
         out = _ExactForward.apply(exact, plain, q, k, v)  # [B, H, T, D]
         t_len, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(t_len, b, -1)  # [T, B, H*D]
+
+
+def block_spec(config, qk_norm: bool):
+    """This pipeline stage's decoder block with every op on the hidden-state path batch-invariant: the
+    local layer spec with these layers swapped in, and ``ExactRMSNorm`` as the final norm."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    spec = layer_spec(qk_norm, "local")
+    layer, attn, mlp = (
+        spec.submodules,
+        spec.submodules.self_attention.submodules,
+        spec.submodules.mlp.submodules,
+    )
+    attn.core_attention = ExactCoreAttention
+    attn.linear_qkv, attn.linear_proj = ExactColumnParallelLinear, ExactRowParallelLinear
+    mlp.linear_fc1, mlp.linear_fc2 = ExactColumnParallelLinear, ExactRowParallelLinear
+    layer.input_layernorm = layer.pre_mlp_layernorm = ExactRMSNorm
+    if qk_norm:
+        attn.q_layernorm = attn.k_layernorm = ExactRMSNorm
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=ExactRMSNorm
+    )

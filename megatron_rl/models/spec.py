@@ -104,17 +104,12 @@ def uses_te(backend: str) -> bool:
     return backend == "te" or (backend == "auto" and HAVE_TE)
 
 
-def layer_spec(
-    qk_norm: bool, backend: str = "auto", fused_swiglu: bool = False, exact: bool = False
-) -> ModuleSpec:
+def layer_spec(qk_norm: bool, backend: str = "auto", fused_swiglu: bool = False) -> ModuleSpec:
     """The GPT layer ModuleSpec. ``backend``: "local" (megatron-core modules + SDPA), "te" (Transformer
     Engine; fuses the pre-attention/pre-MLP norms into linear_qkv/linear_fc1) or "auto" (TE if importable).
     ``fused_swiglu``: the local MLP's activation is ``kernels.swiglu.SwiGLU`` (needs the config's
-    ``use_te_activation_func``, see ``kernels.mcore``). ``exact``: the ``rollout.exact_logprobs`` layers
-    (``models.exact_layers``; local backend only).
+    ``use_te_activation_func``, see ``kernels.mcore``).
     """
-    if exact:
-        return _exact_layer_spec(qk_norm)
     if uses_te(backend):
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
     spec = copy.deepcopy(get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm"))
@@ -128,26 +123,7 @@ def layer_spec(
     return spec
 
 
-def _exact_layer_spec(qk_norm: bool) -> ModuleSpec:
-    """The local layer with every op on the hidden-state path batch-invariant (``models.exact_layers``)."""
-    from megatron_rl.models import exact_layers as ex
-
-    spec = layer_spec(qk_norm, "local")
-    layer, attn, mlp = (
-        spec.submodules,
-        spec.submodules.self_attention.submodules,
-        spec.submodules.mlp.submodules,
-    )
-    attn.core_attention = ex.ExactCoreAttention
-    attn.linear_qkv, attn.linear_proj = ex.ExactColumnParallelLinear, ex.ExactRowParallelLinear
-    mlp.linear_fc1, mlp.linear_fc2 = ex.ExactColumnParallelLinear, ex.ExactRowParallelLinear
-    layer.input_layernorm = layer.pre_mlp_layernorm = ex.ExactRMSNorm
-    if qk_norm:
-        attn.q_layernorm = attn.k_layernorm = ex.ExactRMSNorm
-    return spec
-
-
-def block_spec(config, qk_norm: bool, backend: str = "auto", exact: bool = False):
+def block_spec(config, qk_norm: bool, backend: str = "auto"):
     """This pipeline stage's decoder block: its layers, and (local backend) our RMSNorm as the final norm
     so that sequence parallelism works without TE/apex."""
     from megatron.core.transformer.transformer_block import (
@@ -155,10 +131,9 @@ def block_spec(config, qk_norm: bool, backend: str = "auto", exact: bool = False
         get_num_layers_to_build,
     )
 
-    layer = layer_spec(qk_norm, backend, fused_swiglu=config.use_te_activation_func, exact=exact)
-    if uses_te(backend) and not exact:
+    layer = layer_spec(qk_norm, backend, fused_swiglu=config.use_te_activation_func)
+    if uses_te(backend):
         return layer
-    norm = RMSNorm
-    if exact:
-        from megatron_rl.models.exact_layers import ExactRMSNorm as norm
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=norm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm
+    )
