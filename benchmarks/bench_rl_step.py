@@ -308,6 +308,8 @@ def run(a: argparse.Namespace) -> dict:
             / max(update_s, 1e-9)
             / PEAK_BF16_FLOPS,
             "actor_grad_norm": metrics.get("actor/grad_norm"),
+            "rollout_logprob_abs_diff": metrics.get("rollout/logprob_abs_diff"),
+            "rollout_logprob_mismatch_frac": metrics.get("rollout/logprob_mismatch_frac"),
             "decode": decode_numbers(c, dims, float(counts[2]), a),
             "roofline": roofline(c, dims, counts, a),
         }

@@ -212,3 +212,12 @@ def off_policy_metrics(moments: Tensor) -> dict[str, Tensor]:
         "rollout_corr/rollout_ppl": m["sum_rollout_ppl"] / seqs,
         "rollout_corr/log_ppl_diff": m["sum_log_ppl_diff"] / seqs,
     }
+
+
+def rollout_gap_metrics(rollout_lp: torch.Tensor, train_lp: torch.Tensor, mask: torch.Tensor) -> dict:
+    """rollout / training log-probs [B, R], response mask [B, R] -> mean |gap| over response tokens and the
+    fraction of response tokens whose two log-probs differ at all (0 with ``rollout.exact_logprobs``)."""
+    return {
+        "rollout_logprob_abs_diff": masked_mean((rollout_lp - train_lp).abs(), mask),
+        "rollout_logprob_mismatch_frac": masked_mean((rollout_lp != train_lp).to(train_lp.dtype), mask),
+    }

@@ -113,6 +113,13 @@ class RolloutConfig:
         "Draw each sequence's sampling noise from (seed, prompt id, sample index, step): the same samples at "
         "any TP/PP/DP layout and batching (a counter hash instead of a generator; slower sampling).",
     )
+    exact_logprobs: bool = doc(
+        False,
+        "Batch-invariant kernels (matmul, RMSNorm, attention, log-softmax) in the engine and in the actor/"
+        "reference forward, so rollout log-probs equal the training recompute bit for bit "
+        "(rollout/logprob_mismatch_frac = 0). Needs TP=1 (parallel and rollout); builds the local layers (not TE); "
+        "no packing or sliding window; multi-turn continuations stay inexact.",
+    )
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 

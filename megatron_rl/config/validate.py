@@ -102,6 +102,31 @@ def _check_rollout(cfg: JobConfig, training: bool) -> None:
         )
 
 
+def _check_exact_logprobs(cfg: JobConfig) -> None:
+    """rollout.exact_logprobs: its kernels are wired for one TP rank and plain causal attention."""
+    if not cfg.rollout.exact_logprobs:
+        return
+    par, tp_g = cfg.parallel, cfg.rollout.tensor_model_parallel_size
+    clashes = [
+        (
+            par.tensor_model_parallel_size > 1,
+            f"parallel.tensor_model_parallel_size={par.tensor_model_parallel_size}",
+        ),
+        (tp_g not in (None, 1), f"rollout.tensor_model_parallel_size={tp_g}"),
+        (par.sequence_parallel, "parallel.sequence_parallel=true"),
+        (cfg.actor.lora.enabled, f"actor.lora.rank={cfg.actor.lora.rank}"),
+        (cfg.rollout.multi_turn.enable, "rollout.multi_turn.enable=true"),
+    ]
+    bad = [name for clash, name in clashes if clash]
+    if bad:
+        raise ConfigError(
+            f"rollout.exact_logprobs=true is incompatible with {', '.join(bad)}: the batch-invariant kernels "
+            "run at TP=1 on the local layers (a TP all-reduce sums in an order NCCL picks by message size), "
+            "without LoRA side paths, and a later turn's prefill onto a cached slot is not one of them. "
+            "Use TP=1 without LoRA and single-turn rollouts, or set rollout.exact_logprobs=false."
+        )
+
+
 def _check_update_batches(cfg: JobConfig, role: str, dp: int) -> int:
     """Mini/micro-batch divisibility for the actor or critic; returns micro-batches per mini-batch."""
     n, global_bs = cfg.rollout.n, cfg.data.train_batch_size
@@ -333,6 +358,7 @@ def validate_job(
             "e.g. trainer.timeout_minutes=30."
         )
     _check_rollout(cfg, training)
+    _check_exact_logprobs(cfg)
     if par.sequence_parallel and par.tensor_model_parallel_size == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1.")
     tp_g = cfg.rollout.tensor_model_parallel_size

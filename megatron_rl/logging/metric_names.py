@@ -20,6 +20,8 @@ VALUES_MEAN = "critic/values/mean"
 RESPONSE_LENGTH_MEAN = "response_length/mean"
 RESPONSE_LENGTH_CLIP_RATIO = "response_length/clip_ratio"
 ROLLOUT_LOGPROB_ABS_DIFF = "rollout/logprob_abs_diff"
+ROLLOUT_LOGPROB_MISMATCH_FRAC = "rollout/logprob_mismatch_frac"
+ROLLOUT_TRUNCATED_MISMATCH_FRAC = "rollout/truncated_logprob_mismatch_frac"
 PERF_THROUGHPUT = "perf/throughput"
 PERF_MFU = "perf/mfu"
 PERF_MAX_MEMORY_ALLOCATED_GB = "perf/max_memory_allocated_gb"
@@ -55,6 +57,8 @@ STANDARD_METRICS: dict[str, str] = {
     RESPONSE_LENGTH_MEAN: "mean response length in tokens",
     RESPONSE_LENGTH_CLIP_RATIO: "fraction of responses that hit the maximum response length",
     ROLLOUT_LOGPROB_ABS_DIFF: "mean |rollout log-prob - training recompute| on response tokens (engine drift)",
+    ROLLOUT_LOGPROB_MISMATCH_FRAC: "fraction of response tokens whose rollout and training log-probs differ at all",
+    ROLLOUT_TRUNCATED_MISMATCH_FRAC: "the same for the sampled token's log-prob under top-k/top-p, renormalised",
     PERF_THROUGHPUT: "tokens (prompt + response) processed per second per GPU over the step",
     PERF_MFU: "model FLOPs utilisation of the update phase",
     PERF_MAX_MEMORY_ALLOCATED_GB: "peak allocated accelerator memory during the step, GiB",

@@ -12,6 +12,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_rl.config.schema import LoRAConfig
 from megatron_rl.distributed import device
 from megatron_rl.kernels.mcore import fusion_flags
+from megatron_rl.models import exact_layers
 from megatron_rl.models.args import ModelArgs
 from megatron_rl.models.lora import freeze_base, init_adapters
 from megatron_rl.models.spec import block_spec, uses_te
@@ -64,6 +65,7 @@ def build_model(
     sequence_parallel: bool = False,
     recompute: dict | None = None,
     lora: LoRAConfig | None = None,
+    exact: bool = False,
 ) -> GPTModel:
     """A GPTModel for this rank's pipeline stage (pre/post_process from parallel_state).
 
@@ -74,6 +76,8 @@ def build_model(
     ``recompute``: megatron-core activation-recomputation fields (``RecomputeKeys.recompute_kwargs``).
     ``lora`` (rank > 0, actor/critic): LoRA adapters on its target layers, initialised (B = 0); every other
     parameter is frozen except a critic's value head.
+    ``exact``: ``rollout.exact_logprobs`` (batch-invariant local layers and LM head, RoPE and SwiGLU
+    unfused: the engine's decoder computes them with the same elementwise ops).
     """
     if role not in ROLES:
         raise ValueError(f"model role={role!r}; use one of {ROLES}")
@@ -88,14 +92,16 @@ def build_model(
     config = args.transformer_config(
         dtype,
         sequence_parallel=sequence_parallel,
-        fusions=fusion_flags(device(), uses_te(backend)),
+        fusions={} if exact else fusion_flags(device(), uses_te(backend)),
         recompute=recompute,
     )
     is_value = role in VALUE_ROLES
     cls = ValueModel if is_value else GPTModel
     model = cls(
         config=config,
-        transformer_layer_spec=block_spec(config, args.qk_norm, backend, lora),
+        transformer_layer_spec=exact_layers.block_spec(config, args.qk_norm)
+        if exact
+        else block_spec(config, args.qk_norm, backend, lora),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -110,6 +116,8 @@ def build_model(
     )
     if is_value and model.post_process:
         model.output_layer = ValueHead(config, args.hidden_size)
+    elif exact:
+        exact_layers.exact_head(model)
     model.to(device())
     if lora is not None and lora.enabled:
         if role not in ("actor", "critic"):

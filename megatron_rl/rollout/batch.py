@@ -41,6 +41,8 @@ class RolloutBatch:
     returns: torch.Tensor | None = None  # [B, R]
     reward_baselines: torch.Tensor | None = None  # [B] ReMax: score of the prompt's greedy sample
     rollout_is_weights: torch.Tensor | None = None  # [B, R] IS weights computed for the whole batch
+    # [B, R] with top-k / top-p: log-probs under the truncated, renormalised sampling distribution
+    rollout_truncated_log_probs: torch.Tensor | None = None
     # multi-turn rollouts only: assistant turns [B], tools' reward deltas [B], (calls, errors, timeouts) [B, 3]
     turns: torch.Tensor | None = None
     tool_reward: torch.Tensor | None = None
@@ -100,6 +102,14 @@ def build_batch(
     response_mask = (j[None, :] < response_lens[:, None]).float() * sampled  # [B, R]
     score_pos = (prompt_lens[:, None] - 1 + j[None, :]).clamp(max=t - 1)  # [B, R]
     multi = any(c.response_mask for c in completions)
+    truncated = None
+    if completions and all(c.truncated_logprobs or not c.response_ids for c in completions):
+        truncated = torch.zeros(b, r, dtype=torch.float32)
+        for i, c in enumerate(completions):
+            truncated[i, : len(c.truncated_logprobs)] = torch.tensor(
+                c.truncated_logprobs, dtype=torch.float32
+            )
+        truncated = truncated.to(device)
     return RolloutBatch(
         turns=torch.tensor([c.turns for c in completions], device=device) if multi else None,
         tool_reward=torch.tensor([c.tool_reward for c in completions], device=device) if multi else None,
@@ -112,6 +122,7 @@ def build_batch(
         response_lens=response_lens.to(device),
         group_index=torch.tensor([group_offset + c.prompt_index for c in completions], device=device),
         rollout_log_probs=rollout_lp.to(device),
+        rollout_truncated_log_probs=truncated,
         finish_reasons=[c.finish_reason or "length" for c in completions],
         rows=[rows[c.prompt_index] for c in completions],
     )

@@ -2,7 +2,9 @@
 
 It runs the whole layer stack of one generation-TP shard (the weights ``reshard.py`` assembles from the
 actor's own parameters), with a preallocated KV cache. Numerics follow HF transformers / megatron-core
-(local spec, RMSNorm, rotate-half RoPE, SwiGLU): fp32 results agree to ~1e-6.
+(local spec, RMSNorm, rotate-half RoPE, SwiGLU): fp32 results agree to ~1e-6. With ``exact``
+(``rollout.exact_logprobs``) prefill and decode run the batch-invariant kernels the trainer's exact layers
+run (``kernels.batch_invariant``) and the trainer's unfused RoPE and SwiGLU ops, so logits are the same bits.
 
 Tensor-parallel pieces (``tp`` is the generation TP size, ``group`` its process group):
 - vocab-parallel embedding: rows outside this rank's vocab range are masked, partial sums all-reduced;
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_rl.kernels import batch_invariant as bi
 from megatron_rl.kernels import decode_attention as decode_kernel
 
 if TYPE_CHECKING:  # the engine needs no megatron-core import at run time
@@ -62,10 +65,16 @@ def _all_reduce(x: torch.Tensor, w: GenWeights) -> torch.Tensor:
     return x
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, exact: bool = False) -> torch.Tensor:
     """x [..., h] -> normalised [..., h]: fp32 statistics, one rounding after the weight (as megatron-core's
     torch/TE RMSNorm computes it; one fused kernel on GPU)."""
+    if exact:
+        return bi.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias=None, exact: bool = False) -> torch.Tensor:
+    return bi.matmul(x, weight, bias) if exact else F.linear(x, weight, bias)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -111,10 +120,10 @@ def embed(tokens: torch.Tensor, w: GenWeights) -> torch.Tensor:
     return _all_reduce(h, w)
 
 
-def logits(h: torch.Tensor, w: GenWeights, spec: ModelArgs) -> torch.Tensor:
+def logits(h: torch.Tensor, w: GenWeights, spec: ModelArgs, exact: bool = False) -> torch.Tensor:
     """h [B, h] (already final-normed) -> logits [B, V] over the true vocab in the weights' dtype (the
     samplers upcast), gathered across TP."""
-    local = h @ w.output.t()  # [B, Vp/tp]
+    local = bi.matmul(h, w.output) if exact else h @ w.output.t()  # [B, Vp/tp]
     if w.tp > 1:
         parts = [torch.empty_like(local) for _ in range(w.tp)]
         dist.all_gather(parts, local.contiguous(), group=w.group)
@@ -122,21 +131,24 @@ def logits(h: torch.Tensor, w: GenWeights, spec: ModelArgs) -> torch.Tensor:
     return local[:, : spec.vocab_size]
 
 
-def _qkv(x: torch.Tensor, layer: dict, spec: ModelArgs) -> torch.Tensor:
+def _qkv(x: torch.Tensor, layer: dict, spec: ModelArgs, exact: bool = False) -> torch.Tensor:
     """x [B, T, h] -> qkv [B, T, Gl, rep+2, D] (megatron-core layout: per group rep q heads, k, v) with
     qk-norm applied, before RoPE."""
     B, T, _ = x.shape
     rep = spec.num_attention_heads // spec.num_query_groups
-    qkv = F.linear(x, layer["qkv_w"], layer.get("qkv_b"))  # [B, T, Gl*(rep+2)*D]
+    qkv = _linear(x, layer["qkv_w"], layer.get("qkv_b"), exact)  # [B, T, Gl*(rep+2)*D]
     qkv = qkv.view(B, T, -1, rep + 2, spec.head_dim)  # [B, T, Gl, rep+2, D]
     if spec.qk_norm:
-        q = rms_norm(qkv[:, :, :, :rep], layer["q_norm"], spec.norm_eps)
-        k = rms_norm(qkv[:, :, :, rep : rep + 1], layer["k_norm"], spec.norm_eps)
+        q = rms_norm(qkv[:, :, :, :rep], layer["q_norm"], spec.norm_eps, exact)
+        k = rms_norm(qkv[:, :, :, rep : rep + 1], layer["k_norm"], spec.norm_eps, exact)
         qkv = torch.cat((q, k, qkv[:, :, :, rep + 1 :]), dim=3)
     return qkv
 
 
-def _mlp(x: torch.Tensor, layer: dict, w: GenWeights) -> torch.Tensor:
+def _mlp(x: torch.Tensor, layer: dict, w: GenWeights, exact: bool = False) -> torch.Tensor:
+    if exact:  # megatron-core's unfused GLU on one fc1 output: silu(gate) * up, each op rounded
+        gate, up = bi.matmul(x, layer["fc1"]).chunk(2, dim=-1)  # [B, T, F/tp] each
+        return _all_reduce(bi.matmul(F.silu(gate) * up, layer["fc2"]), w)
     # gate and up as two matmuls on the weight's (contiguous) row halves: contiguous outputs keep the
     # SwiGLU elementwise kernels vectorised (a chunk of one output is strided)
     gate_w, up_w = layer["fc1"].chunk(2, dim=0)  # [F/tp, h] each
@@ -154,27 +166,33 @@ def decode_attention(q, k, v, mask, positions) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def _prefill_layers(w: GenWeights, spec: ModelArgs, x: torch.Tensor, cos, sin, attend) -> torch.Tensor:
+def _prefill_layers(
+    w: GenWeights, spec: ModelArgs, x: torch.Tensor, cos, sin, attend, exact: bool = False
+) -> torch.Tensor:
     """The layer stack over a block of new tokens: x [B, T, h] -> [B, T, h]. ``attend(i, q, k, v)`` writes
     layer i's new keys/values into the cache and attends (q [B, Hl, T, D], k / v [B, T, Gl, D] after RoPE)
     -> [B, Hl, T, D]; it is the only difference between a first prefill and an extension of a slot."""
     B, T, _ = x.shape
     rep = spec.num_attention_heads // spec.num_query_groups
     for i, layer in enumerate(w.layers):
-        qkv = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps), layer, spec)  # [B, T, Gl, rep+2, D]
+        qkv = _qkv(
+            rms_norm(x, layer["ln1"], spec.norm_eps, exact), layer, spec, exact
+        )  # [B, T, Gl, rep+2, D]
         qk = apply_rope(qkv[:, :, :, : rep + 1], cos, sin)  # [B, T, Gl, rep+1, D]
         q = qk[:, :, :, :rep].reshape(B, T, -1, spec.head_dim).transpose(1, 2)  # [B, Hl, T, D]
         a = attend(i, q, qk[:, :, :, rep], qkv[:, :, :, rep + 1])  # [B, Hl, T, D]
         a = a.transpose(1, 2).reshape(B, T, -1)  # [B, T, Hl*D]
-        x = x + _all_reduce(F.linear(a, layer["proj"]), w)
-        x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps), layer, w)
+        x = x + _all_reduce(_linear(a, layer["proj"], exact=exact), w)
+        x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps, exact), layer, w, exact)
     return x
 
 
-def _last_logits(x: torch.Tensor, lengths: torch.Tensor, w: GenWeights, spec: ModelArgs) -> torch.Tensor:
+def _last_logits(
+    x: torch.Tensor, lengths: torch.Tensor, w: GenWeights, spec: ModelArgs, exact: bool = False
+) -> torch.Tensor:
     """x [B, T, h] -> logits [B, V] of each row's last real token (``lengths`` [B])."""
     last = x[torch.arange(x.shape[0], device=x.device), lengths - 1]  # [B, h]
-    return logits(rms_norm(last, w.final_norm, spec.norm_eps), w, spec)
+    return logits(rms_norm(last, w.final_norm, spec.norm_eps, exact), w, spec, exact)
 
 
 def prefill(
@@ -184,6 +202,7 @@ def prefill(
     tokens: torch.Tensor,
     lengths: torch.Tensor,
     slots: torch.Tensor,
+    exact: bool = False,
 ) -> torch.Tensor:
     """Run right-padded prompts, fill their cache slots, return the last real token's logits.
 
@@ -199,9 +218,12 @@ def prefill(
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Gl, T, D]
         cache[i, 0, slots, :, :T] = k
         cache[i, 1, slots, :, :T] = v
+        if exact:
+            return bi.causal_attention(q, k, v, spec.head_dim**-0.5)  # [B, Hl, T, D]
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-    return _last_logits(_prefill_layers(w, spec, embed(tokens, w), cos, sin, attend), lengths, w, spec)
+    x = _prefill_layers(w, spec, embed(tokens, w), cos, sin, attend, exact)
+    return _last_logits(x, lengths, w, spec, exact)
 
 
 def decode(
@@ -211,6 +233,7 @@ def decode(
     tokens: torch.Tensor,
     positions: torch.Tensor,
     kv_len: int | None = None,
+    exact: bool = False,
 ) -> torch.Tensor:
     """One decode step for slots 0..B-1 (static shapes, CUDA-graph capturable).
 
@@ -231,18 +254,26 @@ def decode(
     mask.masked_fill_(~visible[:, None, None, :], float("-inf"))  # [B, 1, 1, Tmax]
     x = embed(tokens[:, None], w)  # [B, 1, h]
     for i, layer in enumerate(w.layers):
-        qkv = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps), layer, spec)[:, 0]  # [B, Gl, rep+2, D]
-        # all rows rotated in one matmul; the rotated v row is not used
-        rot = torch.bmm(qkv.reshape(B, -1, spec.head_dim), rope).view(qkv.shape)  # [B, Gl, rep+2, D]
+        qkv = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps, exact), layer, spec, exact)[
+            :, 0
+        ]  # [B, Gl, rep+2, D]
+        if exact:  # the trainer's elementwise RoPE (a matmul would round differently)
+            rot = apply_rope(qkv, cos[:, 0], sin[:, 0])  # [B, Gl, rep+2, D]
+        else:  # all rows rotated in one matmul; the rotated v row is not used
+            rot = torch.bmm(qkv.reshape(B, -1, spec.head_dim), rope).view(qkv.shape)  # [B, Gl, rep+2, D]
         k_cache, v_cache = cache[i, 0, :B, :, :Tmax], cache[i, 1, :B, :, :Tmax]  # [B, Gl, Tmax, D]
         k_cache[batch, :, positions] = rot[:, :, rep]
         v_cache[batch, :, positions] = qkv[:, :, rep + 1]
         # the rep query heads of a group share its K/V: they are the query-length axis (no K/V copy)
         q = rot[:, :, :rep]  # [B, Gl, rep, D]
-        a = decode_attention(q, k_cache, v_cache, mask, positions).reshape(B, 1, -1)  # [B, 1, Hl*D]
-        x = x + _all_reduce(F.linear(a, layer["proj"]), w)
-        x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps), layer, w)
-    return logits(rms_norm(x[:, 0], w.final_norm, spec.norm_eps), w, spec)
+        if exact:
+            a = bi.decode_attention(q, k_cache, v_cache, positions, spec.head_dim**-0.5)
+        else:
+            a = decode_attention(q, k_cache, v_cache, mask, positions)  # [B, Gl, rep, D]
+        a = a.reshape(B, 1, -1)  # [B, 1, Hl*D]
+        x = x + _all_reduce(_linear(a, layer["proj"], exact=exact), w)
+        x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps, exact), layer, w, exact)
+    return logits(rms_norm(x[:, 0], w.final_norm, spec.norm_eps, exact), w, spec, exact)
 
 
 def extend(

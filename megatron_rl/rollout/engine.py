@@ -25,13 +25,20 @@ import torch.distributed as dist
 
 from megatron_rl.config.rollout_rules import check_engine
 from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.kernels import batch_invariant
 from megatron_rl.kernels import decode_attention as decode_kernel
 from megatron_rl.models import lora
 from megatron_rl.rollout import decoder, reshard
 from megatron_rl.rollout.decoder import GenWeights, check_decodable
 from megatron_rl.rollout.kv_cache import KV_KEYS, KVCache, bytes_per_token, plan_cache
 from megatron_rl.rollout.multi_turn import Session
-from megatron_rl.rollout.sampling import SamplingParams, sample_row_keys, sample_with_logprobs
+from megatron_rl.rollout.sampling import (
+    SamplingParams,
+    logprob_temperature,
+    sample_row_keys,
+    sample_with_logprobs,
+    truncated_token_logprobs,
+)
 
 if TYPE_CHECKING:
     from megatron_rl.models.args import ModelArgs
@@ -59,6 +66,8 @@ class EngineConfig:
     # allocation and the capture (while the weights stay where they are), but the cache's memory stays
     # taken during training
     keep_cache: bool = _ROLLOUT.keep_cache
+    # batch-invariant prefill/decode and log-probs: the trainer's exact recompute gives the same bits
+    exact_logprobs: bool = _ROLLOUT.exact_logprobs
 
     def __post_init__(self):
         if self.kv_cache_tokens == 0:  # the config's "sized from the batch"
@@ -89,6 +98,8 @@ class Completion:
     turns: int = 1
     tool_reward: float = 0.0  # sum of the tools' / interaction's reward deltas
     tool_counts: tuple[int, int, int] = (0, 0, 0)  # calls, errors, timeouts
+    # with top-k / top-p (single-turn): each token's log-prob under the truncated, renormalised distribution
+    truncated_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -158,7 +169,7 @@ class RolloutEngine:
         """The kept cache and graphs when they fit this call, else a new cache sized for it."""
         slots = max(1, min(self.config.max_num_seqs, num_seqs))
         kept, self._state = self._state, None
-        if kept is not None and kept.fits(max_len, slots, w.embed.dtype):
+        if kept is not None and kept.fits(max_len, slots, w.embed.dtype, self.config.exact_logprobs):
             kept.bind(w)
             return kept
         del kept  # its memory is free for the new cache
@@ -174,7 +185,8 @@ class RolloutEngine:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             device=dev,
         )
-        state = _DecodeState(spec, plan, groups, w.embed.dtype, dev, dev.type == "cuda" and cfg.cuda_graphs)
+        state = _DecodeState(spec, plan, groups, w.embed.dtype, dev, dev.type == "cuda" and cfg.cuda_graphs,
+                             cfg.exact_logprobs)  # fmt: skip
         state.bind(w)
         return state
 
@@ -255,8 +267,10 @@ class _DecodeState:
     tensors (updated in place by the optimizer) reuse the graphs with no new capture.
     """
 
-    def __init__(self, spec: ModelArgs, plan, local_groups: int, dtype, device, use_graphs: bool):
-        self.spec, self.use_graphs = spec, use_graphs
+    def __init__(
+        self, spec: ModelArgs, plan, local_groups: int, dtype, device, use_graphs: bool, exact: bool
+    ):
+        self.spec, self.use_graphs, self.exact = spec, use_graphs, exact
         # the Triton decode kernel stops at each sequence's own position: no length buckets needed
         self.reads_live_only = decode_kernel.serves(device, dtype, spec.head_dim)
         self.cache = KVCache(plan, spec.num_layers, local_groups, spec.head_dim, dtype, device)
@@ -268,9 +282,10 @@ class _DecodeState:
         self.key: tuple | None = None
         self.capture_s = 0.0  # this generate call's
 
-    def fits(self, max_len: int, slots: int, dtype) -> bool:
+    def fits(self, max_len: int, slots: int, dtype, exact: bool) -> bool:
         plan = self.cache.plan
-        return plan.max_len >= max_len and plan.slots >= slots and self.cache.data.dtype == dtype
+        fits = plan.max_len >= max_len and plan.slots >= slots and self.cache.data.dtype == dtype
+        return fits and self.exact == exact
 
     def bind(self, w: GenWeights) -> None:
         key = _weights_key(w)
@@ -279,7 +294,7 @@ class _DecodeState:
         self.w, self.capture_s = w, 0.0
 
     def _eager(self, b: int, kv: int) -> torch.Tensor:
-        return decoder.decode(self.w, self.spec, self.cache.data, self.tok[:b], self.pos[:b], kv)
+        return decoder.decode(self.w, self.spec, self.cache.data, self.tok[:b], self.pos[:b], kv, self.exact)
 
     def _capture(self, b: int, kv: int) -> None:
         t0 = time.perf_counter()
@@ -341,6 +356,8 @@ class _Runner:
         # column n takes the harmless writes of idle / finished slots
         self.out_tok = torch.zeros(slots, n + 1, dtype=torch.long, device=dev)  # [S, N+1]
         self.out_lp = torch.zeros(slots, n + 1, dtype=torch.float32, device=dev)  # [S, N+1]
+        truncated = params.top_k > 0 or params.top_p < 1.0
+        self.out_tlp = torch.zeros_like(self.out_lp) if truncated else None  # [S, N+1] see Completion
         # multi-turn: a turn also ends at the end of a tool call (the parser's end marker, one token)
         stops = params.stop_token_ids + (session.turn_stop_ids if session is not None else ())
         self.stop_ids = torch.tensor(stops, dtype=torch.long, device=dev)
@@ -365,7 +382,14 @@ class _Runner:
                 dist.broadcast(tokens, src=self.lay.gen_src, group=self.lay.gen_group)
                 return tokens
 
-        return sample_with_logprobs(logits, self.params, self.gen, row_keys, share)
+        tokens, lps = sample_with_logprobs(logits, self.params, self.gen, row_keys, share)
+        p = self.params
+        if self.state.exact:  # the trainer's exact recompute calls this same log-softmax
+            lps = batch_invariant.token_logprobs(logits, tokens, logprob_temperature(p.temperature))
+        if self.out_tlp is not None:  # at the column _record writes next
+            tlp = truncated_token_logprobs(logits, tokens, p.temperature, p.top_k, p.top_p, self.state.exact)
+            self.out_tlp[rows, self.count[rows]] = tlp
+        return tokens, lps
 
     def _record(self, rows, tokens, lps, live, next_pos) -> None:
         """On the device: append one sampled token to each live row. rows [R] slot ids; tokens, lps,
@@ -411,7 +435,7 @@ class _Runner:
         slot_t = torch.tensor(slots, device=dev)
         lead_slots = torch.tensor([slots[lead[u]] for u in range(len(first))], device=dev)  # [U]
         logits = decoder.prefill(
-            self.w, self.state.spec, self.cache.data, tokens.to(dev), lengths, lead_slots
+            self.w, self.state.spec, self.cache.data, tokens.to(dev), lengths, lead_slots, self.state.exact
         )
         copies = [(slots[lead[u]], slot) for u, slot in zip(unique, slots) if slot != slots[lead[u]]]
         if copies:
@@ -437,6 +461,7 @@ class _Runner:
         done = [slot for slot in self.active if not live[slot]]
         if done:
             idx = torch.tensor(done, device=self.rows.device)
+            tlps = dict(zip(done, self.out_tlp[idx].tolist())) if self.out_tlp is not None else {}
             ended = []
             for slot, toks, lps in zip(done, self.out_tok[idx].tolist(), self.out_lp[idx].tolist()):
                 n = count[slot]
@@ -446,6 +471,8 @@ class _Runner:
             for slot, toks, lps, stopped in ended:
                 seq = self.active.pop(slot)
                 seq.response_ids, seq.logprobs = toks, lps
+                if slot in tlps and self.session is None:
+                    seq.truncated_logprobs = tlps[slot][: len(toks)]
                 seq.finish_reason = seq.finish_reason or ("stop" if stopped else "length")
                 self._finish_episode(slot, seq)
                 del self.left[slot]

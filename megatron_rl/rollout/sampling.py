@@ -15,6 +15,7 @@ import torch
 
 from megatron_rl.config.rollout_rules import check_sampling
 from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.kernels import batch_invariant
 from megatron_rl.kernels.compile import compile_enabled, compile_rows_dynamic, probe
 
 _ROLLOUT = RolloutConfig()  # the defaults below are the rollout.* keys' own (defined once, in the schema)
@@ -240,3 +241,21 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     (``temperature == 0`` scores with T = 1; see the module docstring)."""
     # the fused log_softmax kernel beats logsumexp's several passes over [B, V] on GPU
     return torch.log_softmax(_scaled(logits, temperature), dim=-1).gather(-1, tokens[:, None])[:, 0]
+
+
+def truncated_token_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    exact: bool = False,
+) -> torch.Tensor:
+    """logits [B, V], tokens [B] -> log-probs [B] under the distribution the sampler draws from: the
+    temperature-scaled logits truncated by ``truncate_logits`` (top-k, then top-p) and renormalised over
+    what is kept. The engine and the trainer both call this (``rollout/truncated_logprob_*`` metrics);
+    ``exact``: the renormalising log-softmax is ``batch_invariant.token_logprobs``."""
+    kept = truncate_logits(_scaled(logits.float(), temperature), top_k, top_p)  # [B, V], -inf outside
+    if exact:
+        return batch_invariant.token_logprobs(kept, tokens, 1.0)
+    return torch.log_softmax(kept, dim=-1).gather(-1, tokens[:, None])[:, 0]

@@ -23,6 +23,7 @@ from megatron_rl.algos import (
 )
 from megatron_rl.algos.collective import all_reduce_sum
 from megatron_rl.algos.dapo import overlong_filter, overlong_penalty
+from megatron_rl.algos.rollout_correction import rollout_gap_metrics
 from megatron_rl.config.schema import ActorConfig, AlgorithmConfig, JobConfig, OverlongBufferConfig
 from megatron_rl.rewards import score_batch
 from megatron_rl.rollout.batch import RolloutBatch
@@ -208,9 +209,8 @@ def batch_metrics(batch: RolloutBatch, max_new_tokens: int) -> dict[str, float]:
         "response_length/clip_ratio": (lens >= max_new_tokens).float().mean(),
     }
     if batch.old_log_probs is not None:
-        m["rollout/logprob_abs_diff"] = masked_mean(
-            (batch.rollout_log_probs - batch.old_log_probs).abs(), mask
-        )
+        gap = rollout_gap_metrics(batch.rollout_log_probs, batch.old_log_probs, mask)
+        m |= {f"rollout/{k.removeprefix('rollout_')}": v for k, v in gap.items()}
     if batch.values is not None:
         m["critic/values/mean"] = masked_mean(batch.values, mask)
     if batch.ref_log_probs is not None and batch.old_log_probs is not None:

@@ -81,10 +81,11 @@ def _model(
     sp: bool,
     recompute: dict | None = None,
     lora: LoRAConfig | None = None,
+    exact: bool = False,
 ) -> torch.nn.Module:
     """Build and load one role; the whole module is cast to ``dtype`` (megatron-core's norms are created
     in fp32 whatever ``params_dtype`` says; its Float16Module casts likewise)."""
-    model = build_model(args, role, dtype, sequence_parallel=sp, recompute=recompute, lora=lora)
+    model = build_model(args, role, dtype, sequence_parallel=sp, recompute=recompute, lora=lora, exact=exact)
     load_hf_weights(model, weights_dir, args, role=role)
     return model.to(dtype)
 
@@ -93,17 +94,21 @@ def _build_models(cfg: JobConfig, args: ModelArgs, model_dir: str, total_steps: 
     dtype, r, sp = DTYPES[cfg.model.dtype], cfg.rollout.max_new_tokens, cfg.parallel.sequence_parallel
     temperature = logprob_temperature(cfg.rollout.temperature)  # greedy rollouts score at T = 1
     lora = cfg.actor.lora
-    actor_model = _model(args, "actor", dtype, model_dir, sp, cfg.actor.recompute_kwargs(), lora)
-    actor = PolicyWorker(actor_model, cfg.actor, temperature, args.vocab_size, total_steps, r)
+    exact = cfg.rollout.exact_logprobs  # actor and reference share the engine's batch-invariant kernels
+    actor_model = _model(args, "actor", dtype, model_dir, sp, cfg.actor.recompute_kwargs(), lora, exact)
+    cut = (cfg.rollout.top_k, cfg.rollout.top_p)
+    actor = PolicyWorker(
+        actor_model, cfg.actor, temperature, args.vocab_size, total_steps, r, exact=exact, truncation=cut
+    )
     ref = None
     if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and lora.enabled:
         # the reference policy is the base model: the actor with its adapters switched off
         ref = PolicyWorker(
             actor_model, cfg.actor, temperature, args.vocab_size, total_steps, r, trainable=False,
-            adapters_off=True,
+            adapters_off=True, exact=exact,
         )  # fmt: skip
     elif cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-        ref_model = _model(args, "ref", dtype, model_dir, sp)
+        ref_model = _model(args, "ref", dtype, model_dir, sp, exact=exact)
         ref = PolicyWorker(
             ref_model,
             cfg.actor,
@@ -113,6 +118,7 @@ def _build_models(cfg: JobConfig, args: ModelArgs, model_dir: str, total_steps: 
             r,
             trainable=False,
             offload_to_cpu=cfg.ref.offload_to_cpu,
+            exact=exact,
         )
     critic = None
     if cfg.algorithm.adv_estimator == "gae":

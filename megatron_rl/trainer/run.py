@@ -181,9 +181,11 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     if step >= cfg.trainer.critic_warmup:
         with timer("update_actor"):
             metrics |= c.actor.update(batch, cfg.actor.ppo_mini_batch_size * cfg.rollout.n // c.dims.dp)
-    diff = metrics.pop("actor/rollout_logprob_abs_diff", None)
-    if batch.old_log_probs is None and diff is not None:  # measured inside the (only) update pass
-        metrics["rollout/logprob_abs_diff"] = diff
+    for name in ("logprob_abs_diff", "logprob_mismatch_frac", "truncated_logprob_abs_diff",
+                 "truncated_logprob_mismatch_frac"):  # fmt: skip
+        diff = metrics.pop(f"actor/rollout_{name}", None)
+        if batch.old_log_probs is None and diff is not None:  # measured inside the (only) update pass
+            metrics[f"rollout/{name}"] = diff
     metrics |= batch_metrics(batch, cfg.rollout.max_new_tokens)
     return metrics, batch
 

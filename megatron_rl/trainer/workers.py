@@ -22,28 +22,54 @@ from megatron_rl.algos import (
     compute_policy_loss,
     compute_value_loss,
     global_loss_denominators,
-    masked_mean,
     vocab_parallel_log_probs_and_entropy,
 )
+from megatron_rl.algos.rollout_correction import rollout_gap_metrics
 from megatron_rl.config.schema import ActorConfig, CriticConfig
+from megatron_rl.kernels import batch_invariant as bi
 from megatron_rl.models.lora import adapters_disabled
 from megatron_rl.models.pipeline import broadcast_from_last_stage, gather_positions, run_micro_batches
 from megatron_rl.optim import build_optimizer
 from megatron_rl.rollout.batch import RolloutBatch, split_by_tokens, split_micro_batches
+from megatron_rl.rollout.sampling import truncated_token_logprobs
 
 
-def response_log_probs(logits, mb: RolloutBatch, temperature: float, vocab_size: int, with_entropy: bool):
+def response_log_probs(
+    logits, mb: RolloutBatch, temperature: float, vocab_size: int, with_entropy: bool, exact: bool = False
+):
     """logits [B, R, V/tp] at ``score_pos`` (``run_micro_batches(..., response_logits=True)``) -> log-probs
     [B, R] of the response tokens (and entropy [B, R] if asked).
 
     Vocab rows past the true vocabulary (padding to a multiple of 128*TP) are excluded, as the engine
     excludes them when sampling; the fused kernel works in fp32 chunks and keeps no fp32 [B, R, V/tp]
-    tensor for backward."""
+    tensor for backward. ``exact`` (``rollout.exact_logprobs``, TP=1): the values are the engine's
+    batch-invariant log-softmax (``kernels.batch_invariant.token_logprobs``), the gradient the fused
+    kernel's."""
     lp, ent = vocab_parallel_log_probs_and_entropy(
         logits, mb.responses, tp_group=ps.get_tensor_model_parallel_group(), temperature=temperature,
         vocab_size=vocab_size,
     )  # fmt: skip
+    if exact:
+        b, r, v = logits.shape
+        with torch.no_grad():
+            flat = bi.token_logprobs(
+                logits.reshape(b * r, v), mb.responses.reshape(-1), temperature, vocab_size
+            )
+        lp = _ValueOf.apply(lp, flat.view(b, r).to(lp.dtype))
     return lp, (ent if with_entropy else None)
+
+
+class _ValueOf(torch.autograd.Function):
+    """Forward: ``value``; backward: the gradient flows to ``differentiable`` (same quantity, other
+    rounding)."""
+
+    @staticmethod
+    def forward(ctx, differentiable, value):
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def _reduce_update_metrics(per_micro: list[dict], num_optimizer_steps: int) -> dict[str, float]:
@@ -163,9 +189,13 @@ class PolicyWorker(_TrainedModel):
         trainable: bool = True,
         offload_to_cpu: bool = False,
         adapters_off: bool = False,
+        exact: bool = False,
+        truncation: tuple[int, float] = (-1, 1.0),
     ):
         self.temperature = temperature
         self.adapters_off = adapters_off  # the reference of a LoRA actor: the actor's model, adapters off
+        self.exact = exact  # rollout.exact_logprobs
+        self.truncation = truncation  # rollout.top_k, rollout.top_p
         self.vocab_size = vocab_size
         self.offload = offload_to_cpu and torch.cuda.is_available()
         if trainable:
@@ -180,7 +210,7 @@ class PolicyWorker(_TrainedModel):
         self.model.eval()
 
         def loss_fn(mb, logits):
-            lp, _ = response_log_probs(logits, mb, self.temperature, self.vocab_size, with_entropy=False)
+            lp, _ = response_log_probs(logits, mb, self.temperature, self.vocab_size, False, self.exact)
             return logits.new_zeros(()), {"lp": lp}
 
         if self.offload:  # the frozen reference lives on CPU between uses (ref.offload_to_cpu)
@@ -199,7 +229,7 @@ class PolicyWorker(_TrainedModel):
             global_num_seqs=n_seq,
             seq_len_norm=self.response_len,
         )
-        lp, ent = response_log_probs(logits, mb, self.temperature, self.vocab_size, with_entropy=True)
+        lp, ent = response_log_probs(logits, mb, self.temperature, self.vocab_size, True, self.exact)
         # On-policy (one epoch, one mini-batch, no KL in reward): the trainer skips the old-log-prob pass;
         # the ratio is 1 by definition, so the current log-probs, detached, are the old ones.
         old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()
@@ -235,14 +265,26 @@ class PolicyWorker(_TrainedModel):
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss.detach()
         metrics = {k: v.detach() for k, v in metrics.items()}
-        metrics["rollout_logprob_abs_diff"] = masked_mean(
-            (mb.rollout_log_probs - old).abs(), mb.response_mask
-        )
+        metrics |= rollout_gap_metrics(mb.rollout_log_probs, old, mb.response_mask)
+        if mb.rollout_truncated_log_probs is not None and mb.old_log_probs is None:
+            metrics |= self.truncated_gap(logits, mb)
         metrics["_tokens"] = mb.response_mask.sum()
         return loss, metrics
 
     def update(self, batch: RolloutBatch, mini_seqs: int) -> dict[str, float]:
         return self._update(batch, self._loss, mini_seqs, "actor")
+
+    def truncated_gap(self, logits: torch.Tensor, mb: RolloutBatch) -> dict:
+        """The rollout gap of the sampled tokens' log-probs under the top-k/top-p renormalised distribution,
+        recomputed from logits [B, R, V] (TP=1: the whole vocabulary) by the engine's own function. Only on
+        the on-policy update's forward, whose weights are the rollout's."""
+        b, r, _ = logits.shape
+        with torch.no_grad():
+            flat = logits[..., : self.vocab_size].reshape(b * r, -1)  # [B*R, V]
+            lp = truncated_token_logprobs(flat, mb.responses.reshape(-1), self.temperature, *self.truncation,
+                                          exact=self.exact).view(b, r)  # fmt: skip
+        gap = rollout_gap_metrics(mb.rollout_truncated_log_probs, lp, mb.response_mask)
+        return {k.replace("rollout_", "rollout_truncated_", 1): v for k, v in gap.items()}
 
 
 class CriticWorker(_TrainedModel):

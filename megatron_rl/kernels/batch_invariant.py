@@ -1,0 +1,188 @@
+"""Batch-invariant kernels: every output row is computed in an order that depends only on that row's data,
+never on how many rows share the call or where the row sits among them (``rollout.exact_logprobs``).
+
+The engine's decode/prefill and the trainer's forward call these same functions, so a token's log-prob is
+the same bits in both. Each op has two paths that are each batch-invariant (they are not equal to each
+other, and need not be: both sides of a run take the same one):
+
+- Triton (``kernels.batch_invariant_triton``) on CUDA for bf16/fp16/fp32, or on CPU under Triton's
+  interpreter with ``RUN_ON_CPU``: one fixed tile configuration per op, reductions in fixed blocks from
+  index 0, no split-K and no choice of kernel that depends on the row count.
+- A pure-torch reference on CPU: reductions are explicit pairwise trees over zero-padded power-of-two
+  widths and matmuls a sequential loop over K of elementwise multiply-adds, so no library heuristic can
+  reorder a sum. Transcendentals (exp, log, rsqrt) are evaluated in float64 and rounded to fp32: torch's
+  CPU vector and scalar-tail code paths differ in the last fp32 bit, and which path an element takes
+  depends on its index in the flattened tensor; their float64 results round to the same fp32.
+
+What is reduced how (both paths):
+- ``matmul``: per output element, fp32 accumulation over K in one fixed order; bias added in fp32, one
+  rounding.
+- ``rms_norm``: fp32 sum of squares over the row, ``x * rstd * w`` in fp32, one rounding.
+- ``token_logprobs``: exact max over the row, then the sum of ``exp(z - max)`` in fixed blocks of
+  ``VOCAB_BLOCK`` columns from column 0. Across TP vocab shards the max may be all-reduced (max is exact in
+  any order) but the sums may not (NCCL's order changes with the message size): they would have to be
+  all-gathered and added in rank order, with the engine splitting its gathered vocab at the same shard
+  boundaries. Only TP=1 is wired (there is no all-reduce); config validation refuses TP>1.
+- ``attention``: row r of (batch b, KV group g) attends keys ``0..row_pos[b, r]`` in blocks of
+  ``KEY_BLOCK`` from key 0 with one online-softmax update per block. A block wholly past a row's
+  position leaves that row's state unchanged bit for bit (its weights are exactly 0 and its rescale
+  exactly 1), so decode (one query over the cache) and training (all queries of a sequence) agree.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from megatron_rl.kernels import batch_invariant_triton as tri
+
+KEY_BLOCK = 64  # keys per online-softmax step (attention)
+ROW_TILE = 16  # query rows per attention program (the decode path's padded group of query heads)
+VOCAB_BLOCK = 1024  # vocab columns per block of the log-softmax sum
+
+# Tests run the Triton paths on CPU under the interpreter (TRITON_INTERPRET=1 before triton's import).
+RUN_ON_CPU = False
+
+
+def use_triton(x: Tensor) -> bool:
+    """Whether the Triton path serves ``x``'s device: CUDA with Triton, or CPU with ``RUN_ON_CPU``."""
+    if not tri.HAVE_TRITON:
+        return False
+    return x.device.type == "cuda" or (RUN_ON_CPU and x.device.type == "cpu")
+
+
+# ---------------------------------------------------------------------------------------------- reference
+
+
+def tree_sum(x: Tensor) -> Tensor:
+    """Sum over the last dim as a pairwise tree over the width zero-padded to a power of two: x [..., n]
+    -> [...]. Only elementwise adds, so each output depends on its own row alone."""
+    n = x.shape[-1]
+    width = 1 << max(0, (n - 1).bit_length())
+    if width != n:
+        x = torch.nn.functional.pad(x, (0, width - n))
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+def _exp(x: Tensor) -> Tensor:
+    return x.double().exp().float()
+
+
+def matmul_reference(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [M, K] @ w [N, K]^T (+ bias [N]) -> [M, N] in x's dtype; fp32 sums over k = 0, 1, ..., K-1."""
+    xf, wt = x.float(), w.float().t().contiguous()  # [M, K], [K, N]
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)  # [M, N]
+    for k in range(x.shape[1]):
+        acc = acc + xf[:, k : k + 1] * wt[k]
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(x.dtype)
+
+
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [M, H], weight [H] -> [M, H] in x's dtype."""
+    xf = x.float()
+    mean_sq = tree_sum(xf * xf) / x.shape[-1]  # [M]
+    rstd = (mean_sq.double() + eps).rsqrt().float()  # [M]
+    return (xf * rstd[:, None] * weight.float()).to(x.dtype)
+
+
+def log_softmax_stats_reference(z: Tensor) -> tuple[Tensor, Tensor]:
+    """z [N, V] fp32 (-inf where excluded) -> row max [N] and log of the sum of exp(z - max) [N]."""
+    n, v = z.shape
+    zmax = z.amax(dim=-1)  # [N] exact in any order
+    blocks = -(-v // VOCAB_BLOCK)
+    z = torch.nn.functional.pad(z, (0, blocks * VOCAB_BLOCK - v), value=float("-inf"))
+    e = _exp(z - zmax[:, None]).view(n, blocks, VOCAB_BLOCK)  # [N, nb, VB]
+    lanes = torch.zeros(n, VOCAB_BLOCK, dtype=torch.float32, device=z.device)
+    for b in range(blocks):  # each lane sums its column of every block, in block order
+        lanes = lanes + e[:, b]
+    return zmax, tree_sum(lanes).double().log().float()
+
+
+def attention_reference(q: Tensor, k: Tensor, v: Tensor, row_pos: Tensor, scale: float) -> Tensor:
+    """q [B, G, R, D], k / v [B, G, Tk, D], row_pos [B, R] -> [B, G, R, D] in q's dtype (see module doc)."""
+    bsz, groups, rows, dim = q.shape
+    qf = q.float()
+    m = torch.full((bsz, groups, rows), float("-inf"), device=q.device)
+    l_sum = torch.zeros(bsz, groups, rows, device=q.device)
+    acc = torch.zeros(bsz, groups, rows, dim, device=q.device)
+    n_kv = int(row_pos.max()) + 1
+    for start in range(0, n_kv, KEY_BLOCK):
+        kb, vb = (_key_block(t, start) for t in (k, v))  # [B, G, KB, D]
+        s = tree_sum(qf[:, :, :, None, :] * kb.float()[:, :, None]) * scale  # [B, G, R, KB]
+        keys = torch.arange(start, start + KEY_BLOCK, device=q.device)
+        live = keys[None, None, :] <= row_pos[:, :, None]  # [B, R, KB]
+        s = s.masked_fill(~live[:, None], float("-inf"))
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        p = _exp(s - m_new[..., None])  # [B, G, R, KB]
+        alpha = _exp(m - m_new)
+        l_sum = l_sum * alpha + tree_sum(p)
+        pv = p.to(v.dtype).float()[..., None] * vb.float()[:, :, None]  # [B, G, R, KB, D]
+        acc = acc * alpha[..., None] + tree_sum(pv.transpose(-1, -2))
+        m = m_new
+    return (acc / l_sum[..., None]).to(q.dtype)
+
+
+def _key_block(t: Tensor, start: int) -> Tensor:
+    """t [B, G, Tk, D] -> keys start..start+KEY_BLOCK-1 [B, G, KEY_BLOCK, D], zero past Tk."""
+    block = t[:, :, start : start + KEY_BLOCK]
+    return torch.nn.functional.pad(block, (0, 0, 0, KEY_BLOCK - block.shape[2]))
+
+
+# ------------------------------------------------------------------------------------------------ the ops
+
+
+def matmul(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ w [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, batch-invariant."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    out = tri.matmul(x2, w, bias) if use_triton(x) else matmul_reference(x2, w, bias)
+    return out.view(*lead, w.shape[0])
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [..., H], weight [H] -> [..., H] in x's dtype, batch-invariant."""
+    x2 = x.reshape(-1, x.shape[-1])  # [M, H]
+    out = tri.rms_norm(x2, weight, eps) if use_triton(x) else rms_norm_reference(x2, weight, eps)
+    return out.view(x.shape)
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float, valid: int | None = None) -> Tensor:
+    """logits [N, V], tokens [N] -> ``log_softmax(logits / temperature)[token]`` [N] fp32 over the first
+    ``valid`` columns (default all; the rest is vocab padding), batch-invariant."""
+    valid = logits.shape[-1] if valid is None else valid
+    if use_triton(logits):
+        zmax, lse = tri.log_softmax_stats(logits, temperature, valid, VOCAB_BLOCK)
+    else:
+        z = logits[:, :valid].float() / temperature
+        zmax, lse = log_softmax_stats_reference(z)
+    picked = logits.gather(-1, tokens[:, None])[:, 0].float() / temperature
+    return picked - zmax - lse
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, row_pos: Tensor, scale: float) -> Tensor:
+    """q [B, G, R, D] (any strides with unit stride in D), k / v [B, G, Tk, D], row_pos [B, R] int64:
+    row r attends keys 0..row_pos[b, r] of its group -> [B, G, R, D] in q's dtype, batch-invariant."""
+    if use_triton(q):
+        return tri.attention(q, k, v, row_pos, scale, KEY_BLOCK, ROW_TILE)
+    return attention_reference(q, k, v, row_pos, scale)
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Training layout: q [B, H, T, D], k / v [B, G, T, D] (GQA: head h reads group h // (H/G)), causal
+    -> [B, H, T, D]. The same per-row computation as the decode step's ``attention`` call."""
+    bsz, heads, t_len, dim = q.shape
+    groups = k.shape[1]
+    rows = q.reshape(bsz, groups, heads // groups * t_len, dim)  # [B, G, rep*T, D]
+    pos = torch.arange(t_len, device=q.device).repeat(heads // groups).expand(bsz, -1)  # [B, rep*T]
+    return attention(rows, k, v, pos, scale).view(bsz, heads, t_len, dim)
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: float) -> Tensor:
+    """Decode layout: q [B, G, rep, D] (a group's query heads), k / v [B, G, Tmax, D] cache, positions [B]
+    -> [B, G, rep, D]; the same per-row computation as ``causal_attention``'s row at that position."""
+    row_pos = positions[:, None].expand(-1, q.shape[2])  # [B, rep]
+    return attention(q, k, v, row_pos, scale)

@@ -1,0 +1,176 @@
+"""The Triton paths of ``kernels.batch_invariant``: one fixed tile configuration per op (no autotuning, no
+split-K), so each output element is reduced in the same order whatever the row count or the row's place.
+
+Callers go through ``kernels.batch_invariant`` (shapes and contracts are documented there).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # CPU-only installs: the torch references serve
+    HAVE_TRITON = False
+
+# matmul tile: one configuration for every M (decode's few rows and training's many run the same code).
+# The column tile may follow N (a property of the weight, the same in decode and training): narrower
+# tiles give the small projections more programs in a decode step, where few rows leave one row tile.
+BM, BK, MM_STAGES = 128, 64, 3
+
+
+def _column_tile(n: int) -> tuple[int, int]:
+    """(BN, num_warps) for a weight of ``n`` output rows."""
+    return (128, 8) if n >= 8192 else (64, 4)
+
+
+LSE_WARPS = 8
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _matmul_kernel(
+        x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, som, son,
+        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):  # K from 0 upwards, one block at a time: no split
+            kk = k0 + rk
+            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk,
+                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)  # fmt: skip
+            w = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk,
+                        mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)  # fmt: skip
+            if IEEE:
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son,
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, sx, so, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        live = cols < H
+        x = tl.load(x_ptr + row * sx + cols, mask=live, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / H + eps)
+        w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * so + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _lse_kernel(x_ptr, max_ptr, lse_ptr, V, sx, temp, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        base = x_ptr + row * sx
+        cols = tl.arange(0, BLOCK)
+        run_max = tl.full([BLOCK], float("-inf"), tl.float32)
+        for start in range(0, V, BLOCK):
+            z = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+            run_max = tl.maximum(run_max, z / temp)
+        zmax = tl.max(run_max, 0)
+        lanes = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, V, BLOCK):  # each lane adds its column of every block, in block order
+            z = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+            lanes += tl.exp(z / temp - zmax)
+        tl.store(max_ptr + row, zmax)
+        tl.store(lse_ptr + row, tl.log(tl.sum(lanes, 0)))
+
+    @triton.jit
+    def _attention_kernel(
+        q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, scale, R,
+        sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, sp_b,
+        groups: tl.constexpr, dim: tl.constexpr, block: tl.constexpr, tile: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        b, g = pid // groups, pid % groups
+        r = tl.program_id(1) * tile + tl.arange(0, tile)
+        live_r = r < R
+        d = tl.arange(0, dim)
+        pos = tl.load(pos_ptr + b * sp_b + r, mask=live_r, other=0)  # [tile] each row's last key
+        q = tl.load(q_ptr + b * sq_b + g * sq_g + r[:, None] * sq_r + d[None, :], mask=live_r[:, None],
+                    other=0.0)  # fmt: skip
+        m_i = tl.full([tile], float("-inf"), tl.float32)
+        l_i = tl.zeros([tile], tl.float32)
+        acc = tl.zeros([tile, dim], tl.float32)
+        k_base = k_ptr + b * sk_b + g * sk_g
+        v_base = v_ptr + b * sv_b + g * sv_g
+        n_kv = tl.max(pos, 0) + 1
+        for start in range(0, n_kv, block):  # keys from 0 in fixed blocks, one online update each
+            t = start + tl.arange(0, block)
+            k = tl.load(k_base + t[:, None] * sk_t + d[None, :], mask=(t < n_kv)[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale  # [tile, block] fp32
+            s = tl.where(t[None, :] <= pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + t[:, None] * sv_t + d[None, :], mask=(t < n_kv)[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + b * so_b + g * so_g + r[:, None] * so_r + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=live_r[:, None])
+
+
+def matmul(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    """x [M, K], w [N, K], bias [N] or None -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bn, warps = _column_tile(n)
+    grid = (triton.cdiv(m, BM), triton.cdiv(n, bn))
+    _matmul_kernel[grid](
+        x, w, w if bias is None else bias, out, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+        out.stride(0), out.stride(1), HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        BM=BM, BN=bn, BK=BK, num_warps=warps, num_stages=MM_STAGES,
+    )  # fmt: skip
+    return out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [M, H] (unit stride in H), weight [H] -> [M, H]."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty_like(x)
+    block = triton.next_power_of_2(x.shape[1])
+    _rms_norm_kernel[(x.shape[0],)](x, weight, out, x.shape[1], x.stride(0), out.stride(0), eps, BLOCK=block)
+    return out
+
+
+def log_softmax_stats(logits: Tensor, temperature: float, valid: int, block: int) -> tuple[Tensor, Tensor]:
+    """logits [N, V] (unit stride in V) -> max [N] and log-sum-exp minus max [N] of the first ``valid``
+    columns divided by ``temperature`` (fp32), summed in blocks of ``block`` columns."""
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    n = logits.shape[0]
+    zmax = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty_like(zmax)
+    _lse_kernel[(n,)](logits, zmax, lse, valid, logits.stride(0), float(temperature), BLOCK=block,
+                      num_warps=LSE_WARPS)  # fmt: skip
+    return zmax, lse
+
+
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, row_pos: Tensor, scale: float, block: int, tile: int
+) -> Tensor:
+    """See ``batch_invariant.attention``; q, k, v with unit stride in D."""
+    bsz, groups, rows, dim = q.shape
+    row_pos = row_pos.contiguous()
+    out = torch.empty(bsz, groups, rows, dim, dtype=q.dtype, device=q.device)
+    grid = (bsz * groups, triton.cdiv(rows, tile))
+    _attention_kernel[grid](
+        q, k, v, row_pos, out, scale, rows,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), row_pos.stride(0),
+        groups=groups, dim=dim, block=block, tile=tile, num_warps=4,
+    )  # fmt: skip
+    return out

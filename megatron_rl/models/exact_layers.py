@@ -1,0 +1,144 @@
+"""The layers of ``rollout.exact_logprobs``: megatron-core's linear layers, our RMSNorm and core attention with
+their forward through ``kernels.batch_invariant``, the kernels the rollout engine's decoder calls in the same
+mode, so a token's training log-prob and its rollout log-prob are the same bits.
+
+Only the forward values must match the engine; backward uses the plain torch ops (a gradient carries no
+log-prob). Swapped in through our ModuleSpec (``block_spec``: the local spec with these layers) and, for
+the LM head GPTModel builds itself, ``exact_head``; megatron-core's code is untouched. TP=1 only (config
+validation refuses more): the linears' ``_forward_impl`` skips megatron-core's TP communication.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+from megatron_rl.kernels import batch_invariant as bi
+from megatron_rl.models.spec import RMSNorm, SDPACoreAttention, layer_spec
+
+
+class _ExactLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return bi.matmul(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])  # [M, N]
+        gx = (g2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        gw = g2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K], weight [N, K] -> [..., N]: batch-invariant forward, differentiable."""
+    return _ExactLinear.apply(x, weight, bias)
+
+
+def _exact_forward_impl(self, input, weight, bias=None, **_tp_comm):
+    """megatron-core's linear ``_forward_impl`` contract at TP=1 (its communication flags are no-ops)."""
+    return exact_linear(input, weight, bias)
+
+
+class ExactColumnParallelLinear(ColumnParallelLinear):
+    _forward_impl = _exact_forward_impl
+
+
+class ExactRowParallelLinear(RowParallelLinear):
+    _forward_impl = _exact_forward_impl
+
+
+def exact_head(model) -> None:
+    """Route GPTModel's LM head (built by GPTModel, not from the spec) through the exact matmul."""
+    if getattr(model, "post_process", False) and isinstance(model.output_layer, ColumnParallelLinear):
+        model.output_layer._forward_impl = types.MethodType(_exact_forward_impl, model.output_layer)
+
+
+class _ExactForward(torch.autograd.Function):
+    """``exact(*xs)`` forward; backward differentiates ``plain(*xs)`` (same function up to rounding)."""
+
+    @staticmethod
+    def forward(ctx, exact, plain, *xs):
+        ctx.plain = plain
+        ctx.save_for_backward(*xs)
+        return exact(*xs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xs = [x.detach().requires_grad_(need) for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad[2:])]
+        with torch.enable_grad():
+            out = ctx.plain(*xs)
+        wanted = [x for x in xs if x.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad))
+        return None, None, *(next(grads) if x.requires_grad else None for x in xs)
+
+
+class ExactRMSNorm(RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+
+        def exact(x, w):
+            return bi.rms_norm(x, w, eps)
+
+        def plain(x, w):
+            return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+        return _ExactForward.apply(exact, plain, x, self.weight)
+
+
+class ExactCoreAttention(SDPACoreAttention):
+    """Causal attention through ``batch_invariant.causal_attention`` (no padding mask, no window: the
+    trainer's micro-batches are right-padded and plain causal)."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):  # fmt: skip
+        """query [T, B, H, D], key / value [T, B, G, D] -> [T, B, H*D]."""
+        if attention_mask is not None or packed_seq_params is not None or self.window is not None:
+            raise NotImplementedError(
+                "rollout.exact_logprobs runs plain causal attention only (no padding mask, packing or "
+                "sliding window); set rollout.exact_logprobs=false for this model/batch layout"
+            )
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads, T, D]
+        scale = self.softmax_scale
+
+        def exact(q, k, v):
+            return bi.causal_attention(q, k, v, scale)
+
+        def plain(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
+
+        out = _ExactForward.apply(exact, plain, q, k, v)  # [B, H, T, D]
+        t_len, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(t_len, b, -1)  # [T, B, H*D]
+
+
+def block_spec(config, qk_norm: bool):
+    """This pipeline stage's decoder block with every op on the hidden-state path batch-invariant: the
+    local layer spec with these layers swapped in, and ``ExactRMSNorm`` as the final norm."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    spec = layer_spec(qk_norm, "local")
+    layer, attn, mlp = (
+        spec.submodules,
+        spec.submodules.self_attention.submodules,
+        spec.submodules.mlp.submodules,
+    )
+    attn.core_attention = ExactCoreAttention
+    attn.linear_qkv, attn.linear_proj = ExactColumnParallelLinear, ExactRowParallelLinear
+    mlp.linear_fc1, mlp.linear_fc2 = ExactColumnParallelLinear, ExactRowParallelLinear
+    layer.input_layernorm = layer.pre_mlp_layernorm = ExactRMSNorm
+    if qk_norm:
+        attn.q_layernorm = attn.k_layernorm = ExactRMSNorm
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=ExactRMSNorm
+    )

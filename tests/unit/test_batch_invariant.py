@@ -1,0 +1,120 @@
+"""Batch invariance of ``kernels.batch_invariant``: a row's output is the same bits whatever the batch size
+and the row's place in it, on the torch reference path and on the Triton path (Triton's interpreter on
+CPU); decode attention for query t equals the training attention's row t; every op is close to the plain
+torch op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.kernels import batch_invariant as bi
+
+TRITON = pytest.mark.skipif(not bi.tri.HAVE_TRITON, reason="triton is in the dev extras")
+PATHS = ["reference", pytest.param("triton", marks=TRITON)]
+# Triton's interpreter computes bf16 tl.dot wrongly: bf16 runs on the reference path here (and on the GPU)
+PATH_DTYPES = [("reference", torch.float32), ("reference", torch.bfloat16),
+               pytest.param("triton", torch.float32, marks=TRITON)]  # fmt: skip
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    monkeypatch.setattr(bi, "RUN_ON_CPU", request.param == "triton")
+    return request.param
+
+
+def _use(monkeypatch, path):
+    monkeypatch.setattr(bi, "RUN_ON_CPU", path == "triton")
+
+
+def _each_batch(op, pool: torch.Tensor, sizes, check_rows=(0, 3)):
+    """For every batch size n, rows ``check_rows`` of ``pool`` placed at the front, in the middle and at
+    the back of a batch of n rows (the others random rows of ``pool``): op's row must equal the full-pool
+    result bit for bit."""
+    full = op(pool)
+    gen = torch.Generator().manual_seed(0)
+    for n in sizes:
+        for i in check_rows:
+            for place in {0, n // 2, n - 1}:
+                idx = torch.randint(0, pool.shape[0], (n,), generator=gen)
+                idx[place] = i
+                out = op(pool[idx])
+                assert torch.equal(out[place], full[i]), (n, i, place)
+
+
+@pytest.mark.parametrize("path,dtype", PATH_DTYPES)
+def test_matmul_rows_do_not_depend_on_the_batch(monkeypatch, path, dtype):
+    _use(monkeypatch, path)
+    torch.manual_seed(0)
+    sizes = [1, 2, 9] if path == "reference" else [1, 130]  # 130: rows in two Triton tiles
+    pool = torch.randn(140 if path == "triton" else 12, 72).to(dtype)  # K=72: a partial K block
+    w, b = torch.randn(40, 72).to(dtype), torch.randn(40).to(dtype)
+    _each_batch(lambda x: bi.matmul(x, w, b), pool, sizes)
+    got = bi.matmul(pool[:8], w, b).float()
+    want = torch.nn.functional.linear(pool[:8].double(), w.double(), b.double()).float()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rows_do_not_depend_on_the_batch(path, dtype):
+    torch.manual_seed(0)
+    pool, w = torch.randn(20, 96).to(dtype), torch.rand(96).to(dtype) + 0.5
+    _each_batch(lambda x: bi.rms_norm(x, w, 1e-6), pool, [1, 2, 7, 20])
+    want = torch.nn.functional.rms_norm(pool.float(), (96,), w.float(), 1e-6)
+    torch.testing.assert_close(bi.rms_norm(pool, w, 1e-6).float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_log_softmax_rows_do_not_depend_on_the_batch(path):
+    torch.manual_seed(0)
+    vocab, valid = 2100, 2050  # three vocab blocks, padding columns excluded
+    pool = torch.randn(6, vocab) * 4
+    tokens = torch.randint(0, valid, (6,))
+    _each_batch(lambda x: bi.token_logprobs(x[:, :vocab], x[:, vocab].long(), 0.7, valid),
+                torch.cat((pool, tokens[:, None].float()), 1), [1, 6])  # fmt: skip
+    want = torch.log_softmax(pool[:, :valid].double() / 0.7, -1).gather(-1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(
+        bi.token_logprobs(pool, tokens, 0.7, valid).double(), want, rtol=1e-5, atol=1e-5
+    )
+    # the engine's logits are the true vocab only: same bits as the padded training logits
+    assert torch.equal(
+        bi.token_logprobs(pool[:, :valid], tokens, 0.7), bi.token_logprobs(pool, tokens, 0.7, valid)
+    )
+
+
+@pytest.mark.parametrize("path,dtype", PATH_DTYPES)
+def test_decode_attention_equals_training_attention_row(monkeypatch, path, dtype):
+    """Training attention over whole sequences (several batch sizes, GQA) against decode attention of one
+    query at position t over a longer cache buffer, with the sequence in different slots of the batch."""
+    _use(monkeypatch, path)
+    torch.manual_seed(0)
+    heads, groups, dim, t_len = 4, 2, 16, 66  # 66 keys: two key blocks, the second partial
+    rep = heads // groups
+    q = torch.randn(3, heads, t_len, dim).to(dtype)
+    k, v = (torch.randn(3, groups, t_len, dim).to(dtype) for _ in range(2))
+    train = bi.causal_attention(q, k, v, dim**-0.5)  # [3, H, T, D]
+    single = bi.causal_attention(q[1:2], k[1:2], v[1:2], dim**-0.5)
+    assert torch.equal(single[0], train[1])
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(train.float(), want, rtol=tol, atol=tol)
+    cache_k, cache_v = (torch.randn(4, groups, 96, dim).to(dtype) for _ in range(2))  # 4 slots, Tmax 96
+    for slot, seq in ((0, 1), (3, 2)):
+        cache_k[slot, :, :t_len], cache_v[slot, :, :t_len] = k[seq], v[seq]
+        for t in (5, 64, t_len - 1):
+            positions = torch.full((4,), t)
+            qd = torch.randn(4, groups, rep, dim).to(dtype)
+            qd[slot] = q[seq, :, t].view(groups, rep, dim)
+            out = bi.decode_attention(qd, cache_k, cache_v, positions, dim**-0.5)  # [4, G, rep, D]
+            if path == "reference":
+                assert torch.equal(out[slot].reshape(heads, dim), train[seq, :, t]), (slot, t)
+            else:  # numpy under Triton's interpreter rounds a tile row by its place (see the README)
+                torch.testing.assert_close(out[slot].reshape(heads, dim), train[seq, :, t], rtol=0, atol=1e-6)
+
+
+def test_tree_sum_is_a_fixed_pairwise_order():
+    x = torch.tensor([[1e8, 1.0, -1e8, 1.0, 0.5]])
+    # ((1e8 + 1) + (-1e8 + 1)) + ((0.5 + 0) + 0): each 1e8 + 1 rounds back to 1e8 in fp32
+    assert bi.tree_sum(x).item() == 0.5

@@ -1,0 +1,152 @@
+"""``rollout.exact_logprobs`` end to end in one process (TP=1, CPU, torch reference kernels): the engine's
+continuous-batched rollout log-probs equal the trainer's recompute bit for bit (forward-only and the
+update's forward with backward), the mismatch metric reads 0 with the mode on and not with it off, and the
+exact model's logits are as close to transformers as the default model's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed" / "workers"))
+from rollout_common import random_prompts, spec_of, tiny_hf  # noqa: E402
+
+from megatron_rl.algos.rollout_correction import rollout_gap_metrics  # noqa: E402
+from megatron_rl.config.schema import ActorConfig  # noqa: E402
+from megatron_rl.distributed.runtime import destroy_distributed, init_distributed  # noqa: E402
+from megatron_rl.models.builder import build_model  # noqa: E402
+from megatron_rl.models.pipeline import run_micro_batches  # noqa: E402
+from megatron_rl.models.weights import load_hf_weights  # noqa: E402
+from megatron_rl.rollout.batch import build_batch  # noqa: E402
+from megatron_rl.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
+from megatron_rl.rollout.sampling import SamplingParams  # noqa: E402
+from megatron_rl.trainer.workers import PolicyWorker, response_log_probs  # noqa: E402
+
+T, R = 0.8, 8  # sampling temperature, max new tokens
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    init_distributed(1, 1, seed=0)
+    hf = tiny_hf("qwen2")  # qkv bias, tied embeddings
+    out = tmp_path_factory.mktemp("hf")
+    hf.save_pretrained(out, safe_serialization=True)
+    args = spec_of(hf)
+    models = {}
+    for exact in (True, False):
+        for dtype in (torch.float32, torch.bfloat16):
+            model = build_model(args, "actor", dtype, backend="local", exact=exact)
+            load_hf_weights(model, out, args)
+            models[exact, dtype] = model.to(dtype)
+    yield hf, args, models
+    destroy_distributed()
+
+
+def _rollout(model, args, exact: bool):
+    prompts = random_prompts(5, seed=3)
+    cfg = EngineConfig(max_num_seqs=3, max_prefill_tokens=40, exact_logprobs=exact)
+    stops = tuple(range(100, 130))  # ~9% of the vocabulary: responses end at uneven lengths
+    sp = SamplingParams(
+        temperature=T, top_k=40, top_p=0.9, n=2, max_new_tokens=R, seed=5, stop_token_ids=stops
+    )
+    done = RolloutEngine(model, args, cfg).generate(prompts, sp)  # 10 sequences through 3 slots
+    assert len({len(c.response_ids) for c in done}) >= 3, [len(c.response_ids) for c in done]
+    return build_batch(done, [None] * len(prompts), 0, R, 0, torch.device("cpu"))
+
+
+def _worker(model, args, exact):
+    cfg = ActorConfig(ppo_micro_batch_size_per_gpu=2)
+    return PolicyWorker(
+        model, cfg, T, args.vocab_size, 1, R, trainable=False, exact=exact, truncation=(40, 0.9)
+    )
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_rollout_logprobs_equal_the_training_recompute_exactly(setup, exact):
+    """Forward-only recompute in micro-batches of 2, then (exact) the update's forward of the whole batch in
+    train mode with backward, whose log-probs GRPO on-policy reads as the old ones; the top-k/top-p
+    renormalised log-prob of each sampled token likewise."""
+    _, args, models = setup
+    model = models[exact, torch.float32]
+    batch = _rollout(model, args, exact)
+    mask = batch.response_mask.bool()
+    worker = _worker(model, args, exact)
+    recomputed = worker.log_probs(batch)  # [B, R]
+    gap = rollout_gap_metrics(batch.rollout_log_probs, recomputed, batch.response_mask)
+    model.train(exact)
+
+    def loss_fn(mb, logits):
+        lp, _ = response_log_probs(logits, mb, T, args.vocab_size, with_entropy=True, exact=exact)
+        return (lp * mb.response_mask).sum(), {"lp": lp.detach(), **worker.truncated_gap(logits, mb)}
+
+    out = run_micro_batches(model, [batch], loss_fn, forward_only=not exact, response_logits=True)[0]
+    model.eval()
+    if not exact:  # fp32 on CPU: close, not equal (what the metrics are for)
+        assert gap["rollout_logprob_abs_diff"] < 1e-5 and gap["rollout_logprob_mismatch_frac"] > 0
+        assert out["rollout_truncated_logprob_abs_diff"] < 1e-5
+        assert out["rollout_truncated_logprob_mismatch_frac"] > 0
+        return
+    assert torch.equal(batch.rollout_log_probs[mask], recomputed[mask])
+    assert gap["rollout_logprob_mismatch_frac"] == 0 and gap["rollout_logprob_abs_diff"] == 0
+    assert torch.equal(out["lp"][mask], batch.rollout_log_probs[mask])
+    assert out["rollout_truncated_logprob_mismatch_frac"] == 0
+    # renormalised over the kept tokens: strictly above the full-softmax log-prob where anything was cut
+    assert (batch.rollout_truncated_log_probs[mask] >= batch.rollout_log_probs[mask]).all()
+    assert (batch.rollout_truncated_log_probs[mask] > batch.rollout_log_probs[mask]).any()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads) and any(
+        g.abs().sum() > 0 for g in grads
+    )
+    model.zero_grad(set_to_none=True)
+
+
+def test_exact_logits_are_as_close_to_transformers_as_the_default(setup):
+    """A normal forward: bf16 logits of the exact model vs transformers in fp32 (mean |error| over every
+    position and vocab entry), no worse than the default bf16 model's; fp32 within 1e-5."""
+    hf, _, models = setup
+    ids = torch.tensor(random_prompts(4, seed=9, max_len=24)[0] * 3)[None, :64]  # [1, T]
+    with torch.no_grad():
+        want = hf(ids).logits[0].double()  # [T, V]
+        pos = torch.arange(ids.shape[1])[None]
+
+        def err(exact, dtype):
+            got = models[exact, dtype](ids, pos, attention_mask=None)[0, :, : want.shape[-1]]
+            return (got.double() - want).abs().mean().item()
+
+        assert err(True, torch.float32) < 1e-6
+        assert err(True, torch.bfloat16) <= 1.1 * err(False, torch.bfloat16)
+
+
+def test_exact_logprobs_refuses_tensor_parallelism_naming_the_keys():
+    from megatron_rl.config import ConfigError, JobConfig, validate_job
+
+    cfg = JobConfig()
+    cfg.rollout.exact_logprobs = True
+    assert validate_job(cfg, world_size=1, num_layers=2).tp == 1
+    cfg.parallel.tensor_model_parallel_size = 2
+    with pytest.raises(
+        ConfigError, match=r"rollout\.exact_logprobs=true is incompatible with parallel\.tensor_"
+    ):
+        validate_job(cfg, world_size=2, num_layers=2)
+
+
+@pytest.mark.parametrize(
+    "key,value", [("actor.lora.rank", 4), ("rollout.multi_turn.enable", True)], ids=["lora", "multi_turn"]
+)
+def test_exact_logprobs_refuses_lora_and_multi_turn_naming_the_key(key, value):
+    """The exact layers carry no LoRA side path and a later turn's prefill (decoder.extend) is not
+    batch-invariant: both are refused at start-up, naming the key."""
+    from megatron_rl.config import ConfigError, JobConfig, validate_job
+
+    cfg = JobConfig()
+    cfg.rollout.exact_logprobs = True
+    section, name = key.rsplit(".", 1)
+    obj = cfg
+    for part in section.split("."):
+        obj = getattr(obj, part)
+    setattr(obj, name, value)
+    with pytest.raises(ConfigError, match=rf"incompatible with {key.replace('.', r'\.')}="):
+        validate_job(cfg, world_size=1, num_layers=2)
