@@ -102,3 +102,8 @@ def packed_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
     if window is None and varlen_available(q.device, q.dtype):
         return varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
     return segment_attention(q, k, v, cu_seqlens, scale, window)
+
+
+def varlen_status() -> dict[str, bool]:
+    """Where ``varlen_attn`` was tried so far and whether it is used there ("cuda:0 torch.bfloat16": True)."""
+    return {f"{dev} {dtype}": ok for (dev, dtype), ok in _VARLEN_OK.items()}
