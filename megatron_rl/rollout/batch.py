@@ -126,12 +126,30 @@ def split_micro_batches(batch: RolloutBatch, micro_size: int) -> list[RolloutBat
 
 
 def trim(batch: RolloutBatch) -> RolloutBatch:
-    """Drop the padding columns past the longest sequence of ``batch`` (positions past it are clamped)."""
+    """Drop the padding columns past the longest sequence of ``batch`` (positions past it are clamped),
+    and the response-frame columns [B, R] past its longest response: the LM head then scores
+    B x (that length) positions, not B x R (callers pad per-row outputs back to R, ``pad_response``)."""
     t = int((batch.prompt_lens + batch.response_lens).max())
     if t < batch.seq_len:
         batch.input_ids = batch.input_ids[:, :t]
         batch.score_pos = batch.score_pos.clamp(max=t - 1)
+    r, r_mb = batch.responses.shape[1], max(1, int(batch.response_lens.max()))
+    if r_mb < r:
+        for f in fields(batch):
+            value = getattr(batch, f.name)
+            if (
+                f.name != "input_ids"
+                and isinstance(value, torch.Tensor)
+                and value.dim() >= 2
+                and value.shape[1] == r
+            ):
+                setattr(batch, f.name, value[:, :r_mb])
     return batch
+
+
+def pad_response(out: torch.Tensor, r: int) -> torch.Tensor:
+    """A per-row output [B, r_mb] of a trimmed micro-batch -> [B, r] (zeros past r_mb)."""
+    return torch.nn.functional.pad(out, (0, r - out.shape[1])) if out.shape[1] < r else out
 
 
 def token_budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -148,19 +166,27 @@ def token_budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
-def packed_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+def packed_groups(
+    lengths: list[int], max_tokens: int, responses: list[int] | None = None, max_scored: int | None = None
+) -> list[list[int]]:
     """Dynamic batch size, packed sequences: as ``token_budget_groups`` but a group holds sequences whose
-    lengths sum to at most ``max_tokens`` (no padding to count), longest first."""
+    lengths sum to at most ``max_tokens`` (no padding to count), longest first. ``max_scored``: also at
+    most that many LM-head rows (group size x its longest of ``responses``), the bound the padded split
+    keeps and the memory model assumes."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     groups: list[list[int]] = []
-    total = 0
+    total = longest = 0
     for i in order:
-        if groups and total + lengths[i] <= max_tokens:
+        r = responses[i] if responses is not None else 0
+        fits = groups and total + lengths[i] <= max_tokens
+        if fits and max_scored is not None:
+            fits = (len(groups[-1]) + 1) * max(longest, r) <= max_scored
+        if fits:
             groups[-1].append(i)
-            total += lengths[i]
+            total, longest = total + lengths[i], max(longest, r)
         else:
             groups.append([i])
-            total = lengths[i]
+            total, longest = lengths[i], r
     return groups
 
 

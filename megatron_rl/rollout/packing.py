@@ -97,8 +97,10 @@ def token_counts(mbs: list[RolloutBatch]) -> tuple[int, int]:
 
 def split_packed(batch: RolloutBatch, max_tokens: int) -> tuple[list[RolloutBatch], list[int]]:
     """``split_by_tokens`` for packed micro-batches: sequences whose lengths sum to at most ``max_tokens``
-    (``packed_groups``), each micro-batch carrying its ``PackedLayout`` in ``packed``. Returns the
+    and whose LM-head rows stay within what the padded split allows (``packed_groups``), each micro-batch carrying its ``PackedLayout`` in ``packed``. Returns the
     micro-batches and the batch rows they hold, in order."""
     lengths = batch.prompt_lens + batch.response_lens
-    groups = packed_groups(lengths.tolist(), max_tokens)
+    # LM-head rows (sequences x longest response) no more than padded rows of the longest sequences give
+    max_scored = max(1, max_tokens // batch.seq_len) * batch.responses.shape[1]
+    groups = packed_groups(lengths.tolist(), max_tokens, batch.response_lens.tolist(), max_scored)
     return [pack(trim(batch.select(g))) for g in groups], [i for g in groups for i in g]

@@ -29,7 +29,7 @@ from megatron_rl.config.schema import ActorConfig, CriticConfig
 from megatron_rl.logging.metric_names import PERF_CRITIC_UPDATE_PAD_FRAC, PERF_UPDATE_PAD_FRAC
 from megatron_rl.models.pipeline import broadcast_from_last_stage, gather_positions, run_micro_batches
 from megatron_rl.optim import build_optimizer
-from megatron_rl.rollout.batch import RolloutBatch, split_by_tokens, split_micro_batches, trim
+from megatron_rl.rollout.batch import RolloutBatch, pad_response, split_by_tokens, split_micro_batches, trim
 from megatron_rl.rollout.packing import pack, split_packed, token_counts
 
 
@@ -137,7 +137,8 @@ class _TrainedModel:
         mbs, order = self._split(batch)
         with torch.no_grad():
             outs = run_micro_batches(self.model, mbs, loss_fn, True, self.response_logits)
-        out = torch.cat([o[key] for o in outs]).float().cpu() if outs else None
+        r = batch.responses.shape[1]  # micro-batches are trimmed to their longest response
+        out = torch.cat([pad_response(o[key], r) for o in outs]).float().cpu() if outs else None
         out = broadcast_from_last_stage(out)
         if order is not None:
             out = out[torch.argsort(torch.tensor(order))]

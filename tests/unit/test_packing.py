@@ -81,3 +81,18 @@ def test_thd_rope_restarts_positions_per_sequence():
     assert torch.allclose(got, want, atol=1e-6)
     with pytest.raises(NotImplementedError, match="context parallelism"):
         fused_apply_rotary_pos_emb_thd(t, cu, freqs, cp_size=2)
+
+
+def test_packed_groups_keep_lm_head_rows_within_the_padded_bound():
+    lengths, responses = [10, 7, 7, 6, 5, 5, 5], [4, 2, 4, 4, 1, 3, 2]
+    groups = packed_groups(lengths, 33, responses, max_scored=12)
+    assert groups == [[0, 1, 2], [3, 4, 5], [6]]
+    assert all(len(g) * max(responses[i] for i in g) <= 12 for g in groups)
+
+
+def test_trim_cuts_the_response_frame_to_the_longest_response():
+    batch = _batch([3, 1], [2, 3], r=6)
+    batch.advantages = torch.ones(2, 6)
+    (mb,), _ = split_packed(batch, max_tokens=100)
+    assert mb.responses.shape == (2, 3) and mb.advantages.shape == (2, 3) and mb.score_pos.shape == (2, 3)
+    assert batch.responses.shape == (2, 6)  # the batch itself keeps its frame

@@ -68,7 +68,6 @@ def policy_parity(path: Path, tp: int) -> None:
         assert torch.allclose(lp0, lp, atol=1e-12), (tp, name, (lp0 - lp).abs().max())
         assert abs(loss0 - loss) < 1e-12, (tp, name, loss0, loss)
         _same(g0, g, f"tp={tp} {name}")
-    assert results["packed"][2] < n0  # real tokens fit the same budget in fewer micro-batches
 
 
 def critic_parity(path: Path, tp: int) -> None:
