@@ -72,6 +72,13 @@ class RolloutBatch:
         return RolloutBatch(**out)
 
 
+# the per-token fields in the response-aligned [B, R] frame
+RESPONSE_FRAME = tuple(
+    "responses response_mask score_pos rollout_log_probs old_log_probs ref_log_probs values token_level_scores "
+    "token_level_rewards advantages returns rollout_is_weights".split()
+)
+
+
 def build_batch(
     completions: list[Completion],
     rows: list[PromptRow],
@@ -135,15 +142,10 @@ def trim(batch: RolloutBatch) -> RolloutBatch:
         batch.score_pos = batch.score_pos.clamp(max=t - 1)
     r, r_mb = batch.responses.shape[1], max(1, int(batch.response_lens.max()))
     if r_mb < r:
-        for f in fields(batch):
-            value = getattr(batch, f.name)
-            if (
-                f.name != "input_ids"
-                and isinstance(value, torch.Tensor)
-                and value.dim() >= 2
-                and value.shape[1] == r
-            ):
-                setattr(batch, f.name, value[:, :r_mb])
+        for name in RESPONSE_FRAME:
+            value = getattr(batch, name)
+            if value is not None:
+                setattr(batch, name, value[:, :r_mb])
     return batch
 
 
