@@ -9,7 +9,7 @@
 # Parts, most important first (each under a timeout from what is left of BUDGET_S, default 410 s):
 # ours 0.5B packed, TRL 0.5B, ours 3B packed, TRL 3B, ours 0.5B padded, ours 3B padded.
 # Needs the carried wheels (see benchmarks/README.md). Knobs: SIZES, STEPS (3: first is warm-up),
-# TRL_STEPS (2), BUDGET_S.   CPU smoke: TINY=1 bash benchmarks/run_spread.sh
+# TRL_STEPS (2), BUDGET_S, CAP_TRL (170 s per TRL part).   CPU smoke: TINY=1 bash benchmarks/run_spread.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
@@ -41,7 +41,7 @@ for S in $SIZES; do
   tag=${S//[.-]/_}
   part "ours_packed_$S" 150 python3 benchmarks/bench_rl_step.py --shape "$S" "${W[@]}" \
     --out "$PARTS/ours_packed_$tag.json" "${keys[@]}" actor.pack_sequences=true
-  part "trl_$S" 140 python3 benchmarks/bench_trl_grpo.py --shape "$S" "${T[@]}" --out "$PARTS/trl_$tag.json"
+  part "trl_$S" "${CAP_TRL:-170}" python3 benchmarks/bench_trl_grpo.py --shape "$S" "${T[@]}" --out "$PARTS/trl_$tag.json"
 done
 for S in $SIZES; do  # today's layout (padded rows), where time is left
   tag=${S//[.-]/_}
