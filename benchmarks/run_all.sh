@@ -18,21 +18,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
 NGPU=${NGPU:-1}; STEPS=${STEPS:-3}; TRL_STEPS=${TRL_STEPS:-3}; BUDGET_S=${BUDGET_S:-570}
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=${PYTHONPATH:-}:$PWD
-END=$(($(date +%s) + BUDGET_S))
-LOG="$OUT/run_all.log"; : > "$LOG"
-
-part() {  # part NAME CAP_S CMD...: run CMD under min(CAP_S, time left - 20 s for the summary)
-  local name=$1 cap=$2; shift 2
-  local left=$((END - $(date +%s) - 20)); local t=$((cap < left ? cap : left))
-  if ((t < 30)); then echo "== $name: skipped, $left s left" | tee -a "$LOG"; return; fi
-  echo "== $name (timeout ${t}s): $*" | tee -a "$LOG"
-  local s=$(date +%s)
-  timeout "$t" "$@" 2>&1 | grep -v -i -E 'warn|^\s*$' | tee -a "$LOG" | tail -n 15
-  echo "== $name: rc ${PIPESTATUS[0]} in $(($(date +%s) - s)) s" | tee -a "$LOG"
-}
+LOG="$OUT/run_all.log"
+source benchmarks/_parts.sh  # environment, deadline, part()
 G=() T=() M=() P=() D=()
 if [[ ${TINY:-0} == 1 ]]; then  # CPU smoke of this script: tiny model and sizes, same code paths
   G=(--tiny --prompts 4 --n 2 --prompt-len 16 --response-len 8 --micro 4)

@@ -15,21 +15,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
 PARTS=${PARTS:-/tmp/run_spread_parts}; rm -rf "$PARTS"; mkdir -p "$PARTS"
 SIZES=${SIZES:-qwen2.5-0.5b qwen2.5-3b}; STEPS=${STEPS:-3}; TRL_STEPS=${TRL_STEPS:-2}; BUDGET_S=${BUDGET_S:-410}
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=${PYTHONPATH:-}:$PWD
-END=$(($(date +%s) + BUDGET_S))
-LOG="$OUT/spread.log"; : > "$LOG"
-
-part() {  # part NAME CAP_S CMD...: run CMD under min(CAP_S, time left - 15 s for the summary)
-  local name=$1 cap=$2; shift 2
-  local left=$((END - $(date +%s) - 15)); local t=$((cap < left ? cap : left))
-  if ((t < 30)); then echo "== $name: skipped, $left s left" | tee -a "$LOG"; return; fi
-  echo "== $name (timeout ${t}s): $*" | tee -a "$LOG"
-  local s=$(date +%s)
-  timeout "$t" "$@" 2>&1 | grep -v -i -E 'warn|^\s*$' | tee -a "$LOG" | tail -n 4
-  echo "== $name: rc ${PIPESTATUS[0]} in $(($(date +%s) - s)) s" | tee -a "$LOG"
-}
+LOG="$OUT/spread.log"; PART_TAIL=4; OMP_NUM_THREADS=8
+source benchmarks/_parts.sh  # the environment, the deadline (BUDGET_S) and part()
 W=(--lengths spread --steps "$STEPS"); T=(--lengths spread --steps "$TRL_STEPS"); X=()
 if [[ ${TINY:-0} == 1 ]]; then  # CPU smoke: the tiny shape, tiny sizes, same code paths
   SIZES=tiny; W=(--lengths spread --steps 2 --prompts 4 --n 2 --prompt-len 16 --response-len 8 --micro 4)

@@ -101,6 +101,7 @@ class GenerationStats:
     gather_back_s: float = 0.0  # generation -> train: free + all-gather results
     capture_s: float = 0.0  # CUDA-graph capture (part of reshard_s)
     prefill_s: float = 0.0
+    prefill_tokens: int = 0  # prompt tokens run through prefill (a prompt shared by its samples once)
     decode_steps: int = 0
     decode_s: float = 0.0  # time in decode steps (forward + sampling + bookkeeping), prefills excluded
     new_tokens: int = 0  # this replica's
@@ -379,31 +380,48 @@ class _Runner:
         self.state.pos[rows] = torch.where(live, next_pos, self.state.pos[rows])
 
     def _admit(self, waiting: deque) -> None:
-        """Prefill as many waiting sequences as free slots and the prefill token cap allow."""
+        """Prefill as many waiting sequences as free slots and the prefill token cap allow. Sequences of
+        one prompt admitted together (a prompt's ``n`` samples) share its prefill: the prompt runs once,
+        its cache rows are copied to the other slots and each slot samples its own first token, so the
+        prefill costs ``n`` times fewer FLOPs and the cap counts each prompt once."""
         t0 = time.perf_counter()
         batch: list[Completion] = []
+        first: dict[tuple[int, ...], int] = {}  # prompt ids -> its unique row (order of first arrival)
         longest = 0
         while waiting and len(batch) < self.cache.num_free:
-            longest_next = max(longest, len(waiting[0].prompt_ids))
-            if batch and longest_next * (len(batch) + 1) > self.cfg.max_prefill_tokens:
-                break
+            ids = tuple(waiting[0].prompt_ids)
+            if ids not in first:
+                longest_next = max(longest, len(ids))
+                if first and longest_next * (len(first) + 1) > self.cfg.max_prefill_tokens:
+                    break
+                first[ids], longest = len(first), longest_next
             batch.append(waiting.popleft())
-            longest = longest_next
         slots = [self.cache.allocate() for _ in batch]
         dev = self.rows.device
-        tokens = torch.zeros(len(batch), longest, dtype=torch.long)  # [B, T] right-padded
-        for row, seq in enumerate(batch):
-            tokens[row, : len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids)
-        lengths = torch.tensor([len(s.prompt_ids) for s in batch], device=dev)
+        unique = [first[tuple(seq.prompt_ids)] for seq in batch]  # [B] unique row of each sequence
+        lead = {u: row for row, u in reversed(list(enumerate(unique)))}  # unique row -> its first batch row
+        tokens = torch.zeros(len(first), longest, dtype=torch.long)  # [U, T] right-padded
+        for ids, u in first.items():
+            tokens[u, : len(ids)] = torch.tensor(ids)
+        lengths = torch.tensor([len(ids) for ids in first], device=dev)  # [U]
         slot_t = torch.tensor(slots, device=dev)
-        logits = decoder.prefill(self.w, self.state.spec, self.cache.data, tokens.to(dev), lengths, slot_t)
+        lead_slots = torch.tensor([slots[lead[u]] for u in range(len(first))], device=dev)  # [U]
+        logits = decoder.prefill(
+            self.w, self.state.spec, self.cache.data, tokens.to(dev), lengths, lead_slots
+        )
+        copies = [(slots[lead[u]], slot) for u, slot in zip(unique, slots) if slot != slots[lead[u]]]
+        if copies:
+            src, dst = (torch.tensor(c, device=dev) for c in zip(*copies))
+            self.cache.copy_prefix(src, dst, longest)
+        rows = torch.tensor(unique, device=dev)  # [B]
         self.count[slot_t] = 0
         self.keys[slot_t] = torch.tensor([seq.key for seq in batch], device=dev)
         live = torch.ones(len(batch), dtype=torch.bool, device=dev)
-        self._record(slot_t, *self._sample(logits, slot_t), live, lengths)
+        self._record(slot_t, *self._sample(logits[rows], slot_t), live, lengths[rows])
         for slot, seq in zip(slots, batch):
             self.active[slot] = seq
             self.left[slot] = self.params.max_new_tokens - 1
+        self.stats.prefill_tokens += sum(len(ids) for ids in first)
         self._refresh_kv_need()
         _sync(dev)
         self.stats.prefill_s += time.perf_counter() - t0

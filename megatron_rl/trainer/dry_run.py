@@ -125,13 +125,13 @@ def report(cfg: JobConfig, dims: ParallelDims) -> dict:
 
 NOTES = {
     "params": "bf16/fp32 weights of every model on the GPU (actor, ref, critic)",
-    "grads": "local backend: training only (freed after each optimizer step)",
+    "grads": "local backend: fp32 main_grad, training only (freed after each optimizer step)",
     "optimizer": "fp32 main params + AdamW moments on the GPU (/ DP with the distributed optimizer, less "
     "the hybrid optimizer's host share) + megatron fp32 grad buffers",
     "optimizer_on_host": "hybrid-device optimizer: the fraction kept in host memory",
     "generation_gathered_weights": "other PP stages' layers at the generation TP, generation only",
     "activations": "one actor micro-batch kept for backward (x micro-batches in flight at PP > 1)",
-    "logits": "response-position logits, their gradient and the backward's scratch, one micro-batch",
+    "logits": "response-position logits and their gradient (model dtype), one micro-batch",
 }
 
 

@@ -36,12 +36,13 @@ def test_components_at_a_known_shape():
     cfg, a = grpo(8192, "qwen2.5-0.5b")
     n = a.stage_params()["first"]
     b = estimate(cfg, ONE, a, 256)["bytes"]
-    assert b["params"] == 2 * n and b["grads"] == 2 * n and b["optimizer"] == 12 * n  # bf16, local AdamW
+    # bf16 weights; local AdamW: fp32 main params + moments, fp32 main_grad while training
+    assert b["params"] == 2 * n and b["grads"] == 4 * n and b["optimizer"] == 12 * n
     # 10 sequences of 768 tokens; per token and layer (bf16): 5h + 2q + kv + 3f = 5*896 + 2*896 + 256 + 3*4864
     assert layer_activation_bytes_per_token(cfg, a, 1, "actor") == 2 * (5 * 896 + 2 * 896 + 256 + 3 * 4864)
     assert b["activations"] == pytest.approx(10 * 768 * 24 * 2 * (5 * 896 + 2 * 896 + 256 + 3 * 4864))
-    # logits at the 10 x 512 response positions: bf16 logits + bf16 gradient + 4 bytes of backward scratch
-    assert b["logits"] == 10 * 512 * 151936 * (2 + 2 + 4)
+    # logits at the 10 x 512 response positions: the bf16 logits the kernel keeps + their bf16 gradient
+    assert b["logits"] == 10 * 512 * 151936 * (2 + 2)
     assert b["kv_cache"] == 512 * 768 * a.kv_bytes_per_token()  # all 512 sequences in one wave
 
 
@@ -70,7 +71,7 @@ def test_the_3b_budget_that_died_is_no_longer_called_safe():
     with pytest.raises(ConfigError) as err:
         plan(cfg, ONE, a, 256, H200)
     msg = str(err.value)
-    assert "actor.ppo_max_token_len_per_gpu=24576" in msg and "actor.ppo_max_token_len_per_gpu=19200" in msg
+    assert "actor.ppo_max_token_len_per_gpu=24576" in msg and "actor.ppo_max_token_len_per_gpu=19968" in msg
     cfg.actor.ppo_max_token_len_per_gpu = 8192  # measured 74.3 GiB: within 15%
     assert estimate(cfg, ONE, a, 256)["peaks"]["actor_update"] / GIB == pytest.approx(74.3, rel=0.15)
     assert plan(cfg, ONE, a, 256, H200)["chosen"] == {}
@@ -201,7 +202,9 @@ def test_distributed_optimizer_shards_the_optimizer_estimate_over_dp():
     mcore = estimate(cfg, dims, a, 256)["bytes"]
     cfg.actor.optim.use_distributed_optimizer = True
     dist_opt = estimate(cfg, dims, a, 256)["bytes"]
-    assert local["optimizer"] == pytest.approx(12 * n) and local["grads"] == pytest.approx(2 * n)
+    assert local["optimizer"] == pytest.approx(12 * n) and local["grads"] == pytest.approx(
+        4 * n
+    )  # fp32 main_grad
     assert (
         mcore["optimizer"] == pytest.approx(16 * n) and mcore["grads"] == 0
     )  # + fp32 grad buffers, resident
@@ -217,3 +220,31 @@ def test_cli_train_refuses_a_job_that_cannot_fit_before_building_models(tmp_path
     assert proc.returncode != 0 and "does not fit the 0.0 GiB GPU" in proc.stderr, proc.stderr[-2000:]
     assert "with actor.ppo_micro_batch_size_per_gpu=" in proc.stderr  # the key at fault, named
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# Session 4 on one H200 (benchmarks/results/2026-12-01-h200-session4, the GRPO workload of grpo()): the
+# token budget the run resolved, the most KV slots a step decoded with, and the measured peaks (GiB,
+# max_memory_allocated per phase). 7B and 8B ran megatron-core's hybrid-device optimizer (host fraction 0.5).
+MEASURED = [
+    ("qwen2.5-0.5b", 66048, 512, 97.27, 11.76),
+    ("qwen2.5-1.5b", 36096, 512, 113.42, 31.98),
+    ("qwen2.5-3b", 19200, 512, 122.22, 55.30),
+    ("qwen2.5-7b", 8448, 512, 125.72, 106.88),
+    ("llama-3.1-8b", 7680, 257, 127.03, 111.66),
+]
+
+
+@pytest.mark.parametrize("shape,budget,slots,update_gib,gen_gib", MEASURED)
+def test_the_memory_model_is_within_5_percent_of_the_measured_peaks(
+    shape, budget, slots, update_gib, gen_gib
+):
+    """Issue 15's target is 15% per phase; the model is held to 5% here so a drift shows before it matters.
+    (Counting a third pair of bytes per logit, as before, put 0.5B's update 23% over.)"""
+    cfg, a = grpo(budget, shape)
+    if shape in ("qwen2.5-7b", "llama-3.1-8b"):
+        o = cfg.actor.optim
+        o.backend, o.use_distributed_optimizer, o.optimizer_cpu_offload = "megatron", True, True
+        o.optimizer_offload_fraction = 0.5
+    peaks = estimate(cfg, ONE, a, 256, {"max_num_seqs": slots})["peaks"]
+    assert peaks["actor_update"] / GIB == pytest.approx(update_gib, rel=0.05)
+    assert peaks["generation"] / GIB == pytest.approx(gen_gib, rel=0.05)

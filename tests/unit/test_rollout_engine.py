@@ -267,3 +267,57 @@ def test_engine_with_the_triton_decode_kernel_equals_hf(model, monkeypatch):
         assert (
             torch.tensor(c.logprobs) - hf_logprobs(hf, c.prompt_ids, c.response_ids, 0.9)
         ).abs().max() < 1e-5
+
+
+def test_samples_of_one_prompt_share_its_prefill_and_match_unshared_generation(model):
+    """A prompt's n samples admitted together run its prefill once (its cache rows copied to the other
+    slots); tokens and log-probs equal the one-slot engine's (each sample prefilled alone) and HF's."""
+    hf, spec, params = model
+    sp = SamplingParams(temperature=1.0, n=3, max_new_tokens=6, seed=2, layout_invariant_sampling=True)
+    prompts = random_prompts(4, seed=8)
+    keys = [7 + i for i in range(4)]
+    shared_engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=12))
+    shared = shared_engine.generate(prompts, sp, keys)
+    assert shared_engine.last_stats.prefill_tokens == sum(map(len, prompts))  # each prompt once
+    alone_engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=1))
+    alone = alone_engine.generate(prompts, sp, keys)
+    assert alone_engine.last_stats.prefill_tokens == 3 * sum(map(len, prompts))
+    assert [c.response_ids for c in shared] == [c.response_ids for c in alone]
+    assert len({tuple(c.response_ids) for c in shared}) > 4  # the samples of a prompt differ
+    for s, a in zip(shared, alone):
+        assert (torch.tensor(s.logprobs) - torch.tensor(a.logprobs)).abs().max() < 1e-5
+        assert (
+            torch.tensor(s.logprobs) - hf_logprobs(hf, s.prompt_ids, s.response_ids, 1.0)
+        ).abs().max() < 1e-5
+
+
+def test_kv_slots_come_from_the_plan_or_from_free_plus_cached_memory():
+    """The slot decision: the memory plan's kv_cache_tokens (rollout.max_num_seqs=auto) gives all 512
+    sequences one wave; without it, the allocator's unused cached blocks count as free. Session 4, 3B
+    after an update: ~11.8 GB free by the driver (208 slots at gpu_memory_utilization 0.5, three waves),
+    ~75 GB more cached by the allocator."""
+    from megatron_rl.rollout.kv_cache import free_memory_tokens, plan_cache
+
+    per_token, max_len = 36864, 768  # Qwen2.5-3B: 2 x 36 layers x 2 groups x 128 x bf16
+    planned = plan_cache(max_len=max_len, wanted_slots=512, max_num_seqs=512, per_token=per_token,
+                         kv_cache_tokens=512 * max_len, gpu_memory_utilization=0.5, device=torch.device("cpu"))  # fmt: skip
+    assert planned.slots == 512
+    free, cached = int(11.8e9), int(75e9)
+    assert free_memory_tokens(free, 0, 0.5, per_token) // max_len == 208
+    assert free_memory_tokens(free, cached, 0.5, per_token) // max_len >= 512
+    assert free_memory_tokens(free, -5, 0.5, per_token) == free_memory_tokens(free, 0, 0.5, per_token)
+
+
+def test_copy_prefix_copies_only_the_prompt_positions_of_the_chosen_slots():
+    from megatron_rl.rollout.kv_cache import CachePlan, KVCache
+
+    cache = KVCache(
+        CachePlan(slots=4, max_len=6, bytes_per_token=0), 2, 2, 3, torch.float32, torch.device("cpu")
+    )
+    cache.data.copy_(torch.randn_like(cache.data))
+    before = cache.data.clone()
+    cache.copy_prefix(torch.tensor([0, 0]), torch.tensor([2, 3]), 4)
+    for dst in (2, 3):
+        assert torch.equal(cache.data[:, :, dst, :, :4], before[:, :, 0, :, :4])
+        assert torch.equal(cache.data[:, :, dst, :, 4:], before[:, :, dst, :, 4:])
+    assert torch.equal(cache.data[:, :, :2], before[:, :, :2])

@@ -1,0 +1,20 @@
+# Sourced by run_all.sh and run_sizes.sh (not run on its own): the environment every benchmark part runs
+# in, the call's deadline and part(), which runs one part under the time the call has left.
+# Before sourcing set BUDGET_S (seconds for the whole call), LOG (the call's log, truncated here) and
+# optionally PART_TAIL (lines of each part's output echoed to the console, default 15) and OMP_NUM_THREADS.
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
+# NVLink multicast stays off: the lent machines do not support it (see the device notes)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=${PYTHONPATH:-}:$PWD
+END=$(($(date +%s) + BUDGET_S))
+: > "$LOG"
+
+part() {  # part NAME CAP_S CMD...: run CMD under min(CAP_S, time left - 20 s for the summary)
+  local name=$1 cap=$2; shift 2
+  local left=$((END - $(date +%s) - 20)); local t=$((cap < left ? cap : left))
+  if ((t < 30)); then echo "== $name: skipped, $left s left" | tee -a "$LOG"; return; fi
+  echo "== $name (timeout ${t}s): $*" | tee -a "$LOG"
+  local s=$(date +%s)
+  timeout "$t" "$@" 2>&1 | grep -v -i -E 'warn|^\s*$' | tee -a "$LOG" | tail -n "${PART_TAIL:-15}"
+  echo "== $name: rc ${PIPESTATUS[0]} in $(($(date +%s) - s)) s" | tee -a "$LOG"
+}
