@@ -11,6 +11,9 @@ Workload (the defaults): Qwen2.5-0.5B shape (vocab 151936, hidden 896, ffn 4864,
 prompts of exactly 256 tokens, responses of exactly 512 tokens (the tokenizer's EOS is dropped from the
 stop ids, so every run does the same work), one optimizer step per rollout, a random reward.
 ``--algo ppo`` runs PPO with actor, critic and reference colocated (512 prompts x 1 sample by default).
+``--lengths spread`` (issue 16): each response stops at a length drawn from a fixed-seed log-normal with
+mean ~40% of the cap (``spread_lengths.py``; EOS forced there, never sampled earlier; the same lengths as
+``bench_trl_grpo.py --lengths spread``); the roofline then counts the real trained tokens and live KV.
 
 Tokens per second per GPU = (prompt + response tokens of the step) / step time / GPUs; the first step is
 warm-up and excluded from the medians. Writes ``--out`` (JSON, rank 0).
@@ -213,30 +216,49 @@ def _global_max(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
-def decode_numbers(c, dims, sequences: float, a) -> dict:
+def live_kv(batch) -> tuple[float, float]:
+    """(decode steps, live KV tokens summed over them) of this rank's batch, all sequences decoding
+    together: sequence i is live for its L_i steps and attends over P_i + j tokens at step j."""
+    p, r = batch.prompt_lens.double(), batch.response_lens.double()
+    return float(r.max()), float((r * p + r * (r - 1) / 2).sum())
+
+
+def decode_numbers(c, dims, batch) -> dict:
     """This step's generation: new tokens per second per GPU over the decode steps, and the decode step
-    against its HBM floor (the actor's bf16 weights + the mean live KV of the slots, read once per step
-    at PEAK_HBM_BYTES_PER_S)."""
+    against its HBM floor (the actor's bf16 weights + the mean live KV per step, read once per step at
+    PEAK_HBM_BYTES_PER_S)."""
     s = c.engine.last_stats
     weights = c.args.stage_params(dims.tp, 1)["first"] * 2
-    mean_ctx = a.prompt_len + a.response_len / 2
+    steps, kv_tokens = live_kv(batch)
     step_s = s.decode_s / max(s.decode_steps, 1)
-    floor_s = (weights + s.slots * mean_ctx * c.args.kv_bytes_per_token(dims.tp)) / PEAK_HBM_BYTES_PER_S
+    floor_s = (
+        weights + kv_tokens / max(steps, 1) * c.args.kv_bytes_per_token(dims.tp)
+    ) / PEAK_HBM_BYTES_PER_S
     return {"tok_per_s": s.new_tokens / max(s.generate_s, 1e-9), "decode_steps": s.decode_steps,
             "ms_per_decode_step": 1e3 * step_s, "hbm_floor_ms_per_step": 1e3 * floor_s,
             "fraction_of_hbm_floor": floor_s / max(step_s, 1e-12), "slots": s.slots,
             "prefill_s": s.prefill_s, "prefill_tokens": s.prefill_tokens, "decode_s": s.decode_s}  # fmt: skip
 
 
-def roofline(c, dims, counts, a) -> dict:
+def roofline(c, dims, counts, batch) -> dict:
     """The step's roofline time (``models.facts.roofline_step_s``) written out: N (6N per trained token,
-    2N per prefilled prompt token) and the decode bytes (weights + live KV per decode step)."""
+    2N per prefilled prompt token) and the decode bytes (weights + live KV per decode step: one step per
+    new token of the longest response, all sequences together, each live until its own end)."""
+    import torch
+    import torch.distributed as dist
+
     n = c.args.matmul_params()
-    prompt_t, response_t, seqs = float(counts[0]), float(counts[1]), float(counts[2])
+    prompt_t, response_t = float(counts[0]), float(counts[1])
     weights = c.args.stage_params(dims.tp, 1)["first"] * 2 * dims.world_size  # every GPU reads its copy
     kv = c.args.kv_bytes_per_token(dims.tp) * dims.tp
-    steps = a.response_len  # one decode step per new token, all sequences together
-    decode_bytes = steps * weights + seqs * kv * sum(a.prompt_len + j for j in range(steps))
+    steps, kv_tokens = (
+        torch.tensor(x, dtype=torch.float64, device=batch.prompt_lens.device) for x in live_kv(batch)
+    )
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    dist.all_reduce(kv_tokens)
+    decode_bytes = (
+        float(steps) * weights + kv * float(kv_tokens) / dims.tp
+    )  # TP ranks of a replica: one batch
     r = roofline_step_s(n, (prompt_t + response_t) / dims.world_size, prompt_t / dims.world_size,
                         decode_bytes / dims.world_size)  # fmt: skip
     formula = (f"6 x {n:.4g} x {prompt_t + response_t:.0f} / {PEAK_BF16_FLOPS:.3g} + 2 x {n:.4g} x {prompt_t:.0f} "
@@ -254,6 +276,7 @@ def run(a: argparse.Namespace) -> dict:
     from megatron_rl.config.store import CONFIG_DIR, to_job_config
     from megatron_rl.distributed import init_distributed
     from megatron_rl.logging import Timer
+    from megatron_rl.models.packed_attention import varlen_status
     from megatron_rl.trainer.build import build_components
     from megatron_rl.trainer.memory_model import estimate
     from megatron_rl.trainer.run import train_step
@@ -266,7 +289,12 @@ def run(a: argparse.Namespace) -> dict:
     t_build = time.perf_counter()
     c = build_components(cfg, dims)
     build_s = time.perf_counter() - t_build
-    if a.ignore_eos:
+    if a.lengths == "spread":
+        from spread_lengths import install_engine_hook, length_table
+
+        table = length_table(a.steps, a.prompts, a.n, a.response_len)
+        install_engine_hook(table, a.n, c.tokenizer.eos_token_id)
+    elif a.ignore_eos:
         c.tokenizer = NoEosTokenizer(c.tokenizer)
     mem = PhaseMemory()
     instrument(c, mem)
@@ -310,9 +338,13 @@ def run(a: argparse.Namespace) -> dict:
             "actor_grad_norm": metrics.get("actor/grad_norm"),
             "rollout_logprob_abs_diff": metrics.get("rollout/logprob_abs_diff"),
             "rollout_logprob_mismatch_frac": metrics.get("rollout/logprob_mismatch_frac"),
-            "decode": decode_numbers(c, dims, float(counts[2]), a),
-            "roofline": roofline(c, dims, counts, a),
+            "update_pad_frac": metrics.get("perf/update_pad_frac"),
+            "decode": decode_numbers(c, dims, batch),
+            "roofline": roofline(c, dims, counts, batch),
         }
+        if a.lengths == "spread" and dims.world_size == 1:  # the forced lengths are the ones trained on
+            want = sorted(table[step * a.prompts * a.n : (step + 1) * a.prompts * a.n].tolist())
+            row["lengths_as_forced"] = sorted(batch.response_lens.tolist()) == want
         row["step_over_roofline"] = seconds / row["roofline"]["total_s"]
         steps.append(row)
         if dist.get_rank() == 0:
@@ -327,6 +359,7 @@ def run(a: argparse.Namespace) -> dict:
         "decode_fraction_of_hbm_floor": statistics.median(
             r["decode"]["fraction_of_hbm_floor"] for r in timed
         ),
+        "update_pad_frac": statistics.median(r["update_pad_frac"] or 0.0 for r in timed),
         "timing_s": {
             k: statistics.median(r["timing_s"].get(k, 0.0) for r in timed) for k in timed[0]["timing_s"]
         },
@@ -341,6 +374,8 @@ def run(a: argparse.Namespace) -> dict:
             "micro_batch_per_gpu": min(a.micro, a.prompts * a.n),
             "kl_coef": a.kl_coef,
             "ignore_eos": a.ignore_eos,
+            "lengths": a.lengths,
+            "mean_response_len": statistics.mean(r["response_tokens"] / r["sequences"] for r in steps),
             "model": f"{a.shape} shape, random {'fp32' if a.shape == 'tiny' else 'bf16'}",
             "actor_params": n_params,
         },
@@ -353,6 +388,7 @@ def run(a: argparse.Namespace) -> dict:
             "actor.ppo_max_token_len_per_gpu": cfg.actor.ppo_max_token_len_per_gpu,
             "rollout.max_num_seqs": cfg.rollout.max_num_seqs,
         },
+        "packed_attention_varlen": varlen_status(),  # {} unless packed: per-segment SDPA where False
         "dry_run_gib_by_phase": {k: v / 2**30 for k, v in dry["peaks"].items()},
         "dry_run_bytes": dry["bytes"],
     }
@@ -375,6 +411,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="steps; the first is warm-up")
     p.add_argument("--kl-coef", type=float, default=0.0, help="GRPO KL-loss coefficient (0: no reference)")
     p.add_argument("--keep-eos", dest="ignore_eos", action="store_false", help="stop at the tokenizer's EOS")
+    p.add_argument(
+        "--lengths", choices=["fixed", "spread"], default="fixed",
+        help="fixed: every response runs to the cap; spread: EOS forced at log-normal lengths (spread_lengths.py)",
+    )  # fmt: skip
     p.add_argument(
         "--shape", default="qwen2.5-0.5b", choices=[*SHAPES, "tiny"], help="model shape, random weights"
     )
@@ -413,8 +453,9 @@ def main(argv=None) -> dict:
         Path(a.out).write_text(json.dumps(result, indent=2))
         m = result["median_after_warmup"]
         print(
-            f"{a.algo}: {m['step_s']:.2f} s/step, {m['tok_per_s_per_gpu']:.0f} tok/s/GPU, "
-            f"update MFU {m['actor_update_mfu']:.3f}, phases {json.dumps(m['timing_s'])}",
+            f"{a.algo} ({a.lengths}): {m['step_s']:.2f} s/step, {m['tok_per_s_per_gpu']:.0f} tok/s/GPU, "
+            f"update MFU {m['actor_update_mfu']:.3f}, pad {m['update_pad_frac']:.3f}, "
+            f"x roofline {m['step_over_roofline']:.2f}, phases {json.dumps(m['timing_s'])}",
             flush=True,
         )
         if "peak_allocated_gib_by_phase" in result:

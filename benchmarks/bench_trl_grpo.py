@@ -9,6 +9,10 @@ step is warm-up and excluded from the median. Generation (``_generate``) and rol
 (``_generate_and_score_completions``: generation, rewards, old/ref log-probs) are timed by wrapping the
 trainer's methods on the instance; the update is the rest of the step. Writes ``--out`` (JSON).
 
+``--lengths spread`` (issue 16): no ``min_new_tokens``; EOS is forced at the lengths ``bench_rl_step.py
+--lengths spread`` uses (``spread_lengths.ForcedEosProcessor`` handed to each ``generate`` call), and
+tokens per step count the real completions.
+
 Needs ``trl`` and ``datasets`` (carried as wheels to the GPU box, see run_all.sh).
 
     python benchmarks/bench_trl_grpo.py --out $OUT/trl_grpo.json
@@ -106,7 +110,8 @@ def run(a: argparse.Namespace) -> dict:
         num_iterations=1,
         num_generations=a.n,
         max_completion_length=a.response_len,
-        generation_kwargs={"min_new_tokens": a.response_len},  # EOS never sampled: fixed work per step
+        # fixed: EOS never sampled, fixed work per step; spread: EOS forced by force_lengths below
+        generation_kwargs={"min_new_tokens": a.response_len} if a.lengths == "fixed" else None,
         temperature=1.0,
         top_p=1.0,
         top_k=0,
@@ -135,6 +140,9 @@ def run(a: argparse.Namespace) -> dict:
         train_dataset=train,
         processing_class=tok,
     )
+    tokens = [seqs * (a.prompt_len + a.response_len)] * (a.steps + 1)
+    if a.lengths == "spread":
+        tokens = force_lengths(trainer, a, tok.eos_token_id, world)
     phases, rows, logs = Phases(), [], []
     trainer._generate = phases.wrap("gen", trainer._generate)
     trainer._generate_and_score_completions = phases.wrap("rollout", trainer._generate_and_score_completions)
@@ -147,6 +155,7 @@ def run(a: argparse.Namespace) -> dict:
             "micro_batch_per_gpu": a.micro,
             "gradient_accumulation_steps": accum,
             "kl_coef": a.kl_coef,
+            "lengths": a.lengths,
             "model": f"{a.shape} shape, random {'fp32' if a.shape == 'tiny' else 'bf16'}",
             "gradient_checkpointing": a.gradient_checkpointing,
         },
@@ -156,7 +165,7 @@ def run(a: argparse.Namespace) -> dict:
             "transformers": transformers.__version__,
         },
         "world_size": world,
-        "tokens_per_step": seqs * (a.prompt_len + a.response_len),
+        "tokens_per_step": tokens[: a.steps],
     }
     save = partial(write_report, a.out, meta, rows, logs) if int(os.environ.get("RANK", "0")) == 0 else None
     trainer.add_callback(step_timer(phases, rows, save))  # a result after every step: a timeout keeps them
@@ -167,14 +176,37 @@ def run(a: argparse.Namespace) -> dict:
     return report(meta, rows, logs)
 
 
+def force_lengths(trainer, a: argparse.Namespace, eos: int, world: int) -> list[int]:
+    """Make every ``generate`` call of ``trainer`` stop its rows at the spread lengths (call k: step k's
+    prompts x n, this process's share); returns the real prompt + completion tokens of each step."""
+    from spread_lengths import ForcedEosProcessor, length_table
+    from transformers import LogitsProcessorList
+
+    table = length_table(a.steps + 1, a.prompts, a.n, a.response_len)
+    rank = int(os.environ.get("RANK", "0"))
+    seqs = a.prompts * a.n
+    mine = table.view(a.steps + 1, world, seqs // world)[:, rank].reshape(-1)  # this process's rows
+    proc = ForcedEosProcessor(mine, eos)
+    model = trainer.model
+    generate = model.generate
+
+    def forced_generate(*args, **kwargs):
+        proc.new_call(kwargs.get("input_ids", args[0] if args else None))
+        return generate(*args, **kwargs, logits_processor=LogitsProcessorList([proc]))
+
+    model.generate = forced_generate
+    per_step = table.view(a.steps + 1, seqs).sum(1) + seqs * a.prompt_len
+    return [int(x) for x in per_step]
+
+
 def report(meta: dict, rows: list[dict], logs: list[dict]) -> dict:
     """Per-step rows with the phase split, and medians over the steps after the first."""
     import torch
 
-    for r in rows:
+    for i, r in enumerate(rows):
         gen, rollout = r["phases"].get("gen", 0.0), r["phases"].get("rollout", 0.0)
         r["timing_s"] = {"gen": gen, "score_and_logprobs": rollout - gen, "update": r["step_s"] - rollout}
-        r["tok_per_s_per_gpu"] = meta["tokens_per_step"] / r["step_s"] / meta["world_size"]
+        r["tok_per_s_per_gpu"] = meta["tokens_per_step"][i] / r["step_s"] / meta["world_size"]
     timed = rows[1:] or rows
     lengths = [entry[k] for entry in logs for k in entry if k.endswith("completions/mean_length")]
     return meta | {
@@ -222,6 +254,8 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--tiny", action="store_true", help="= --shape tiny: CPU smoke")
     p.add_argument("--gradient-checkpointing", action="store_true", help="GRPOConfig.gradient_checkpointing")
+    p.add_argument("--lengths", choices=["fixed", "spread"], default="fixed",
+                   help="fixed: min_new_tokens = the cap; spread: EOS forced at bench_rl_step's spread lengths")  # fmt: skip
     p.add_argument("--model-dir", default=None)
     p.add_argument("--output-dir", default="/tmp/bench_trl_grpo")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_trl_grpo.json"))

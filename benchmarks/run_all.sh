@@ -49,6 +49,10 @@ part update_mfu 150 python3 benchmarks/bench_update_mfu.py --dynamic-tokens "${M
 part ppo_memory 150 python3 benchmarks/bench_rl_step.py --algo ppo --steps 2 --micro "${PPO_MICRO:-8}" "${P[@]}" \
   --out "$OUT/rl_ppo.json"
 part decode 150 python3 benchmarks/bench_decode.py "${D[@]}" --out "$OUT/bench_decode.json"
+# issue 16: the spread-length workload (EOS at fixed-seed log-normal lengths, the same for TRL), packed micro-batches
+part grpo_spread_ours 200 "${OURS[@]}" benchmarks/bench_rl_step.py --algo grpo --lengths spread --steps "$STEPS" "${G[@]}" \
+  --out "$OUT/rl_grpo_spread.json" actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu="${GRPO_TOKENS:-24576}" actor.pack_sequences=true
+part grpo_spread_trl 200 "${TRL[@]}" benchmarks/bench_trl_grpo.py --lengths spread --steps "$TRL_STEPS" "${T[@]}" --out "$OUT/trl_grpo_spread.json"
 
 export RUN_ALL_COMMAND="NGPU=$NGPU STEPS=$STEPS TRL_STEPS=$TRL_STEPS BUDGET_S=$BUDGET_S bash benchmarks/run_all.sh"
 python3 - "$OUT" "$NGPU" <<'EOF' 2>&1 | tee -a "$LOG"
@@ -85,6 +89,13 @@ elif ours:
     o = ours["median_after_warmup"]
     row("GRPO step, tok/s/GPU (s/step)", f"{o['tok_per_s_per_gpu']:.0f} ({o['step_s']:.2f} s)", "TRL: no result",
         ">= 3x TRL (~72k)", "yes" if o["tok_per_s_per_gpu"] >= 72000 else f"no: {o['tok_per_s_per_gpu'] / 72000:.0%} of 72k", "")
+spread, spread_trl = load("rl_grpo_spread.json"), load("trl_grpo_spread.json")
+if spread:
+    o = spread["median_after_warmup"]
+    x = spread_trl["median_after_warmup"]["step_s"] / o["step_s"] if spread_trl else None
+    row("GRPO step, spread lengths (packed), s", f"{o['step_s']:.2f} (pad {o['update_pad_frac']:.3f})",
+        f"TRL {spread_trl['median_after_warmup']['step_s']:.2f}" if spread_trl else "TRL: no result", "",
+        "", f"{x:.2f}x TRL, {o['step_over_roofline']:.2f}x roofline" if x else f"{o['step_over_roofline']:.2f}x roofline")
 if ours:
     row("actor update MFU inside the GRPO step", f"{ours['median_after_warmup']['actor_update_mfu']:.3f}", "", ">= 0.45", "", "")
 if mfu:
@@ -107,6 +118,7 @@ versions = {p: ver(p) for p in ("torch", "transformers", "megatron-core", "trl",
 result = {"date": date, "gpu": gpu, "ngpu": ngpu, "versions": versions,
           "command": os.environ["RUN_ALL_COMMAND"], "git_commit": os.environ.get("GIT_COMMIT"),
           "summary": summary, "grpo_ours": ours, "grpo_trl": trl, "update_mfu": mfu, "ppo_memory": ppo, "decode": dec}
+result |= {"grpo_spread_ours": spread, "grpo_spread_trl": spread_trl}
 json.dump(result, open(os.path.join(out, f"{date}-{tag}.json"), "w"), indent=2)
 table = [f"{gpu} x{ngpu}, {date}; " + ", ".join(f"{k} {v}" for k, v in versions.items()), "",
          "| metric | ours | baseline | target | met | ratio |", "| --- | --- | --- | --- | --- | --- |", *rows]

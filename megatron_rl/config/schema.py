@@ -305,6 +305,11 @@ class ActorConfig(RecomputeKeys):
         "With use_dynamic_bsz: padded tokens per micro-batch (>= max_prompt_length + max_new_tokens); auto = "
         "the largest the memory model fits on the GPU (see trainer.gpu_memory_gb).",
     )
+    pack_sequences: bool = doc(
+        False,
+        "Run each micro-batch's sequences end to end in one row (THD, attention kept inside each sequence): "
+        "no padded tokens; with use_dynamic_bsz the token budget then counts real tokens.",
+    )
     ppo_epochs: int = doc(1, "Passes over each rollout batch.")
     policy_loss: str = doc(
         "vanilla",
@@ -352,6 +357,7 @@ class CriticConfig(RecomputeKeys):
     ppo_max_token_len_per_gpu: Any = doc(
         16384, "With use_dynamic_bsz: padded tokens per critic micro-batch; auto as for the actor."
     )
+    pack_sequences: bool = doc(False, "Critic micro-batches packed (as actor.pack_sequences).")
     ppo_epochs: int = doc(1, "Critic passes over each rollout batch.")
     cliprange_value: float = doc(0.5, "Value clipping range around the old values.")
     loss_agg_mode: str = doc("token-mean", "Aggregation of the value loss (as actor.loss_agg_mode).")

@@ -1,7 +1,8 @@
 """The fused kernels our megatron-core model configs turn on without transformer-engine or apex.
 
-- RoPE: with ``apply_rope_fusion`` megatron-core calls ``rope_utils.fused_apply_rotary_pos_emb``, a slot
-  it fills from TE; without TE the slot is empty and we fill it with ``kernels.rope``.
+- RoPE: with ``apply_rope_fusion`` megatron-core calls ``rope_utils.fused_apply_rotary_pos_emb`` (and
+  ``fused_apply_rotary_pos_emb_thd`` for packed sequences), slots it fills from TE; without TE they are
+  empty and we fill them with ``kernels.rope``.
 - SwiGLU: with ``use_te_activation_func`` (megatron-core's name; no TE involved) its MLP hands the whole
   fc1 output to the spec's activation module, ``kernels.swiglu.SwiGLU`` (wired in ``models.spec``).
   megatron-core's own ``bias_activation_fusion`` SwiGLU is ``torch.compile`` with default settings: once
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.kernels.compile import probe
-from megatron_rl.kernels.rope import compiled_rope, fused_apply_rotary_pos_emb
+from megatron_rl.kernels.rope import compiled_rope, fused_apply_rotary_pos_emb, fused_apply_rotary_pos_emb_thd
 from megatron_rl.kernels.swiglu import swiglu
 
 
@@ -40,4 +41,6 @@ def fusion_flags(device: torch.device | str, te_layers: bool) -> dict[str, bool]
 
     if rope_utils.fused_apply_rotary_pos_emb is None:
         rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb
+    if rope_utils.fused_apply_rotary_pos_emb_thd is None:  # packed sequences (rollout.packing)
+        rope_utils.fused_apply_rotary_pos_emb_thd = fused_apply_rotary_pos_emb_thd
     return {"apply_rope_fusion": True, "use_te_activation_func": True}

@@ -43,3 +43,22 @@ def fused_apply_rotary_pos_emb(t: Tensor, freqs: Tensor, interleaved: bool = Fal
 
         return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
     return compiled_rope(t, freqs)
+
+
+def fused_apply_rotary_pos_emb_thd(
+    t: Tensor, cu_seqlens: Tensor, freqs: Tensor, cp_size: int = 1, cp_rank: int = 0
+) -> Tensor:
+    """megatron-core's THD fused-RoPE slot: t [S, H, D] packed sequences (segment starts ``cu_seqlens``
+    [N + 1]), freqs [max_len, 1, 1, D_rot] -> t rotated with positions restarting at 0 in every segment."""
+    if cp_size != 1:
+        raise NotImplementedError("packed sequences with context parallelism: RoPE positions per CP rank")
+    s, h, d = t.shape
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [N]
+    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=s)  # [S]
+    positions = torch.arange(s, device=t.device) - starts  # [S] position inside its own segment
+    per_row = freqs[positions].reshape(s, 1, -1)  # [S, 1, D_rot]
+    if per_row.shape[-1] != d:  # partial rotary: megatron-core's unfused path
+        from megatron.core.models.common.embeddings import rope_utils
+
+        return rope_utils._apply_rotary_pos_emb_bshd(t[:, None], per_row[:, None]).squeeze(1)
+    return _ROWS(t, per_row)

@@ -25,6 +25,8 @@ ROLLOUT_TRUNCATED_MISMATCH_FRAC = "rollout/truncated_logprob_mismatch_frac"
 PERF_THROUGHPUT = "perf/throughput"
 PERF_MFU = "perf/mfu"
 PERF_MAX_MEMORY_ALLOCATED_GB = "perf/max_memory_allocated_gb"
+PERF_UPDATE_PAD_FRAC = "perf/update_pad_frac"
+PERF_CRITIC_UPDATE_PAD_FRAC = "perf/critic_update_pad_frac"
 VAL_SCORE_MEAN = "val/score/mean"
 
 TIMING_PREFIX = "timing_s/"
@@ -62,6 +64,8 @@ STANDARD_METRICS: dict[str, str] = {
     PERF_THROUGHPUT: "tokens (prompt + response) processed per second per GPU over the step",
     PERF_MFU: "model FLOPs utilisation of the update phase",
     PERF_MAX_MEMORY_ALLOCATED_GB: "peak allocated accelerator memory during the step, GiB",
+    PERF_UPDATE_PAD_FRAC: "padded tokens / all tokens the actor update ran over (0 with packed sequences)",
+    PERF_CRITIC_UPDATE_PAD_FRAC: "the same for the critic update",
     VAL_SCORE_MEAN: "mean score on the validation set",
     **{timing_key(p): f"seconds spent in phase '{p}' this step" for p in TIMING_PHASES},
 }

@@ -19,6 +19,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_rl.models.head import set_head_positions
 from megatron_rl.models.weights import unwrap
+from megatron_rl.rollout.packing import PackedLayout, pad_layout, unpack
 
 
 class MicroBatch(Protocol):
@@ -26,6 +27,7 @@ class MicroBatch(Protocol):
 
     input_ids: torch.Tensor  # [B, T] right-padded
     score_pos: torch.Tensor  # [B, R] positions whose logits score the response tokens
+    packed: PackedLayout | None  # the THD layout the model runs on instead of the rows, or None
 
     @property
     def seq_len(self) -> int: ...
@@ -54,6 +56,22 @@ def head_on_response(model: torch.nn.Module, mb: MicroBatch) -> bool:
     return not unwrap(model).config.sequence_parallel and mb.score_pos.shape[1] < mb.seq_len
 
 
+def model_shape(mb: MicroBatch) -> tuple[int, int]:
+    """(rows, tokens per row) the model and the pipeline's activations see: [1, S] packed, else [B, T]."""
+    return (1, mb.packed.total) if mb.packed is not None else (len(mb), mb.seq_len)
+
+
+def _forward(model_chunk, mb: MicroBatch, at_response: bool):
+    """One micro-batch through the model: its rows, or its packed row with the THD layout (the response
+    scoring positions then index the packed row)."""
+    lay = mb.packed
+    if at_response:
+        set_head_positions(model_chunk, mb.score_pos if lay is None else lay.score_pos)
+    if lay is None:
+        return model_chunk(mb.input_ids, _positions(mb.input_ids), attention_mask=None)
+    return model_chunk(lay.input_ids, lay.positions, attention_mask=None, packed_seq_params=lay.seq_params())
+
+
 def run_micro_batches(
     model: torch.nn.Module,
     micro_batches: list[MicroBatch],
@@ -71,31 +89,46 @@ def run_micro_batches(
     config = unwrap(model).config
     if config.sequence_parallel:  # the sequence is split over TP ranks: lengths must divide evenly
         tp = ps.get_tensor_model_parallel_world_size()
+        for mb in micro_batches:
+            if mb.packed is not None:
+                mb.packed = pad_layout(mb.packed, tp)
         micro_batches = [pad_to_length(mb, -(-mb.seq_len // tp) * tp, pad_id=0) for mb in micro_batches]
     # micro-batches of different shapes (dynamic batch size): stages exchange each activation's shape
-    config.variable_seq_lengths = len({(len(mb), mb.seq_len) for mb in micro_batches}) > 1
+    config.variable_seq_lengths = len({model_shape(mb) for mb in micro_batches}) > 1
 
     def forward_step(data_iterator, model_chunk):
         mb = next(data_iterator)
         at_response = response_logits and head_on_response(model_chunk, mb)
-        if at_response:
-            set_head_positions(model_chunk, mb.score_pos)
-        out = model_chunk(mb.input_ids, _positions(mb.input_ids), attention_mask=None)
-        if response_logits and unwrap(model_chunk).post_process:
-            r = mb.score_pos.shape[1]  # [1, B*R, V/tp] from the response-only head, else [B, T, V/tp]
-            out = out.view(len(mb), r, -1) if at_response else gather_positions(out, mb.score_pos)
+        out = _forward(model_chunk, mb, at_response)
+        if unwrap(model_chunk).post_process:
+            out = _loss_frame(out, mb, response_logits, at_response)
         return out, partial(_scaled, loss_fn, mb, n)
 
     config.pipeline_dtype = next(model.parameters()).dtype
+    rows, tokens = model_shape(micro_batches[0])
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iter(micro_batches),
         model=model,
         num_microbatches=n,
-        seq_length=micro_batches[0].seq_len,
-        micro_batch_size=len(micro_batches[0]),
+        seq_length=tokens,
+        micro_batch_size=rows,
         forward_only=forward_only,
     )
+
+
+def _loss_frame(out: torch.Tensor, mb: MicroBatch, response_logits: bool, at_response: bool) -> torch.Tensor:
+    """The last stage's output in the frame the loss functions read: logits [B, R, V/tp] at the response
+    positions (``response_logits``), else per-row outputs [B, T, ...] (a packed row unpacked)."""
+    lay = mb.packed
+    if response_logits:
+        r = mb.score_pos.shape[1]  # [1, B*R, V/tp] from the response-only head, else [B|1, T|S, V/tp]
+        if at_response:
+            return out.view(len(mb), r, -1)
+        if lay is None:
+            return gather_positions(out, mb.score_pos)
+        return gather_positions(out, lay.score_pos.reshape(1, -1)).view(len(mb), r, -1)  # [B, R, V/tp]
+    return out if lay is None else unpack(out, lay, mb.seq_len)  # [B, T, ...]
 
 
 def _scaled(loss_fn: LossFn, mb: MicroBatch, n: int, output: torch.Tensor):

@@ -18,6 +18,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_rl.config.schema import LoRAConfig
 from megatron_rl.kernels.swiglu import SwiGLU
 from megatron_rl.models.lora import apply_to_layer_spec
+from megatron_rl.models.packed_attention import packed_attention
 
 try:  # guarded: TE is a GPU-only extra
     import transformer_engine  # noqa: F401
@@ -60,9 +61,13 @@ class SDPACoreAttention(MegatronModule):
         packed_seq_params=None,
     ):
         """query [T, B, H/tp, D], key/value [T, B, G/tp, D]; attention_mask None (plain causal) or bool
-        broadcastable to [B, 1, T, T] with True = masked (megatron convention). Returns [T, B, H/tp*D]."""
+        broadcastable to [B, 1, T, T] with True = masked (megatron convention). Returns [T, B, H/tp*D].
+        Packed sequences (``packed_seq_params``, THD): query [S, H/tp, D], key/value [S, G/tp, D] ->
+        [S, H/tp, D], causal inside each sequence (``models.packed_attention``)."""
         if packed_seq_params is not None:
-            raise NotImplementedError("SDPACoreAttention does not support packed sequences (THD layout)")
+            p = packed_seq_params
+            return packed_attention(query, key, value, p.cu_seqlens_q, p.max_seqlen_q, self.softmax_scale,
+                                    self.window)  # fmt: skip
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads, T, D]
         mask = self._keep_mask(attention_mask, q.shape[2], q.device)
         out = F.scaled_dot_product_attention(

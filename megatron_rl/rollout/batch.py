@@ -47,6 +47,7 @@ class RolloutBatch:
     turns: torch.Tensor | None = None
     tool_reward: torch.Tensor | None = None
     tool_counts: torch.Tensor | None = None
+    packed: Any = None  # a packed micro-batch's rollout.packing.PackedLayout; None: padded rows
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -66,9 +67,18 @@ class RolloutBatch:
                 out[f.name] = value[index.to(value.device)]
             elif isinstance(value, list) and value:
                 out[f.name] = [value[i] for i in idx_list]
+            elif f.name == "packed":
+                out[f.name] = None  # a layout describes its own rows only: select, then pack
             else:
                 out[f.name] = value
         return RolloutBatch(**out)
+
+
+# the per-token fields in the response-aligned [B, R] frame
+RESPONSE_FRAME = tuple(
+    "responses response_mask score_pos rollout_log_probs old_log_probs ref_log_probs values token_level_scores "
+    "token_level_rewards advantages returns rollout_is_weights".split()
+)
 
 
 def build_batch(
@@ -134,28 +144,79 @@ def split_micro_batches(batch: RolloutBatch, micro_size: int) -> list[RolloutBat
 
 
 def trim(batch: RolloutBatch) -> RolloutBatch:
-    """Drop the padding columns past the longest sequence of ``batch`` (positions past it are clamped)."""
+    """Drop the padding columns past the longest sequence of ``batch`` (positions past it are clamped),
+    and the response-frame columns [B, R] past its longest response: the LM head then scores
+    B x (that length) positions, not B x R (callers pad per-row outputs back to R, ``pad_response``)."""
     t = int((batch.prompt_lens + batch.response_lens).max())
     if t < batch.seq_len:
         batch.input_ids = batch.input_ids[:, :t]
         batch.score_pos = batch.score_pos.clamp(max=t - 1)
+    r, r_mb = batch.responses.shape[1], max(1, int(batch.response_lens.max()))
+    if r_mb < r:
+        for name in RESPONSE_FRAME:
+            value = getattr(batch, name)
+            if value is not None:
+                setattr(batch, name, value[:, :r_mb])
     return batch
 
 
-def split_by_tokens(batch: RolloutBatch, max_tokens: int) -> tuple[list[RolloutBatch], list[int]]:
-    """Dynamic batch size: micro-batches of similar-length sequences holding at most ``max_tokens``
-    padded tokens each (sequences x the longest of them), each trimmed to its own longest sequence.
+def pad_response(out: torch.Tensor, r: int) -> torch.Tensor:
+    """A per-row output [B, r_mb] of a trimmed micro-batch -> [B, r] (zeros past r_mb)."""
+    return torch.nn.functional.pad(out, (0, r - out.shape[1])) if out.shape[1] < r else out
 
-    Longest first, greedily filled, so padding is small and few, large micro-batches run. Returns the
-    micro-batches and ``order``: micro-batch rows, concatenated, are ``batch`` rows ``order``. A single
-    sequence longer than ``max_tokens`` gets a micro-batch of its own (the config check prevents it).
-    """
-    lengths = (batch.prompt_lens + batch.response_lens).tolist()
-    order = sorted(range(len(batch)), key=lambda i: (-lengths[i], i))
+
+def token_budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Dynamic batch size, padded rows: indices of ``lengths`` grouped longest first, each group filled
+    greedily while (its size + 1) x its longest (the first) fits ``max_tokens``. A single sequence longer
+    than ``max_tokens`` gets a group of its own (the config check prevents it)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     groups: list[list[int]] = []
     for i in order:
         if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
             groups[-1].append(i)
         else:
             groups.append([i])
+    return groups
+
+
+def packed_groups(
+    lengths: list[int], max_tokens: int, responses: list[int] | None = None, max_scored: int | None = None
+) -> list[list[int]]:
+    """Dynamic batch size, packed sequences: as ``token_budget_groups`` but a group holds sequences whose
+    lengths sum to at most ``max_tokens`` (no padding to count), longest first. ``max_scored``: also at
+    most that many LM-head rows (group size x its longest of ``responses``), the bound the padded split
+    keeps and the memory model assumes."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    total = longest = 0
+    for i in order:
+        r = responses[i] if responses is not None else 0
+        fits = groups and total + lengths[i] <= max_tokens
+        if fits and max_scored is not None:
+            fits = (len(groups[-1]) + 1) * max(longest, r) <= max_scored
+        if fits:
+            groups[-1].append(i)
+            total, longest = total + lengths[i], max(longest, r)
+        else:
+            groups.append([i])
+            total, longest = lengths[i], r
+    return groups
+
+
+def padded_fraction(lengths: list[int], groups: list[list[int]], packed: bool = False) -> float:
+    """Padded tokens / all tokens the model runs over for micro-batches ``groups`` of sequences of
+    ``lengths``: padded rows run size x longest tokens per group; packed ones exactly their lengths."""
+    real = sum(lengths[i] for g in groups for i in g)
+    run = real if packed else sum(len(g) * max(lengths[i] for i in g) for g in groups)
+    return 1.0 - real / run if run else 0.0
+
+
+def split_by_tokens(batch: RolloutBatch, max_tokens: int) -> tuple[list[RolloutBatch], list[int]]:
+    """Dynamic batch size: micro-batches of similar-length sequences holding at most ``max_tokens``
+    padded tokens each (``token_budget_groups``), each trimmed to its own longest sequence.
+
+    Longest first, greedily filled, so padding is small and few, large micro-batches run. Returns the
+    micro-batches and ``order``: micro-batch rows, concatenated, are ``batch`` rows ``order``.
+    """
+    groups = token_budget_groups((batch.prompt_lens + batch.response_lens).tolist(), max_tokens)
     return [trim(batch.select(g)) for g in groups], [i for g in groups for i in g]

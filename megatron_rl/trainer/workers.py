@@ -27,10 +27,12 @@ from megatron_rl.algos import (
 from megatron_rl.algos.rollout_correction import rollout_gap_metrics
 from megatron_rl.config.schema import ActorConfig, CriticConfig
 from megatron_rl.kernels import batch_invariant as bi
+from megatron_rl.logging.metric_names import PERF_CRITIC_UPDATE_PAD_FRAC, PERF_UPDATE_PAD_FRAC
 from megatron_rl.models.lora import adapters_disabled
 from megatron_rl.models.pipeline import broadcast_from_last_stage, gather_positions, run_micro_batches
 from megatron_rl.optim import build_optimizer
-from megatron_rl.rollout.batch import RolloutBatch, split_by_tokens, split_micro_batches
+from megatron_rl.rollout.batch import RolloutBatch, pad_response, split_by_tokens, split_micro_batches, trim
+from megatron_rl.rollout.packing import pack, split_packed, token_counts
 from megatron_rl.rollout.sampling import truncated_token_logprobs
 
 
@@ -90,6 +92,16 @@ def _reduce_update_metrics(per_micro: list[dict], num_optimizer_steps: int) -> d
     return {k: float(v) for k, v in reduced.items()}
 
 
+def _pad_fraction(counts: list[int], device) -> float:
+    """Padded / all tokens the update ran over, summed over this DP group's ranks."""
+    t = torch.tensor(counts, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, group=ps.get_data_parallel_group())
+    return float(1 - t[0] / t[1]) if t[1] > 0 else 0.0
+
+
+PAD_FRAC = {"actor": PERF_UPDATE_PAD_FRAC, "critic": PERF_CRITIC_UPDATE_PAD_FRAC}
+
+
 class NonFiniteUpdate(RuntimeError):
     """A loss or gradient norm was NaN/Inf; the message names the phase (and, via ``at_step``, the step)."""
 
@@ -138,17 +150,22 @@ class _TrainedModel:
     def _split(self, batch: RolloutBatch) -> tuple[list[RolloutBatch], list[int] | None]:
         """Micro-batches: ``ppo_micro_batch_size_per_gpu`` sequences each, or with ``use_dynamic_bsz``
         up to ``ppo_max_token_len_per_gpu`` padded tokens of similar-length sequences (then also the row
-        order they hold)."""
-        if self.cfg.use_dynamic_bsz:
-            return split_by_tokens(batch, self.cfg.ppo_max_token_len_per_gpu)
-        return split_micro_batches(batch, self.cfg.ppo_micro_batch_size_per_gpu), None
+        order they hold). ``pack_sequences``: each micro-batch runs packed (``rollout.packing``), and the
+        token budget counts real tokens."""
+        cfg = self.cfg
+        if cfg.use_dynamic_bsz:
+            split = split_packed if cfg.pack_sequences else split_by_tokens
+            return split(batch, cfg.ppo_max_token_len_per_gpu)
+        mbs = split_micro_batches(batch, cfg.ppo_micro_batch_size_per_gpu)
+        return ([pack(trim(mb)) for mb in mbs] if cfg.pack_sequences else mbs), None
 
     def _forward_only(self, batch: RolloutBatch, loss_fn, key: str) -> torch.Tensor:
         """``loss_fn``'s per-row output ``key`` [B, R] for the whole batch, in batch order, on every rank."""
         mbs, order = self._split(batch)
         with torch.no_grad():
             outs = run_micro_batches(self.model, mbs, loss_fn, True, self.response_logits)
-        out = torch.cat([o[key] for o in outs]).float().cpu() if outs else None
+        r = batch.responses.shape[1]  # micro-batches are trimmed to their longest response
+        out = torch.cat([pad_response(o[key], r) for o in outs]).float().cpu() if outs else None
         out = broadcast_from_last_stage(out)
         if order is not None:
             out = out[torch.argsort(torch.tensor(order))]
@@ -156,17 +173,19 @@ class _TrainedModel:
 
     def _update(self, batch: RolloutBatch, loss_fn, mini_seqs: int, prefix: str) -> dict[str, float]:
         self.model.train()
-        per_micro, steps, step_info = [], 0, []
+        per_micro, steps, step_info, counts = [], 0, [], [0, 0]
         for _ in range(self.cfg.ppo_epochs):
             for start in range(0, len(batch), mini_seqs):
                 mbs, _ = self._split(batch.select(range(start, start + mini_seqs)))
                 denom = global_loss_denominators([m.response_mask for m in mbs], ps.get_data_parallel_group())
                 loss = partial(loss_fn, denom)
                 per_micro += run_micro_batches(self.model, mbs, loss, False, self.response_logits)
+                counts = [a + b for a, b in zip(counts, token_counts(mbs))]  # as run (SP padding included)
                 step_info.append(self.opt.step())
                 steps += 1
         metrics = broadcast_from_last_stage(_reduce_update_metrics(per_micro, steps))
         out = {f"{prefix}/{k}": v for k, v in metrics.items()}
+        out[PAD_FRAC[prefix]] = _pad_fraction(counts, batch.response_mask.device)
         out |= check_finite(step_info, metrics, prefix, self.skip_nonfinite)
         out[f"{prefix}/grad_norm"] = float(sum(float(s["grad_norm"]) for s in step_info) / steps)
         out[f"{prefix}/lr"] = float(step_info[-1]["lr"])

@@ -1,0 +1,106 @@
+"""Packed micro-batches (THD layout): a micro-batch's sequences laid end to end in one row, so the model
+runs over their real tokens only (``actor.pack_sequences`` / ``critic.pack_sequences``).
+
+The model sees ``input_ids`` [1, S] (S = the lengths' sum, plus a padding segment to a multiple of TP with
+sequence parallelism), positions that restart at 0 in every sequence, and megatron-core's
+``PackedSeqParams`` (``qkv_format="thd"``, ``cu_seqlens``): attention stays inside each sequence
+(``models.packed_attention``) and RoPE restarts per sequence (megatron-core's THD rotary path). The loss
+side is unchanged: ``score_pos`` [B, R] points into the packed row, so logits come back as [B, R, V/tp]
+in response order and every per-token tensor of the micro-batch keeps its [B, R] frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rl.rollout.batch import RolloutBatch, packed_groups, trim
+
+
+@dataclass
+class PackedLayout:
+    input_ids: torch.Tensor  # [1, S] the sequences end to end (S includes the padding segment, if any)
+    positions: torch.Tensor  # [1, S] position of each token inside its own sequence
+    cu_seqlens: torch.Tensor  # [B + 1] (or [B + 2] with a padding segment) int32 segment starts
+    max_seqlen: int  # longest segment
+    starts: torch.Tensor  # [B] where sequence b starts in the packed row
+    score_pos: torch.Tensor  # [B, R] packed-row positions whose logits score the response tokens
+
+    @property
+    def total(self) -> int:
+        return self.input_ids.shape[1]
+
+    def seq_params(self):
+        """megatron-core's ``PackedSeqParams`` of this layout (causal self-attention: q and kv the same)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+            max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,
+        )  # fmt: skip
+
+
+def pack_layout(input_ids: torch.Tensor, lengths: torch.Tensor, score_pos: torch.Tensor) -> PackedLayout:
+    """Right-padded rows input_ids [B, T] of ``lengths`` [B] real tokens and their scoring positions
+    score_pos [B, R] -> the packed layout (padding dropped)."""
+    b, t = input_ids.shape
+    dev = input_ids.device
+    lengths = lengths.to(dev)
+    keep = torch.arange(t, device=dev)[None, :] < lengths[:, None]  # [B, T]
+    cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)
+    cu[1:] = torch.cumsum(lengths, 0)
+    starts = cu[:-1].long()  # [B]
+    positions = torch.arange(t, device=dev).expand(b, t)[keep]  # [S] row-major: sequence by sequence
+    return PackedLayout(
+        input_ids=input_ids[keep][None], positions=positions[None], cu_seqlens=cu,
+        max_seqlen=int(lengths.max()), starts=starts,
+        score_pos=(score_pos.to(dev) + starts[:, None]).clamp(max=int(cu[-1]) - 1),  # past an end: masked
+    )  # fmt: skip
+
+
+def pad_layout(layout: PackedLayout, multiple: int, pad_id: int = 0) -> PackedLayout:
+    """Extend the packed row to a multiple of ``multiple`` tokens (sequence parallelism splits it over TP
+    ranks) with a segment of its own, which no real token attends to."""
+    extra = -layout.total % multiple
+    if extra == 0:
+        return layout
+    dev = layout.input_ids.device
+    ids = torch.cat(
+        [layout.input_ids, torch.full((1, extra), pad_id, dtype=layout.input_ids.dtype, device=dev)], 1
+    )
+    pos = torch.cat([layout.positions, torch.arange(extra, device=dev)[None]], 1)
+    cu = torch.cat([layout.cu_seqlens, layout.cu_seqlens[-1:] + extra])
+    return PackedLayout(ids, pos, cu, max(layout.max_seqlen, extra), layout.starts, layout.score_pos)
+
+
+def unpack(out: torch.Tensor, layout: PackedLayout, t: int) -> torch.Tensor:
+    """Model output over the packed row out [1, S, ...] -> right-padded rows [B, t, ...] (positions past a
+    sequence's end hold some other token's value: masked by every consumer, as padding is)."""
+    idx = (layout.starts[:, None] + torch.arange(t, device=out.device)[None, :]).clamp(max=layout.total - 1)
+    return out[0][idx]  # [B, t, ...]
+
+
+def pack(mb: RolloutBatch) -> RolloutBatch:
+    """``mb`` (trimmed rows) with its ``PackedLayout`` attached."""
+    mb.packed = pack_layout(mb.input_ids, mb.prompt_lens + mb.response_lens, mb.score_pos)
+    return mb
+
+
+def token_counts(mbs: list[RolloutBatch]) -> tuple[int, int]:
+    """(real tokens, tokens the model runs over) of micro-batches ``mbs``: padded rows run B x T, a packed
+    row its length (with any padding segment)."""
+    real = sum(int((mb.prompt_lens + mb.response_lens).sum()) for mb in mbs)
+    run = sum(mb.packed.total if mb.packed is not None else len(mb) * mb.seq_len for mb in mbs)
+    return real, run
+
+
+def split_packed(batch: RolloutBatch, max_tokens: int) -> tuple[list[RolloutBatch], list[int]]:
+    """``split_by_tokens`` for packed micro-batches: sequences whose lengths sum to at most ``max_tokens``
+    and whose LM-head rows stay within what the padded split allows (``packed_groups``), each micro-batch carrying its ``PackedLayout`` in ``packed``. Returns the
+    micro-batches and the batch rows they hold, in order."""
+    lengths = batch.prompt_lens + batch.response_lens
+    # LM-head rows (sequences x longest response) no more than padded rows of the longest sequences give
+    max_scored = max(1, max_tokens // batch.seq_len) * batch.responses.shape[1]
+    groups = packed_groups(lengths.tolist(), max_tokens, batch.response_lens.tolist(), max_scored)
+    return [pack(trim(batch.select(g))) for g in groups], [i for g in groups for i in g]

@@ -1,0 +1,107 @@
+"""World 2: packed micro-batches (THD, ``pack_sequences``) give the padded micro-batches' log-probs, losses
+and gradients (float64) at TP=1 (x DP=2) and TP=2: the actor by token budget and by fixed count, the
+reference's forward, and the critic's values and value-loss gradients. Attention inside a packed row
+must not cross sequences and RoPE positions must restart per sequence, or the numbers differ."""
+
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config.schema import ActorConfig, CriticConfig
+from megatron_rl.distributed import init_distributed
+from megatron_rl.models import ModelArgs, build_model, load_hf_weights
+from megatron_rl.models.pipeline import run_micro_batches
+from megatron_rl.trainer.workers import CriticWorker, PolicyWorker
+from tests.distributed.workers.models_tiny import make_tiny_hf
+from tests.distributed.workers.trainer_grads_worker import ragged_batch
+
+PROMPTS, RESPONSES = (2, 5, 3, 4, 2, 3, 6), (4, 2, 4, 1, 3, 2, 4)  # lengths 6 7 7 5 5 5 10, R = 4
+
+
+def _model(path: Path, tp: int, role: str):
+    args = ModelArgs.from_hf_config(path, tp=tp)
+    model = build_model(args, role, torch.float64)
+    load_hf_weights(model, path, args)
+    return model.double(), args
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _same(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys() and a, what
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-10), (what, name, (a[name] - b[name]).abs().max())
+
+
+def policy_parity(path: Path, tp: int) -> None:
+    """Actor: padded rows vs packed rows, by token budget and by fixed count."""
+    init_distributed(tp, 1, seed=0)
+    model, args = _model(path, tp, "actor")
+    batch = ragged_batch(args.vocab_size, PROMPTS, RESPONSES)
+    layouts = {
+        "padded": dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=24),
+        "packed": dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=24, pack_sequences=True),
+        "packed_fixed": dict(ppo_micro_batch_size_per_gpu=7, pack_sequences=True),
+    }
+    results = {}
+    for name, keys in layouts.items():
+        cfg = ActorConfig(entropy_coeff=0.01, **keys)
+        worker = PolicyWorker(model, cfg, 0.7, args.vocab_size, 10, 4, trainable=False)
+        mbs, _ = worker._split(batch)
+        if name != "padded":  # one row per micro-batch, exactly the real tokens
+            assert all(mb.packed is not None and mb.packed.total == int((mb.prompt_lens + mb.response_lens).sum())
+                       for mb in mbs), name  # fmt: skip
+        lp = worker.log_probs(batch) * batch.response_mask
+        model.zero_grad(set_to_none=True)
+        outs = run_micro_batches(model, mbs, partial(worker._loss, (20, 7)), False, True)
+        loss = sum(float(o["pg_loss"]) for o in outs)
+        results[name] = (lp, loss, len(mbs), _grads(model))
+    lp0, loss0, n0, g0 = results["padded"]
+    assert n0 > 1 and loss0 != 0
+    for name in ("packed", "packed_fixed"):
+        lp, loss, _, g = results[name]
+        assert torch.allclose(lp0, lp, atol=1e-12), (tp, name, (lp0 - lp).abs().max())
+        assert abs(loss0 - loss) < 1e-12, (tp, name, loss0, loss)
+        _same(g0, g, f"tp={tp} {name}")
+
+
+def critic_parity(path: Path, tp: int) -> None:
+    """Critic: values and value-loss gradients, padded vs packed."""
+    model, args = _model(path, tp, "critic")
+    batch = ragged_batch(args.vocab_size, PROMPTS, RESPONSES)
+    g = torch.Generator().manual_seed(3)
+    batch.values = torch.randn(batch.response_mask.shape, generator=g, dtype=torch.float64)
+    batch.returns = torch.randn(batch.response_mask.shape, generator=g, dtype=torch.float64)
+    results = []
+    # no optimizer: its hooks would accumulate the float64 gradients in fp32 main_grad buffers
+    worker = CriticWorker.__new__(CriticWorker)
+    worker.model, worker.response_len = model, 4
+    for packed in (False, True):
+        worker.cfg = CriticConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=24, pack_sequences=packed)
+        values = worker.values(batch) * batch.response_mask
+        mbs, _ = worker._split(batch)
+        model.zero_grad(set_to_none=True)
+        outs = run_micro_batches(model, mbs, partial(worker._loss, (20, 7)), False, False)
+        results.append((values, sum(float(o["vf_loss"]) for o in outs), _grads(model)))
+    (v0, l0, g0), (v1, l1, g1) = results
+    assert torch.allclose(v0, v1, atol=1e-12), (tp, (v0 - v1).abs().max())
+    assert abs(l0 - l1) < 1e-12 and l0 != 0, (l0, l1)
+    _same(g0, g1, f"critic tp={tp}")
+
+
+if __name__ == "__main__":
+    root = Path(sys.argv[1])
+    init_distributed(1, 1)
+    if dist.get_rank() == 0:
+        make_tiny_hf("qwen2", root / "qwen2")
+    dist.barrier()
+    for tp in (1, 2):
+        policy_parity(root / "qwen2", tp)
+        critic_parity(root / "qwen2", tp)
+    if dist.get_rank() == 0:
+        print("packing checks passed")
