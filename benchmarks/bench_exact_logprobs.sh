@@ -19,7 +19,7 @@ if [[ ${TINY:-0} == 1 ]]; then
 fi
 LOG="$OUT/exact_logprobs.log"; : > "$LOG"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee -a "$LOG"
-for mode in false true; do
+for mode in ${MODES:-false true}; do  # MODES=true re-runs one mode (the other json kept in $OUT)
   echo "== rollout.exact_logprobs=$mode" | tee -a "$LOG"
   timeout "${CAP_S:-165}" python3 benchmarks/bench_rl_step.py "${W[@]}" --out "$OUT/exact_$mode.json" \
     actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu=auto rollout.max_num_seqs=auto \

@@ -38,7 +38,8 @@ if HAVE_TRITON:
         x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, som, son,
         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        # int64 offsets: a training LM head writes tokens x vocab (e.g. 84480 x 151936) > 2**31 elements
+        pid_m, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
@@ -61,7 +62,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, sx, so, eps, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         live = cols < H
         x = tl.load(x_ptr + row * sx + cols, mask=live, other=0.0).to(tl.float32)
@@ -71,7 +72,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _lse_kernel(x_ptr, max_ptr, lse_ptr, V, sx, temp, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * sx passes 2**31 for a training batch's logits
         base = x_ptr + row * sx
         cols = tl.arange(0, BLOCK)
         run_max = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -92,7 +93,7 @@ if HAVE_TRITON:
         sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, sp_b,
         groups: tl.constexpr, dim: tl.constexpr, block: tl.constexpr, tile: tl.constexpr,
     ):  # fmt: skip
-        pid = tl.program_id(0)
+        pid = tl.program_id(0).to(tl.int64)
         b, g = pid // groups, pid % groups
         r = tl.program_id(1) * tile + tl.arange(0, tile)
         live_r = r < R
