@@ -51,6 +51,7 @@ TARGETS = list(L.TARGETS)
 class MB:
     input_ids: torch.Tensor
     score_pos: torch.Tensor
+    packed: None = None  # rows, not a packed THD row
 
     @property
     def seq_len(self) -> int:
