@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 for mode in ${MODES:-false true}; do  # MODES=true re-runs one mode (the other json kept in $OUT)
   echo "== rollout.exact_logprobs=$mode" | tee -a "$LOG"
   timeout "${CAP_S:-165}" python3 benchmarks/bench_rl_step.py "${W[@]}" --out "$OUT/exact_$mode.json" \
-    actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu=auto rollout.max_num_seqs=auto \
+    actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu=${BUDGET:-auto} rollout.max_num_seqs=auto \
     "rollout.exact_logprobs=$mode" "${X[@]}" 2>&1 | grep -v -i -E 'warn|^\s*$' | tee -a "$LOG" | tail -n 4
   echo "== rc ${PIPESTATUS[0]}" | tee -a "$LOG"
 done
