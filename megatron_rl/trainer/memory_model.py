@@ -102,11 +102,15 @@ def logit_bytes(cfg: JobConfig, a: ModelArgs, dims: ParallelDims, p: int, budget
     trainer's default), at every position with sequence parallelism.
 
     Measured (session 4, one H200): a third pair of bytes per logit, counted before, put the 0.5B update
-    (86 sequences, 44k logit rows) 23% over its peak; with two, every size from 0.5B to 8B is within 3%."""
+    (86 sequences, 44k logit rows) 23% over its peak; with two, every size from 0.5B to 8B is within 3%.
+    ``rollout.exact_logprobs`` holds two more (its Triton LM head's output beside the compiled kernel's
+    copy, and the exact log-softmax's input): measured (session 5, 0.5B, 56k logit rows) 136.0 GiB allocated
+    and 15.9 GiB (one more logits tensor) asked for where two copies planned 119.9 GiB."""
     s = _seq_len(cfg, p)
     b = micro_seqs(cfg, "actor", s, budget)
     rows = b * (s if cfg.parallel.sequence_parallel else cfg.rollout.max_new_tokens)
-    return rows * a.with_tp(dims.tp).padded_vocab_size / dims.tp * 2 * BYTES[cfg.model.dtype]
+    copies = 4 if cfg.rollout.exact_logprobs else 2
+    return rows * a.with_tp(dims.tp).padded_vocab_size / dims.tp * copies * BYTES[cfg.model.dtype]
 
 
 def gen_slots(cfg: JobConfig, dims: ParallelDims, max_num_seqs: int | None = None) -> tuple[int, int]:

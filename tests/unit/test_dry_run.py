@@ -248,3 +248,20 @@ def test_the_memory_model_is_within_5_percent_of_the_measured_peaks(
     peaks = estimate(cfg, ONE, a, 256, {"max_num_seqs": slots})["peaks"]
     assert peaks["actor_update"] / GIB == pytest.approx(update_gib, rel=0.05)
     assert peaks["generation"] / GIB == pytest.approx(gen_gib, rel=0.05)
+
+
+def test_exact_logprobs_counts_its_extra_logits_and_refuses_the_budget_that_ran_out():
+    """Session 5, 0.5B, rollout.exact_logprobs=true at the default path's auto budget (84480 tokens): the
+    update asked for one more 15.9 GiB logits tensor with 136.0 GiB allocated; at 16384 it peaked at
+    37.0 GiB. The plan must refuse the first and keep the second."""
+    cfg, a = grpo(84480, "qwen2.5-0.5b")
+    base = estimate(cfg, ONE, a, 256)["peaks"]["actor_update"]
+    cfg.rollout.exact_logprobs = True
+    exact = estimate(cfg, ONE, a, 256)["peaks"]["actor_update"]
+    assert exact > 0.98 * (136.0 + 15.9) * GIB and exact > H200 > base  # the asked-for total, a lower bound
+    with pytest.raises(ConfigError, match="actor.ppo_max_token_len_per_gpu=84480"):
+        plan(cfg, ONE, a, 256, H200)
+    cfg.actor.ppo_max_token_len_per_gpu = 16384
+    assert estimate(cfg, ONE, a, 256)["peaks"]["actor_update"] / GIB == pytest.approx(37.0, rel=0.15)
+    cfg.actor.ppo_max_token_len_per_gpu = "auto"
+    assert plan(cfg, ONE, a, 256, H200)["chosen"]["actor"] < 84480
