@@ -118,7 +118,7 @@ class RolloutConfig:
         "Batch-invariant kernels (matmul, RMSNorm, attention, log-softmax) in the engine and in the actor/"
         "reference forward, so rollout log-probs equal the training recompute bit for bit "
         "(rollout/logprob_mismatch_frac = 0). Needs TP=1 (parallel and rollout); builds the local layers (not TE); "
-        "no packing or sliding window; multi-turn continuations stay inexact.",
+        "no packing, LoRA, multi-turn or sliding window (refused at start-up).",
     )
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
