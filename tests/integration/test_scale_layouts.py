@@ -14,7 +14,9 @@ COMMON = (
     "actor.ppo_mini_batch_size=8", "trainer.total_training_steps=3", "trainer.test_freq=3",
     "trainer.seed=7",
 )  # fmt: skip
-NOISY = ("timing_s/", "perf/")
+# the mismatch fractions count tokens whose rollout and training log-probs differ in any bit: which ones do
+# depends on each layout's reduction order (rollout/logprob_abs_diff, the size of the gap, is still compared)
+NOISY = ("timing_s/", "perf/", "rollout/logprob_mismatch_frac", "rollout/truncated_logprob_mismatch_frac")
 
 
 def _close(a: dict, b: dict, step: int) -> None:
