@@ -299,11 +299,7 @@ def init_for_conversion(tp: int, pp: int, num_layers: int) -> tuple[int, int]:
 
     rank, world = launch_rank_world()
     if world == 1:
-        tp = pp = 1
-        if "MASTER_PORT" not in os.environ:
-            from torch.distributed.elastic.utils.distributed import get_free_port
-
-            os.environ["MASTER_PORT"] = str(get_free_port())
+        tp = pp = 1  # a lone process picks a free rendezvous port (distributed.runtime.read_launch_env)
     init_distributed(tp, pp, seed=0, num_layers=num_layers)
     return tp, pp
 

@@ -126,11 +126,16 @@ def init_distributed(
         use_cuda = torch.cuda.is_available()
         if use_cuda:
             torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
-        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+        # torchrun/srun: env:// (torchrun's agent store is reused). A lone process passes its address
+        # instead of writing it into os.environ: a port left there by an in-process job (a conversion, a
+        # test) would send every later child process to a port this process still holds.
+        init = "env://" if launch.source != "single" else f"tcp://{launch.master_addr}:{launch.master_port}"
+        if launch.source == "slurm":
+            os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(launch.master_port))
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo",
-            init_method="env://",
+            init_method=init,
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),
