@@ -1,46 +1,66 @@
-"""lora_8b.json (bench_rl_step's record of the LoRA run) -> a Markdown table next to full fine-tuning at the
-same shape and workload (issue 15's 8B run, benchmarks/results/2026-12-01-h200-session4/sizes.md).
+"""lora_8b.json + full_8b.json (bench_rl_step's records of the LoRA and the full fine-tuning run of
+bench_lora_8b.sh, same workload and memory keys) -> one Markdown table: step time, phases, peak allocated
+memory per phase, the peak ratio against issue 22's target (< 0.5). A missing record is reported as such.
 
-Usage: python benchmarks/lora_summary.py lora_8b.json lora_8b.md
+Usage: python benchmarks/lora_summary.py lora_8b.json full_8b.json lora_8b.md
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
-
-# Full fine-tuning, Llama-3.1-8B shape, same workload, one H200 (hybrid CPU optimizer, fraction 0.5)
-FULL_FT = {"step_s": 55.68, "peak_gen_gib": 111.7, "peak_update_gib": 127.0,
-           "source": "benchmarks/results/2026-12-01-h200-session4/sizes.md"}  # fmt: skip
-H200_GB = 141.0
+from pathlib import Path
 
 
-def main(src: str, dst: str) -> None:
-    r = json.load(open(src))
-    med = r["median_after_warmup"]
-    peaks = r.get("peak_allocated_gib_by_phase", {})
-    peak = r.get("peak_allocated_gib", float("nan"))
-    full_peak = max(FULL_FT["peak_gen_gib"], FULL_FT["peak_update_gib"])
+def _load(path: str) -> dict | None:
+    return json.loads(Path(path).read_text()) if Path(path).is_file() else None
+
+
+def _row(name: str, r: dict | None) -> str:
+    if r is None:
+        return f"| {name} | not run (no record: see the log) | | | | |"
+    med, peak = r["median_after_warmup"], r.get("peak_allocated_gib", float("nan"))  # none on CPU
+    fmt = lambda d: ", ".join(f"{k} {v:.1f}" for k, v in d.items())  # noqa: E731
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in med["timing_s"].items())
+    return (
+        f"| {name} | {med['step_s']:.2f} | {phases} | {peak:.1f} | "
+        f"{fmt(r.get('peak_allocated_gib_by_phase', {}))} | {fmt(r['dry_run_gib_by_phase'])} |"
+    )
+
+
+def main(lora_src: str, full_src: str, dst: str) -> None:
+    lora, full = _load(lora_src), _load(full_src)
     lines = [
-        "| run | step s | peak GiB | peak by phase (GiB) | dry run by phase (GiB) |",
-        "| --- | ---: | ---: | --- | --- |",
-        f"| LoRA r=32 all linear | {med['step_s']:.2f} | {peak:.1f} | "
-        + ", ".join(f"{k} {v:.1f}" for k, v in peaks.items())
-        + " | "
-        + ", ".join(f"{k} {v:.1f}" for k, v in r["dry_run_gib_by_phase"].items())
-        + " |",
-        f"| full fine-tuning ({FULL_FT['source']}) | {FULL_FT['step_s']:.2f} | {full_peak:.1f} | "
-        f"generation {FULL_FT['peak_gen_gib']}, actor_update {FULL_FT['peak_update_gib']} | |",
+        "| run | step s | phases (median s) | peak GiB | peak by phase (GiB) | dry run by phase (GiB) |",
+        "| --- | ---: | --- | ---: | --- | --- |",
+        _row("LoRA r=32 all linear", lora),
+        _row("full fine-tuning (hybrid CPU optimizer, fraction 0.5)", full),
         "",
-        f"LoRA peak / full fine-tuning peak: {peak / full_peak:.2f} (target < 0.5); "
-        f"step time ratio LoRA / full: {med['step_s'] / FULL_FT['step_s']:.2f}.",
-        f"Phases (median s): {json.dumps({k: round(v, 2) for k, v in med['timing_s'].items()})}",
-        f"Workload: {json.dumps(r['workload'])}",
-        f"Overrides: {' '.join(r['overrides'])}",
     ]
-    open(dst, "w").write("\n".join(lines) + "\n")
+    if lora and full and "peak_allocated_gib" in lora and "peak_allocated_gib" in full:
+        ratio = lora["peak_allocated_gib"] / full["peak_allocated_gib"]
+        step = lora["median_after_warmup"]["step_s"] / full["median_after_warmup"]["step_s"]
+        verdict = "meets" if ratio < 0.5 else "misses"
+        lines.append(f"LoRA peak / full fine-tuning peak: {ratio:.2f} (target < 0.5: {verdict}); "
+                     f"step time LoRA / full: {step:.2f}.")  # fmt: skip
+        for k in sorted(set(lora["peak_allocated_gib_by_phase"]) & set(full["peak_allocated_gib_by_phase"])):
+            a, b = lora["peak_allocated_gib_by_phase"][k], full["peak_allocated_gib_by_phase"][k]
+            lines.append(f"- {k}: LoRA {a:.1f} / full {b:.1f} GiB = {a / b:.2f}")
+    for name, r in (("LoRA", lora), ("full", full)):
+        if r is not None:
+            lines.append(f"{name}: resolved {json.dumps(r['resolved'])}; build {r['build_s']:.0f} s; "
+                         f"update MFU {r['median_after_warmup']['actor_update_mfu']:.3f}")  # fmt: skip
+    rec = lora or full
+    if rec is not None:
+        lines.append(f"Workload: {json.dumps(rec['workload'])}")
+    lines.append(f"Command: `{os.environ.get('LORA_8B_COMMAND', 'bash benchmarks/bench_lora_8b.sh')}`")
+    for name, r in (("LoRA", lora), ("full", full)):
+        if r is not None:
+            lines.append(f"{name} overrides: {' '.join(r['overrides'])}")
+    Path(dst).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

@@ -33,6 +33,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel as tpl
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import (
+    linear_with_frozen_weight,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -198,10 +202,39 @@ def init_adapters(model: torch.nn.Module, init: str, seed: int = LORA_SEED) -> N
                 mod.lora_B.zero_()
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _fold_frozen_forward_impl(input, weight, *args, **kwargs):
+    """megatron-core's ``_forward_impl`` with contiguous operands for a frozen weight.
+
+    ``torch.matmul([T, B, in], W.t())`` folds into one [T*B, in] GEMM for a non-contiguous operand only
+    when W requires grad (the trainable path copies instead); for a frozen W it runs a bmm of T batches of
+    [B, in] with W broadcast, B = sequences in the micro-batch. Frozen LoRA bases hit it twice on GPU:
+    flash SDPA's output makes linear_proj's input non-contiguous, and GPTModel's [T, B] -> [B, T] logits
+    transpose makes the LM head's input gradient non-contiguous (T batches of [B, V] x [V, h])."""
+    if weight.requires_grad:
+        return linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)
+    return _ContiguousGrad.apply(linear_with_frozen_weight(input.contiguous(), weight, *args, **kwargs))
+
+
 def freeze_base(model: torch.nn.Module, trainable: tuple[str, ...] = ()) -> None:
-    """requires_grad False for every parameter but the adapters (and names ending in ``trainable``)."""
+    """requires_grad False for every parameter but the adapters (and names ending in ``trainable``); the
+    tensor-parallel linear layers run their frozen weights as single GEMMs (``_fold_frozen_forward_impl``)."""
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name) or name.endswith(trainable))
+    for mod in model.modules():
+        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+            mod._forward_impl = _fold_frozen_forward_impl
 
 
 @contextlib.contextmanager

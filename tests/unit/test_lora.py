@@ -155,3 +155,52 @@ def test_resume_refuses_adapters_on_another_base(tmp_path):
         check_base("actor", saved, now, tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match="holds actor LoRA adapters but this run uses full fine-tuning"):
         check_base("actor", saved, None, tmp_path / "ckpt")
+
+
+class _MatmulLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """The (op, shapes) of every mm/bmm dispatched inside the context."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, tuple, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default):
+            self.ops.append((func._overloadpacket.__name__, tuple(args[0].shape), tuple(args[1].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_frozen_base_runs_as_single_gemms_with_unchanged_results():
+    """A frozen weight's matmul with a non-contiguous [T, B, in] operand used to run as a bmm of T batches
+    of [B, in] (torch.matmul folds only when the weight needs grad): linear_proj's forward after flash SDPA
+    (simulated here by a transposed input) and the LM head's input gradient (GPTModel's logits transpose).
+    Every matmul is now one 2D GEMM, with the same outputs and gradients as the plain formula."""
+    from megatron_rl.distributed.runtime import destroy_distributed, init_distributed
+    from megatron_rl.models.builder import build_model
+
+    init_distributed(1, 1, seed=0)
+    try:
+        args = ModelArgs.from_hf_config(tiny_hf_config("llama", vocab_size=256, tie_word_embeddings=False))
+        model = build_model(args, "actor", backend="local", lora=LoRAConfig(rank=4, alpha=8))
+        ids = torch.randint(0, 256, (3, 10), generator=torch.Generator().manual_seed(0))
+        with _MatmulLog() as log:
+            model(ids, torch.arange(10).expand(3, 10), None).logsumexp(-1).mean().backward()
+        assert log.ops and all(op == "mm" for op, _, _ in log.ops), [o for o in log.ops if o[0] != "mm"]
+
+        proj = model.decoder.layers[0].self_attention.linear_proj
+        torch.nn.init.normal_(proj.lora_B, generator=torch.Generator().manual_seed(1))
+        x = torch.randn(3, 10, proj.input_size).transpose(0, 1).requires_grad_()  # [T, B, in], strided
+        with _MatmulLog() as log:
+            out, _ = proj(x)
+            out.square().sum().backward()
+        assert all(op == "mm" for op, _, _ in log.ops), log.ops
+        x_ref = x.detach().clone().requires_grad_()
+        a, b = proj.lora_A.detach().clone().requires_grad_(), proj.lora_B.detach().clone().requires_grad_()
+        ref = x_ref @ proj.weight.t() + proj.lora_scale * (x_ref @ a.t()) @ b.t()
+        ref.square().sum().backward()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(proj.lora_A.grad, a.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(proj.lora_B.grad, b.grad, rtol=1e-5, atol=1e-5)
+    finally:
+        destroy_distributed()
