@@ -187,6 +187,7 @@ def test_frozen_base_runs_as_single_gemms_with_unchanged_results():
             model(ids, torch.arange(10).expand(3, 10), None).logsumexp(-1).mean().backward()
         assert log.ops and all(op == "mm" for op, _, _ in log.ops), [o for o in log.ops if o[0] != "mm"]
 
+        model.zero_grad(set_to_none=True)
         proj = model.decoder.layers[0].self_attention.linear_proj
         torch.nn.init.normal_(proj.lora_B, generator=torch.Generator().manual_seed(1))
         x = torch.randn(3, 10, proj.input_size).transpose(0, 1).requires_grad_()  # [T, B, in], strided
