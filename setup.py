@@ -36,6 +36,7 @@ setup(
         # Flask, pandas...) that the full `mlflow` package pulls in; dev includes it so CI tests the backend
         "dev": [
             "pytest>=8",
+            "pytest-xdist>=3.5",  # the README's test command runs the suite on 2 workers
             "ruff==0.17.6",
             "hydra-submitit-launcher==1.2.0",
             "triton>=3.2",

@@ -339,6 +339,9 @@ def run(a: argparse.Namespace) -> dict:
             "rollout_logprob_abs_diff": metrics.get("rollout/logprob_abs_diff"),
             "rollout_logprob_mismatch_frac": metrics.get("rollout/logprob_mismatch_frac"),
             "update_pad_frac": metrics.get("perf/update_pad_frac"),
+            # actor.share_prompts: the share of row-by-row tokens not run again (the MFU above counts the
+            # FLOPs of every row; the hardware ran 1 - this of them)
+            "update_shared_frac": metrics.get("perf/update_shared_frac"),
             "decode": decode_numbers(c, dims, batch),
             "roofline": roofline(c, dims, counts, batch),
         }
@@ -346,6 +349,7 @@ def run(a: argparse.Namespace) -> dict:
             want = sorted(table[step * a.prompts * a.n : (step + 1) * a.prompts * a.n].tolist())
             row["lengths_as_forced"] = sorted(batch.response_lens.tolist()) == want
         row["step_over_roofline"] = seconds / row["roofline"]["total_s"]
+        row["actor_update_mfu_as_run"] = row["actor_update_mfu"] * (1 - (row["update_shared_frac"] or 0.0))
         steps.append(row)
         if dist.get_rank() == 0:
             print(json.dumps(row), flush=True)
@@ -360,6 +364,8 @@ def run(a: argparse.Namespace) -> dict:
             r["decode"]["fraction_of_hbm_floor"] for r in timed
         ),
         "update_pad_frac": statistics.median(r["update_pad_frac"] or 0.0 for r in timed),
+        "update_shared_frac": statistics.median(r["update_shared_frac"] or 0.0 for r in timed),
+        "actor_update_mfu_as_run": statistics.median(r["actor_update_mfu_as_run"] for r in timed),
         "timing_s": {
             k: statistics.median(r["timing_s"].get(k, 0.0) for r in timed) for k in timed[0]["timing_s"]
         },

@@ -50,6 +50,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 for S in $SIZES; do
   tag=${S//[.-]/_}
   keys=(actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu=auto rollout.max_num_seqs=auto "${X[@]}")
+  read -ra extra <<< "${EXTRA_KEYS:-}"; keys+=("${extra[@]}")  # e.g. EXTRA_KEYS="actor.share_prompts=true"
   case $S in qwen2.5-7b | llama-3.1-8b) read -ra more <<< "$OFFLOAD_KEYS"; keys+=("${more[@]}") ;; esac
   part "ours_$S" "${CAP_OURS:-$(cap_ours "$S")}" python3 benchmarks/bench_rl_step.py --shape "$S" "${W[@]}" \
     --out "$PARTS/ours_$tag.json" "${keys[@]}"
@@ -58,6 +59,6 @@ for S in $SIZES; do
 done
 for S in $TRL_LATE_SIZES; do trl "$S"; done
 ALL=$(printf '%s\n' $SIZES $TRL_LATE_SIZES | sort -u | tr '\n' ' ')
-export RUN_SIZES_COMMAND="SIZES='$SIZES' TRL_SIZES='$TRL_SIZES' TRL_LATE_SIZES='$TRL_LATE_SIZES' STEPS=$STEPS \
+export RUN_SIZES_COMMAND="${EXTRA_KEYS:+EXTRA_KEYS='$EXTRA_KEYS' }SIZES='$SIZES' TRL_SIZES='$TRL_SIZES' TRL_LATE_SIZES='$TRL_LATE_SIZES' STEPS=$STEPS \
 TRL_STEPS=$TRL_STEPS BUDGET_S=$BUDGET_S bash benchmarks/run_sizes.sh"
 python3 benchmarks/sizes_summary.py "$PARTS" "$OUT" "$ALL" 2>&1 | tee -a "$LOG"

@@ -6,6 +6,11 @@ import os
 # when it is first imported. Only tests that set kernels.decode_attention.RUN_ON_CPU use the kernel.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two pytest workers share the cores: one thread each in-process
+    import torch
+
+    torch.set_num_threads(1)
+
 
 import pytest  # noqa: E402
 

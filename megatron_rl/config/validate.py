@@ -117,6 +117,7 @@ def _check_exact_logprobs(cfg: JobConfig) -> None:
         (cfg.actor.lora.enabled, f"actor.lora.rank={cfg.actor.lora.rank}"),
         (cfg.rollout.multi_turn.enable, "rollout.multi_turn.enable=true"),
         (cfg.actor.pack_sequences, "actor.pack_sequences=true"),
+        (cfg.actor.share_prompts, "actor.share_prompts=true"),
     ]
     bad = [name for clash, name in clashes if clash]
     if bad:

@@ -27,6 +27,8 @@ PERF_MFU = "perf/mfu"
 PERF_MAX_MEMORY_ALLOCATED_GB = "perf/max_memory_allocated_gb"
 PERF_UPDATE_PAD_FRAC = "perf/update_pad_frac"
 PERF_CRITIC_UPDATE_PAD_FRAC = "perf/critic_update_pad_frac"
+PERF_UPDATE_SHARED_FRAC = "perf/update_shared_frac"
+PERF_CRITIC_UPDATE_SHARED_FRAC = "perf/critic_update_shared_frac"
 VAL_SCORE_MEAN = "val/score/mean"
 
 TIMING_PREFIX = "timing_s/"
@@ -66,6 +68,8 @@ STANDARD_METRICS: dict[str, str] = {
     PERF_MAX_MEMORY_ALLOCATED_GB: "peak allocated accelerator memory during the step, GiB",
     PERF_UPDATE_PAD_FRAC: "padded tokens / all tokens the actor update ran over (0 with packed sequences)",
     PERF_CRITIC_UPDATE_PAD_FRAC: "the same for the critic update",
+    PERF_UPDATE_SHARED_FRAC: "prompt tokens the actor update did not run again (share_prompts) / all tokens row by row",
+    PERF_CRITIC_UPDATE_SHARED_FRAC: "the same for the critic update",
     VAL_SCORE_MEAN: "mean score on the validation set",
     **{timing_key(p): f"seconds spent in phase '{p}' this step" for p in TIMING_PHASES},
 }

@@ -1,5 +1,7 @@
-"""Logits at chosen positions only: the RL losses read the LM head's output at the response-scoring
-positions, so the prompt's logits (their matmul, their [B, T, V/tp] tensor and its gradient) are skipped."""
+"""Per-micro-batch positions for the model's position-dependent parts, set before its forward: logits at
+chosen positions only (the RL losses read the LM head's output at the response-scoring positions, so the
+prompt's logits, their matmul, their [B, T, V/tp] tensor and its gradient are skipped), and RoPE at each
+packed token's own position."""
 
 from __future__ import annotations
 
@@ -35,3 +37,24 @@ def set_head_positions(model: torch.nn.Module, positions: torch.Tensor) -> None:
         head.register_forward_pre_hook(_head_pre_hook, with_kwargs=True)
         head._head_hook_installed = True
     head._head_positions = positions
+
+
+def _rope_hook(module, args, output):
+    """Forward hook of the rotary module: its table [L, 1, 1, D] for positions 0..L-1 -> the rows of
+    ``module._rope_positions`` [S] (one per packed token). One-shot: cleared on use."""
+    pos = getattr(module, "_rope_positions", None)
+    if pos is None:
+        return None
+    module._rope_positions = None
+    return output.index_select(0, pos)  # [S, 1, 1, D]
+
+
+def set_rope_positions(model: torch.nn.Module, positions: torch.Tensor) -> None:
+    """Make the next forward of ``model`` rotate packed token s by the angle of ``positions[s]`` ([S]): its
+    position inside its own sequence (a shared-prompt response continues from its prompt's length).
+    megatron-core then reads the table as one THD segment (``models.packed_attention.SegmentSeqParams``)."""
+    rope = unwrap(model).rotary_pos_emb
+    if not getattr(rope, "_rope_hook_installed", False):
+        rope.register_forward_hook(_rope_hook)
+        rope._rope_hook_installed = True
+    rope._rope_positions = positions

@@ -11,11 +11,29 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 
-_VARLEN_OK: dict[tuple, bool] = {}  # (device, dtype) -> whether varlen_attn matched the loop there
+_VARLEN_OK: dict[tuple, bool] = {}  # (device, dtype, shared) -> whether varlen_attn matched the loop there
+
+
+@dataclass
+class SegmentSeqParams(PackedSeqParams):
+    """``PackedSeqParams`` of a packed row for our core attention. megatron-core reads only the RoPE fields:
+    they describe the row as ONE segment (``cu_seqlens_q`` [0, S]) whose per-token rotary table the model's
+    rotary module returns at each token's own position (``models.head.set_rope_positions``; megatron-core's
+    per-segment THD RoPE reads every segment's offset with a host sync); ``max_seqlen_q`` sizes that
+    table (the largest position + 1). Our attention reads the real segments: queries ``segments_q``
+    [N + 1], and for shared prompts the key rows ``kv_index`` [Sk] in ``segments_k`` [N + 1]."""
+
+    segments_q: torch.Tensor = None
+    max_q: int = 0
+    kv_index: torch.Tensor | None = None
+    segments_k: torch.Tensor | None = None
+    max_k: int = 0
 
 
 def segment_attention(q, k, v, cu_seqlens: torch.Tensor, scale: float, window: int | None = None):
@@ -45,8 +63,32 @@ def _varlen_kwargs(params, scale: float, d: int) -> tuple[dict, float]:
     return kwargs, scale * d**0.5
 
 
-def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float):
-    """``segment_attention`` through torch's ``varlen_attn`` (CUDA, fp16/bf16)."""
+def shared_segment_attention(q, k, v, cu_q: torch.Tensor, kv_index: torch.Tensor, cu_k: torch.Tensor,
+                             scale: float, window: int | None = None):  # fmt: skip
+    """q [S, H, D], k/v [S, G, D]; query segment i (rows cu_q[i]:cu_q[i+1]) attends to the keys at
+    kv_index[cu_k[i]:cu_k[i+1]], causally aligned at the end (its last query sees every key, its query j
+    the first Lk - Lq + j + 1). Per-segment SDPA: any device, the reference of the varlen path."""
+    out = torch.empty_like(q)
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for a, b, c, d in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
+        idx = kv_index[c:d]
+        qs = q[a:b].transpose(0, 1)[None]  # [1, H, Lq, D]
+        ks, vs = (t.index_select(0, idx).transpose(0, 1)[None] for t in (k, v))  # [1, G, Lk, D]
+        lq, lk = b - a, d - c
+        iq = torch.arange(lq, device=q.device)[:, None] + (lk - lq)  # each query's own key position
+        ik = torch.arange(lk, device=q.device)[None, :]
+        keep = ik <= iq  # [Lq, Lk]
+        if window is not None:
+            keep &= iq - ik <= window
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=keep, enable_gqa=True, scale=scale)
+        out[a:b] = o[0].transpose(0, 1)
+    return out
+
+
+def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
+                     cu_k: torch.Tensor | None = None, max_k: int | None = None):  # fmt: skip
+    """``segment_attention`` through torch's ``varlen_attn`` (CUDA, fp16/bf16); with ``cu_k`` / ``max_k``
+    the key segments differ from the query ones (causal aligned at the end, flash attention's rule)."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
@@ -60,33 +102,43 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
     if q_factor != 1.0:
         q = q * q_factor
     cu = cu_seqlens.to(torch.int32)
-    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+    cu_k = cu if cu_k is None else cu_k.to(torch.int32)
+    return varlen_attn(q, k, v, cu, cu_k, max_seqlen, max_seqlen if max_k is None else max_k, **kwargs)
 
 
-def _trial(device: torch.device, dtype: torch.dtype) -> bool:
-    """varlen_attn on a small GQA input, forward and backward, against the per-segment loop."""
+def _trial(device: torch.device, dtype: torch.dtype, shared: bool) -> bool:
+    """varlen_attn on a small GQA input, forward and backward, against the per-segment loop; ``shared``:
+    with key segments longer than the query ones (a prompt of 5, responses of 3 and 4)."""
     g = torch.Generator(device=device).manual_seed(0)
     shape = dict(device=device, dtype=dtype)
     q = torch.randn(24, 4, 64, generator=g, **shape).requires_grad_()
     k = torch.randn(24, 2, 64, generator=g, **shape).requires_grad_()
     v = torch.randn(24, 2, 64, generator=g, **shape).requires_grad_()
     cu = torch.tensor([0, 5, 17, 24], device=device, dtype=torch.int32)
+    fns = (lambda: varlen_attention(q, k, v, cu, 12, 0.1), lambda: segment_attention(q, k, v, cu, 0.1))
+    if shared:
+        idx = torch.tensor([*range(5), *range(5), 5, 6, 7, *range(5), 8, 9, 10, 11], device=device)
+        cq, ck = (torch.tensor(c, device=device, dtype=torch.int32) for c in ([0, 5, 8, 12], [0, 5, 13, 22]))
+        q12, k12, v12 = q[:12], k[:12], v[:12]
+        fns = (lambda: shared_attention(q12, k12, v12, cq, idx, ck, 5, 9, 0.1, None, varlen=True),
+               lambda: shared_segment_attention(q12, k12, v12, cq, idx, ck, 0.1))  # fmt: skip
     outs = []
-    for fn in (lambda: varlen_attention(q, k, v, cu, 12, 0.1), lambda: segment_attention(q, k, v, cu, 0.1)):
+    for fn in fns:
         o = fn()
         (dq, dk) = torch.autograd.grad(o.float().square().sum(), (q, k))
         outs.append((o.float(), dq.float(), dk.float()))
     return all(torch.allclose(a, b, atol=3e-2, rtol=3e-2) for a, b in zip(*outs))
 
 
-def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``varlen_attention`` runs and matches the loop on ``device`` at ``dtype`` (tried once)."""
-    key = (str(device), dtype)
+def varlen_available(device: torch.device, dtype: torch.dtype, shared: bool = False) -> bool:
+    """Whether ``varlen_attention`` runs and matches the loop on ``device`` at ``dtype`` (tried once; for
+    shared-prompt key segments separately)."""
+    key = (str(device), dtype, shared)
     if key not in _VARLEN_OK:
         ok, why = False, "not a CUDA fp16/bf16 tensor"
         if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
             try:
-                ok = _trial(device, dtype)
+                ok = _trial(device, dtype, shared)
                 why = "its result differs from per-segment SDPA"
             except Exception as exc:  # noqa: BLE001 - any failure: the loop is exact, only slower
                 why = f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -104,6 +156,20 @@ def packed_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
     return segment_attention(q, k, v, cu_seqlens, scale, window)
 
 
+def shared_attention(q, k, v, cu_q, kv_index, cu_k, max_q: int, max_k: int, scale: float, window: int | None,
+                     varlen: bool | None = None):  # fmt: skip
+    """Shared-prompt attention (``SegmentSeqParams`` with ``kv_index``): q [S, H, D], k/v [S, G, D] -> [S, H, D]. On the GPU
+    one varlen call over the gathered key segments (a prompt's keys repeat once per response: G/H of the
+    query bytes, small with GQA; autograd sums their gradients back into the one prompt copy)."""
+    if varlen is None:
+        varlen = window is None and varlen_available(q.device, q.dtype, shared=True)
+    if not varlen:
+        return shared_segment_attention(q, k, v, cu_q, kv_index, cu_k, scale, window)
+    ks, vs = k.index_select(0, kv_index), v.index_select(0, kv_index)  # [Sk, G, D]
+    return varlen_attention(q, ks, vs, cu_q, max_q, scale, cu_k=cu_k, max_k=max_k)
+
+
 def varlen_status() -> dict[str, bool]:
-    """Where ``varlen_attn`` was tried so far and whether it is used there ("cuda:0 torch.bfloat16": True)."""
-    return {f"{dev} {dtype}": ok for (dev, dtype), ok in _VARLEN_OK.items()}
+    """Where ``varlen_attn`` was tried so far and whether it is used there ("cuda:0 torch.bfloat16": True,
+    "... shared" for shared-prompt key segments)."""
+    return {f"{dev} {dtype}{' shared' if sh else ''}": ok for (dev, dtype, sh), ok in _VARLEN_OK.items()}

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_rl.models.head import set_head_positions
+from megatron_rl.models.head import set_head_positions, set_rope_positions
 from megatron_rl.models.weights import unwrap
 from megatron_rl.rollout.packing import PackedLayout, pad_layout, unpack
 
@@ -69,6 +69,7 @@ def _forward(model_chunk, mb: MicroBatch, at_response: bool):
         set_head_positions(model_chunk, mb.score_pos if lay is None else lay.score_pos)
     if lay is None:
         return model_chunk(mb.input_ids, _positions(mb.input_ids), attention_mask=None)
+    set_rope_positions(model_chunk, lay.positions[0])
     return model_chunk(lay.input_ids, lay.positions, attention_mask=None, packed_seq_params=lay.seq_params())
 
 

@@ -2,9 +2,10 @@
 runs over their real tokens only (``actor.pack_sequences`` / ``critic.pack_sequences``).
 
 The model sees ``input_ids`` [1, S] (S = the lengths' sum, plus a padding segment to a multiple of TP with
-sequence parallelism), positions that restart at 0 in every sequence, and megatron-core's
-``PackedSeqParams`` (``qkv_format="thd"``, ``cu_seqlens``): attention stays inside each sequence
-(``models.packed_attention``) and RoPE restarts per sequence (megatron-core's THD rotary path). The loss
+sequence parallelism), positions that restart at 0 in every sequence, and a megatron-core
+``PackedSeqParams`` (``qkv_format="thd"``, ``models.packed_attention.SegmentSeqParams``): attention stays
+inside each sequence (``models.packed_attention``) and RoPE reads each token's own position
+(``models.head.set_rope_positions``). Shared prompts (``rollout.shared_prompts``) use the same layout. The loss
 side is unchanged: ``score_pos`` [B, R] points into the packed row, so logits come back as [B, R, V/tp]
 in response order and every per-token tensor of the micro-batch keeps its [B, R] frame.
 """
@@ -26,18 +27,40 @@ class PackedLayout:
     max_seqlen: int  # longest segment
     starts: torch.Tensor  # [B] where sequence b starts in the packed row
     score_pos: torch.Tensor  # [B, R] packed-row positions whose logits score the response tokens
+    # Shared prompts (``rollout.shared_prompts``): the row holds each prompt once and its responses as
+    # segments of their own; a segment's queries attend to the keys at ``kv_index`` [Sk] rows
+    # cu_seqlens_k[i]:cu_seqlens_k[i+1] (a response segment: its prompt, then itself), causally aligned
+    # at the end. ``row_pos`` [B, T]: where each position of the padded row b sits in the packed row.
+    kv_index: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_k: int = 0
+    row_pos: torch.Tensor | None = None
 
     @property
     def total(self) -> int:
         return self.input_ids.shape[1]
 
-    def seq_params(self):
-        """megatron-core's ``PackedSeqParams`` of this layout (causal self-attention: q and kv the same)."""
-        from megatron.core.packed_seq_params import PackedSeqParams
+    @property
+    def shared(self) -> bool:
+        return self.kv_index is not None
 
-        return PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
-            max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,
+    @property
+    def real(self) -> int:
+        """Shared prompts: tokens of the prompt and response segments (the row without its padding segment)."""
+        return int(self.row_pos.max()) + 1
+
+    def seq_params(self):
+        """The ``models.packed_attention.SegmentSeqParams`` of this layout: to megatron-core one segment of
+        ``total`` tokens whose RoPE table is indexed by ``positions`` (the largest + 1 rows long: a
+        segment's length for plain packing, a prompt + response for shared prompts)."""
+        from megatron_rl.models.packed_attention import SegmentSeqParams
+
+        whole = torch.tensor([0, self.total], dtype=torch.int32, device=self.input_ids.device)
+        rope_len = self.max_seqlen_k if self.shared else self.max_seqlen
+        return SegmentSeqParams(
+            qkv_format="thd", cu_seqlens_q=whole, cu_seqlens_kv=whole, max_seqlen_q=rope_len,
+            max_seqlen_kv=rope_len, segments_q=self.cu_seqlens, max_q=self.max_seqlen, kv_index=self.kv_index,
+            segments_k=self.cu_seqlens_k, max_k=self.max_seqlen_k,
         )  # fmt: skip
 
 
@@ -69,16 +92,25 @@ def pad_layout(layout: PackedLayout, multiple: int, pad_id: int = 0) -> PackedLa
     ids = torch.cat(
         [layout.input_ids, torch.full((1, extra), pad_id, dtype=layout.input_ids.dtype, device=dev)], 1
     )
-    pos = torch.cat([layout.positions, torch.arange(extra, device=dev)[None]], 1)
+    tail = torch.arange(extra, device=dev)
+    pos = torch.cat([layout.positions, tail[None]], 1)
     cu = torch.cat([layout.cu_seqlens, layout.cu_seqlens[-1:] + extra])
-    return PackedLayout(ids, pos, cu, max(layout.max_seqlen, extra), layout.starts, layout.score_pos)
+    padded = PackedLayout(ids, pos, cu, max(layout.max_seqlen, extra), layout.starts, layout.score_pos)
+    if layout.shared:  # the padding segment attends to itself
+        padded.kv_index = torch.cat([layout.kv_index, layout.total + tail])
+        padded.cu_seqlens_k = torch.cat([layout.cu_seqlens_k, layout.cu_seqlens_k[-1:] + extra])
+        padded.max_seqlen_k, padded.row_pos = max(layout.max_seqlen_k, extra), layout.row_pos
+    return padded
 
 
 def unpack(out: torch.Tensor, layout: PackedLayout, t: int) -> torch.Tensor:
     """Model output over the packed row out [1, S, ...] -> right-padded rows [B, t, ...] (positions past a
     sequence's end hold some other token's value: masked by every consumer, as padding is)."""
-    idx = (layout.starts[:, None] + torch.arange(t, device=out.device)[None, :]).clamp(max=layout.total - 1)
-    return out[0][idx]  # [B, t, ...]
+    if layout.row_pos is not None:
+        idx = layout.row_pos[:, :t]
+    else:
+        idx = layout.starts[:, None] + torch.arange(t, device=out.device)[None, :]
+    return out[0][idx.clamp(max=layout.total - 1)]  # [B, t, ...]
 
 
 def pack(mb: RolloutBatch) -> RolloutBatch:
@@ -87,12 +119,16 @@ def pack(mb: RolloutBatch) -> RolloutBatch:
     return mb
 
 
-def token_counts(mbs: list[RolloutBatch]) -> tuple[int, int]:
-    """(real tokens, tokens the model runs over) of micro-batches ``mbs``: padded rows run B x T, a packed
-    row its length (with any padding segment)."""
-    real = sum(int((mb.prompt_lens + mb.response_lens).sum()) for mb in mbs)
+def token_counts(mbs: list[RolloutBatch]) -> tuple[int, int, int]:
+    """(distinct real tokens, tokens the model runs over, real tokens row by row) of micro-batches ``mbs``:
+    padded rows run B x T, a packed row its length (with any padding segment); with shared prompts a
+    prompt counts once per micro-batch in the first, once per sequence in the last."""
+    rows = [int((mb.prompt_lens + mb.response_lens).sum()) for mb in mbs]
+    real = sum(
+        mb.packed.real if mb.packed is not None and mb.packed.shared else n for mb, n in zip(mbs, rows)
+    )
     run = sum(mb.packed.total if mb.packed is not None else len(mb) * mb.seq_len for mb in mbs)
-    return real, run
+    return real, run, sum(rows)
 
 
 def split_packed(batch: RolloutBatch, max_tokens: int) -> tuple[list[RolloutBatch], list[int]]:

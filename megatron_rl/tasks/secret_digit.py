@@ -9,8 +9,11 @@ response and the final turn starts with the digit it answered, else 0: no credit
 none for a right guess without a call. Validation prompts never occur in training (they end in an odd
 digit, training prompts in an even one), so the hash cannot be memorised: a policy that never calls
 scores 0, one that calls and then guesses 0.1 in expectation.
-Everything is made in code, as for the built-in task: tokenizer (with a ChatML chat template), tiny model
-and parquet files.
+Everything is made in code, as for the built-in task: tokenizer, tiny model and parquet files. The
+tokenizer's chat template is ChatML with one-letter role names and no newlines (a tool message renders as
+``<|im_start|>t7<|im_end|>``), so the tool's digit sits 3 tokens before the position that answers it
+(11 with ChatML's full role names) and a call with its answer fits in 9 response tokens: copying it is a
+short-range pattern for a 2-layer char model, and episodes stay cheap.
 """
 
 from __future__ import annotations
@@ -31,7 +34,12 @@ from megatron_rl.tasks.last_digit import prepare_task_files
 
 TOOL_SET = REWARD_NAME = "secret_digit"
 DATA_SOURCE = "megatron_rl/secret_digit"
-ALPHABET = "0123456789?tol"  # digits, the call marker and the "tool" role name of the template
+ALPHABET = "0123456789?"  # digits and the call marker (the template's role letters are added by the builder)
+# ChatML with a message's role as its first letter (u, a, t) and no newlines
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'][0] }}{{ message['content'] }}<|im_end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>a{% endif %}"
+)
 
 
 def secret(prompt: str) -> str:
@@ -52,13 +60,12 @@ def _parse(text: str) -> list[ToolCall]:
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **_) -> float:
-    """1.0 when the tool's answer precedes the last turn and that turn starts with it. ``solution_str`` has
-    the special tokens dropped: ``?tool7assistant7`` for a call, its answer 7 and the final answer 7 (the
-    template's newlines, if any, are stripped)."""
-    text = solution_str.replace("\n", "")
-    before, _, final = text.rpartition("assistant")
-    answered = before.endswith("tool" + str(ground_truth))
-    return 1.0 if answered and final.strip().startswith(str(ground_truth)) else 0.0
+    """1.0 when the tool answered and the final turn starts with its answer. ``solution_str`` has the
+    special tokens dropped: ``x?t7a7`` for a first turn ``x?`` (a call), the tool's message ``t7`` and the
+    final turn ``a`` + ``7``. The first ``?`` always ends the first turn, so what follows it is the tool's
+    message, or nothing when the episode ended there (no room for the answer)."""
+    _, called, after = solution_str.replace("\n", "").partition("?")
+    return 1.0 if called and after.startswith(f"t{ground_truth}a{ground_truth}") else 0.0
 
 
 def register() -> None:
@@ -88,4 +95,5 @@ def _write_split(path: Path, n: int, seed: int) -> None:
 
 def prepare_tool_task(model_cfg: ModelConfig, workdir: Path, seed: int) -> tuple[str, str, str]:
     """The tiny model + chat tokenizer and the train/val files of this task under ``workdir``."""
-    return prepare_task_files(model_cfg, workdir, seed, build_char_tokenizer(ALPHABET), _write_split)
+    tokenizer = build_char_tokenizer(ALPHABET, chat_template=CHAT_TEMPLATE)
+    return prepare_task_files(model_cfg, workdir, seed, tokenizer, _write_split)

@@ -27,13 +27,19 @@ from megatron_rl.algos import (
 from megatron_rl.algos.rollout_correction import rollout_gap_metrics
 from megatron_rl.config.schema import ActorConfig, CriticConfig
 from megatron_rl.kernels import batch_invariant as bi
-from megatron_rl.logging.metric_names import PERF_CRITIC_UPDATE_PAD_FRAC, PERF_UPDATE_PAD_FRAC
+from megatron_rl.logging.metric_names import (
+    PERF_CRITIC_UPDATE_PAD_FRAC,
+    PERF_CRITIC_UPDATE_SHARED_FRAC,
+    PERF_UPDATE_PAD_FRAC,
+    PERF_UPDATE_SHARED_FRAC,
+)
 from megatron_rl.models.lora import adapters_disabled
 from megatron_rl.models.pipeline import broadcast_from_last_stage, gather_positions, run_micro_batches
 from megatron_rl.optim import build_optimizer
 from megatron_rl.rollout.batch import RolloutBatch, pad_response, split_by_tokens, split_micro_batches, trim
 from megatron_rl.rollout.packing import pack, split_packed, token_counts
 from megatron_rl.rollout.sampling import truncated_token_logprobs
+from megatron_rl.rollout.shared_prompts import share, split_shared
 
 
 def response_log_probs(
@@ -92,14 +98,17 @@ def _reduce_update_metrics(per_micro: list[dict], num_optimizer_steps: int) -> d
     return {k: float(v) for k, v in reduced.items()}
 
 
-def _pad_fraction(counts: list[int], device) -> float:
-    """Padded / all tokens the update ran over, summed over this DP group's ranks."""
+def _token_fractions(counts: list[int], device) -> tuple[float, float]:
+    """(padded / all tokens the update ran over, prompt tokens shared / all tokens row by row) from
+    ``rollout.packing.token_counts`` sums, summed over this DP group's ranks."""
     t = torch.tensor(counts, dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t, group=ps.get_data_parallel_group())
-    return float(1 - t[0] / t[1]) if t[1] > 0 else 0.0
+    real, run, rows = t.tolist()
+    return (1 - real / run if run > 0 else 0.0), (1 - real / rows if rows > 0 else 0.0)
 
 
 PAD_FRAC = {"actor": PERF_UPDATE_PAD_FRAC, "critic": PERF_CRITIC_UPDATE_PAD_FRAC}
+SHARED_FRAC = {"actor": PERF_UPDATE_SHARED_FRAC, "critic": PERF_CRITIC_UPDATE_SHARED_FRAC}
 
 
 class NonFiniteUpdate(RuntimeError):
@@ -151,12 +160,16 @@ class _TrainedModel:
         """Micro-batches: ``ppo_micro_batch_size_per_gpu`` sequences each, or with ``use_dynamic_bsz``
         up to ``ppo_max_token_len_per_gpu`` padded tokens of similar-length sequences (then also the row
         order they hold). ``pack_sequences``: each micro-batch runs packed (``rollout.packing``), and the
-        token budget counts real tokens."""
+        token budget counts real tokens; ``share_prompts``: packed with each prompt once
+        (``rollout.shared_prompts``), whole groups together."""
         cfg = self.cfg
+        shared = cfg.share_prompts
         if cfg.use_dynamic_bsz:
-            split = split_packed if cfg.pack_sequences else split_by_tokens
+            split = split_shared if shared else split_packed if cfg.pack_sequences else split_by_tokens
             return split(batch, cfg.ppo_max_token_len_per_gpu)
         mbs = split_micro_batches(batch, cfg.ppo_micro_batch_size_per_gpu)
+        if shared:
+            return [share(trim(mb)) for mb in mbs], None
         return ([pack(trim(mb)) for mb in mbs] if cfg.pack_sequences else mbs), None
 
     def _forward_only(self, batch: RolloutBatch, loss_fn, key: str) -> torch.Tensor:
@@ -173,7 +186,7 @@ class _TrainedModel:
 
     def _update(self, batch: RolloutBatch, loss_fn, mini_seqs: int, prefix: str) -> dict[str, float]:
         self.model.train()
-        per_micro, steps, step_info, counts = [], 0, [], [0, 0]
+        per_micro, steps, step_info, counts = [], 0, [], [0, 0, 0]
         for _ in range(self.cfg.ppo_epochs):
             for start in range(0, len(batch), mini_seqs):
                 mbs, _ = self._split(batch.select(range(start, start + mini_seqs)))
@@ -185,7 +198,7 @@ class _TrainedModel:
                 steps += 1
         metrics = broadcast_from_last_stage(_reduce_update_metrics(per_micro, steps))
         out = {f"{prefix}/{k}": v for k, v in metrics.items()}
-        out[PAD_FRAC[prefix]] = _pad_fraction(counts, batch.response_mask.device)
+        out[PAD_FRAC[prefix]], out[SHARED_FRAC[prefix]] = _token_fractions(counts, batch.response_mask.device)
         out |= check_finite(step_info, metrics, prefix, self.skip_nonfinite)
         out[f"{prefix}/grad_norm"] = float(sum(float(s["grad_norm"]) for s in step_info) / steps)
         out[f"{prefix}/lr"] = float(step_info[-1]["lr"])

@@ -38,7 +38,6 @@ def test_nodelist_forms():
     assert first_slurm_host("dgx-[04,07-08]") == "dgx-04"
 
 
-
 def test_a_lone_process_group_writes_no_rendezvous_variables():
     """The single-process group passes its free port to torch instead of os.environ (a leaked MASTER_PORT
     made later CLI runs collide with the port an in-process group still held: EADDRINUSE in CI)."""
@@ -53,7 +52,9 @@ def test_a_lone_process_group_writes_no_rendezvous_variables():
         "assert dist.get_world_size() == 1\n"
         "print(sorted(k for k in os.environ if k.startswith('MASTER_')))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+    }
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -30,7 +30,7 @@ def test_pack_layout_keeps_real_tokens_and_points_score_pos_into_the_row():
     (mb,), order = split_packed(batch, max_tokens=100)
     lay = mb.packed
     assert lay.total == 13 and lay.cu_seqlens.tolist() == [0, 5, 10, 13] and lay.max_seqlen == 5
-    assert order == [0, 1, 2] and token_counts([mb]) == (13, 13)
+    assert order == [0, 1, 2] and token_counts([mb]) == (13, 13, 13)
     for b, (a, e) in enumerate([(0, 5), (5, 10), (10, 13)]):
         n = int(mb.prompt_lens[b] + mb.response_lens[b])
         assert torch.equal(lay.input_ids[0, a:e], mb.input_ids[b, :n])

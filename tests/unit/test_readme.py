@@ -17,7 +17,7 @@ def test_ci_runs_readme_setup_and_test_commands():
     readme, ci = (REPO / "README.md").read_text(), (REPO / ".ci/run").read_text()
     for cmd in (
         'python3 -m venv .venv && .venv/bin/pip install "torch==2.13.0" -e ".[dev]"',
-        ".venv/bin/python -m pytest -q tests",
+        ".venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=25 tests",
     ):
         assert cmd in readme and cmd in ci
 

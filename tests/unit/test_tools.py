@@ -230,11 +230,11 @@ def test_builtin_tool_task_pieces(tmp_path):
     solved = "?" + tok.decode(tok(answer)["input_ids"], skip_special_tokens=True) + "7"
     assert task.compute_score("", solved, "7") == 1.0 and task.compute_score("", solved, "3") == 0.0
     assert task.compute_score("", "7", "7") == 0.0  # a right guess without the tool earns nothing
-    assert task.compute_score("", solved.replace("tool7", "tool3"), "7") == 0.0  # nor a final that ignores it
-    assert (
-        task.compute_score("", solved.replace("tool", "tool\n").replace("assistant", "assistant\n"), "7")
-        == 1.0
-    )
+    assert solved == "?t7a7"  # one-letter roles: the tool's digit is 3 tokens before the answer
+    assert task.compute_score("", solved.replace("t7a", "t3a"), "7") == 0.0  # nor a final that ignores it
+    assert task.compute_score("", "x?" + solved[1:] + "3?", "7") == 1.0  # only the final turn's start counts
+    assert task.compute_score("", "t7a7", "7") == 0.0  # the tool's message written by the model is no call
+    assert task.compute_score("", "?\nt7a\n7", "7") == 1.0  # newlines the model writes are stripped
     # validation prompts never occur in training, so a policy that never calls cannot memorise the hash
     import pyarrow.parquet as pq
 

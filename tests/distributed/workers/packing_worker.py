@@ -1,7 +1,10 @@
 """World 2: packed micro-batches (THD, ``pack_sequences``) give the padded micro-batches' log-probs, losses
 and gradients (float64) at TP=1 (x DP=2) and TP=2: the actor by token budget and by fixed count, the
 reference's forward, and the critic's values and value-loss gradients. Attention inside a packed row
-must not cross sequences and RoPE positions must restart per sequence, or the numbers differ."""
+must not cross sequences and RoPE positions must restart per sequence, or the numbers differ.
+Shared prompts (``share_prompts``, GRPO groups holding one prompt copy) the same, also at PP=2: every
+response must see its whole prompt at the right RoPE positions and the prompt's gradient is the sum
+over its responses."""
 
 import sys
 from functools import partial
@@ -13,7 +16,7 @@ import torch.distributed as dist
 from megatron_rl.config.schema import ActorConfig, CriticConfig
 from megatron_rl.distributed import init_distributed
 from megatron_rl.models import ModelArgs, build_model, load_hf_weights
-from megatron_rl.models.pipeline import run_micro_batches
+from megatron_rl.models.pipeline import broadcast_from_last_stage, run_micro_batches
 from megatron_rl.trainer.workers import CriticWorker, PolicyWorker
 from tests.distributed.workers.models_tiny import make_tiny_hf
 from tests.distributed.workers.trainer_grads_worker import ragged_batch
@@ -38,32 +41,57 @@ def _same(a: dict, b: dict, what: str) -> None:
         assert torch.allclose(a[name], b[name], atol=1e-10), (what, name, (a[name] - b[name]).abs().max())
 
 
-def policy_parity(path: Path, tp: int) -> None:
-    """Actor: padded rows vs packed rows, by token budget and by fixed count."""
-    init_distributed(tp, 1, seed=0)
+GROUP_PROMPTS, GROUP_OF = (3, 5, 2), (0, 0, 0, 1, 1, 2, 2)  # 3 groups: rows 0-2, 3-4, 5-6
+
+
+def grouped_batch(vocab: int):
+    """``ragged_batch`` rows whose groups share their prompt tokens (GRPO: n samples of one prompt)."""
+    batch = ragged_batch(vocab, [GROUP_PROMPTS[g] for g in GROUP_OF], RESPONSES)
+    first = {g: GROUP_OF.index(g) for g in set(GROUP_OF)}
+    for row, g in enumerate(GROUP_OF):
+        batch.input_ids[row, : GROUP_PROMPTS[g]] = batch.input_ids[first[g], : GROUP_PROMPTS[g]]
+    batch.group_index = torch.tensor(GROUP_OF)
+    return batch
+
+
+LAYOUTS = {
+    "padded": dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=24),
+    "packed": dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=24, pack_sequences=True),
+    "packed_fixed": dict(ppo_micro_batch_size_per_gpu=7, pack_sequences=True),
+    "shared": dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=24, share_prompts=True),
+    "shared_fixed": dict(ppo_micro_batch_size_per_gpu=7, share_prompts=True),
+}
+
+
+def _runs_real_tokens(name: str, mbs) -> bool:
+    """One row per micro-batch of exactly the real tokens (shared: each prompt of a micro-batch once)."""
+    if name.startswith("shared"):
+        return all(mb.packed.shared and mb.packed.total < int((mb.prompt_lens + mb.response_lens).sum())
+                   for mb in mbs if len(set(mb.group_index.tolist())) < len(mb))  # fmt: skip
+    return all(mb.packed is not None and mb.packed.total == int((mb.prompt_lens + mb.response_lens).sum())
+               for mb in mbs)  # fmt: skip
+
+
+def policy_parity(path: Path, tp: int, pp: int = 1, names=tuple(LAYOUTS)) -> None:
+    """Actor: padded rows vs packed rows and shared-prompt rows, by token budget and by fixed count."""
+    init_distributed(tp, pp, seed=0, num_layers=2)
     model, args = _model(path, tp, "actor")
-    batch = ragged_batch(args.vocab_size, PROMPTS, RESPONSES)
-    layouts = {
-        "padded": dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=24),
-        "packed": dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=24, pack_sequences=True),
-        "packed_fixed": dict(ppo_micro_batch_size_per_gpu=7, pack_sequences=True),
-    }
+    batch = grouped_batch(args.vocab_size)
     results = {}
-    for name, keys in layouts.items():
-        cfg = ActorConfig(entropy_coeff=0.01, **keys)
+    for name in names:
+        cfg = ActorConfig(entropy_coeff=0.01, **LAYOUTS[name])
         worker = PolicyWorker(model, cfg, 0.7, args.vocab_size, 10, 4, trainable=False)
         mbs, _ = worker._split(batch)
-        if name != "padded":  # one row per micro-batch, exactly the real tokens
-            assert all(mb.packed is not None and mb.packed.total == int((mb.prompt_lens + mb.response_lens).sum())
-                       for mb in mbs), name  # fmt: skip
+        if name != "padded":
+            assert _runs_real_tokens(name, mbs), name
         lp = worker.log_probs(batch) * batch.response_mask
         model.zero_grad(set_to_none=True)
         outs = run_micro_batches(model, mbs, partial(worker._loss, (20, 7)), False, True)
-        loss = sum(float(o["pg_loss"]) for o in outs)
+        loss = broadcast_from_last_stage(sum(float(o["pg_loss"]) for o in outs))
         results[name] = (lp, loss, len(mbs), _grads(model))
     lp0, loss0, n0, g0 = results["padded"]
     assert n0 > 1 and loss0 != 0
-    for name in ("packed", "packed_fixed"):
+    for name in names[1:]:
         lp, loss, _, g = results[name]
         assert torch.allclose(lp0, lp, atol=1e-12), (tp, name, (lp0 - lp).abs().max())
         assert abs(loss0 - loss) < 1e-12, (tp, name, loss0, loss)
@@ -71,9 +99,9 @@ def policy_parity(path: Path, tp: int) -> None:
 
 
 def critic_parity(path: Path, tp: int) -> None:
-    """Critic: values and value-loss gradients, padded vs packed."""
+    """Critic: values and value-loss gradients, padded vs packed vs shared prompts."""
     model, args = _model(path, tp, "critic")
-    batch = ragged_batch(args.vocab_size, PROMPTS, RESPONSES)
+    batch = grouped_batch(args.vocab_size)
     g = torch.Generator().manual_seed(3)
     batch.values = torch.randn(batch.response_mask.shape, generator=g, dtype=torch.float64)
     batch.returns = torch.randn(batch.response_mask.shape, generator=g, dtype=torch.float64)
@@ -81,17 +109,20 @@ def critic_parity(path: Path, tp: int) -> None:
     # no optimizer: its hooks would accumulate the float64 gradients in fp32 main_grad buffers
     worker = CriticWorker.__new__(CriticWorker)
     worker.model, worker.response_len = model, 4
-    for packed in (False, True):
-        worker.cfg = CriticConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=24, pack_sequences=packed)
+    for packed, shared in ((False, False), (True, False), (False, True)):
+        worker.cfg = CriticConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=24, pack_sequences=packed,
+                                  share_prompts=shared)  # fmt: skip
         values = worker.values(batch) * batch.response_mask
         mbs, _ = worker._split(batch)
         model.zero_grad(set_to_none=True)
         outs = run_micro_batches(model, mbs, partial(worker._loss, (20, 7)), False, False)
         results.append((values, sum(float(o["vf_loss"]) for o in outs), _grads(model)))
-    (v0, l0, g0), (v1, l1, g1) = results
-    assert torch.allclose(v0, v1, atol=1e-12), (tp, (v0 - v1).abs().max())
-    assert abs(l0 - l1) < 1e-12 and l0 != 0, (l0, l1)
-    _same(g0, g1, f"critic tp={tp}")
+    v0, l0, g0 = results[0]
+    assert l0 != 0
+    for name, (v1, l1, g1) in zip(("packed", "shared"), results[1:]):
+        assert torch.allclose(v0, v1, atol=1e-12), (tp, name, (v0 - v1).abs().max())
+        assert abs(l0 - l1) < 1e-12, (name, l0, l1)
+        _same(g0, g1, f"critic tp={tp} {name}")
 
 
 if __name__ == "__main__":
@@ -103,5 +134,6 @@ if __name__ == "__main__":
     for tp in (1, 2):
         policy_parity(root / "qwen2", tp)
         critic_parity(root / "qwen2", tp)
+    policy_parity(root / "qwen2", 1, 2, ("padded", "shared"))
     if dist.get_rank() == 0:
         print("packing checks passed")

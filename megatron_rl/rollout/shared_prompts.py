@@ -1,0 +1,126 @@
+"""Shared-prompt micro-batches (``actor.share_prompts``): a GRPO group's n responses share one prompt, so
+the update runs each prompt once per micro-batch instead of n times.
+
+The packed row (THD, as ``rollout.packing``) holds every distinct prompt of the micro-batch once and each
+response as a segment of its own. Attention (``models.packed_attention.shared_attention``): a prompt
+segment attends causally to itself; a response segment's keys are its prompt's followed by its own,
+causally aligned at the end (response token j sees the whole prompt and tokens 0..j). RoPE positions
+continue from the prompt's length in every response (``models.head.set_rope_positions``). The LM head
+scores response token 0 at the prompt's last position (shared by the group) and token j at the
+response's position j - 1, so the loss side keeps its [B, R] frame unchanged. Gradients from every
+response flow into the one copy of the prompt's activations: the same sums as n separate copies.
+
+With prompt P and responses R the update runs P + n R tokens per group instead of n (P + R): at the
+GRPO benchmark (P 256, R 512, n 8) 29% fewer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.rollout.batch import RolloutBatch, trim
+from megatron_rl.rollout.packing import PackedLayout
+
+
+def shared_layout(input_ids: torch.Tensor, prompt_lens: torch.Tensor, response_lens: torch.Tensor,
+                  score_pos: torch.Tensor) -> PackedLayout:  # fmt: skip
+    """Right-padded rows input_ids [B, T] (prompt + response) -> the packed row with each distinct prompt
+    once (rows whose prompt tokens are equal share it) and the rows' scoring positions score_pos [B, R]
+    mapped into it."""
+    b, t = input_ids.shape
+    dev = input_ids.device
+    ids_cpu, p_lens, r_lens = input_ids.cpu(), prompt_lens.tolist(), response_lens.tolist()
+    src: list[int] = []  # flat [B*T] index of each packed token
+    positions: list[int] = []
+    cu_q, cu_k, kv_index = [0], [0], []
+    row_pos = torch.empty(b, t, dtype=torch.long)
+    prompt_at: dict[tuple, int] = {}
+    for row in range(b):
+        p, r = p_lens[row], r_lens[row]
+        key = tuple(ids_cpu[row, :p].tolist())
+        if key not in prompt_at:  # a new prompt: its own causal segment
+            prompt_at[key] = len(src)
+            src.extend(range(row * t, row * t + p))
+            positions.extend(range(p))
+            kv_index.extend(range(prompt_at[key], prompt_at[key] + p))
+            cu_q.append(len(src))
+            cu_k.append(len(kv_index))
+        start_p, start_r = prompt_at[key], len(src)
+        if r:  # the response: keys = its prompt, then itself
+            src.extend(range(row * t + p, row * t + p + r))
+            positions.extend(range(p, p + r))
+            kv_index.extend(range(start_p, start_p + p))
+            kv_index.extend(range(start_r, start_r + r))
+            cu_q.append(len(src))
+            cu_k.append(len(kv_index))
+        row_pos[row, :p] = torch.arange(start_p, start_p + p)
+        row_pos[row, p:] = torch.arange(start_r, start_r + t - p).clamp(
+            max=max(start_r + r - 1, start_p + p - 1)
+        )
+    q_lens = [hi - lo for lo, hi in zip(cu_q[:-1], cu_q[1:])]
+    k_lens = [hi - lo for lo, hi in zip(cu_k[:-1], cu_k[1:])]
+    row_pos = row_pos.to(dev)
+    as_int32 = dict(dtype=torch.int32, device=dev)
+    return PackedLayout(
+        input_ids=input_ids.reshape(-1)[torch.tensor(src, device=dev)][None],
+        positions=torch.tensor(positions, device=dev)[None],
+        cu_seqlens=torch.tensor(cu_q, **as_int32), max_seqlen=max(q_lens),
+        starts=row_pos[:, 0], score_pos=row_pos.gather(1, score_pos.to(dev)),
+        kv_index=torch.tensor(kv_index, device=dev), cu_seqlens_k=torch.tensor(cu_k, **as_int32),
+        max_seqlen_k=max(k_lens), row_pos=row_pos,
+    )  # fmt: skip
+
+
+def share(mb: RolloutBatch) -> RolloutBatch:
+    """``mb`` (trimmed rows) with its shared-prompt layout attached."""
+    mb.packed = shared_layout(mb.input_ids, mb.prompt_lens, mb.response_lens, mb.score_pos)
+    return mb
+
+
+def shared_groups(groups: list[int], prompts: list[int], responses: list[int], max_tokens: int,
+                  max_scored: int) -> list[list[int]]:  # fmt: skip
+    """Micro-batches (lists of row indices) of rows with group ids ``groups`` and prompt / response lengths,
+    whole groups where they fit: first-fit decreasing by a group's packed tokens (its prompt once plus its
+    responses) within ``max_tokens``, and LM-head rows (rows x longest response) within ``max_scored``.
+    A group too big for an empty micro-batch is split row by row over new ones, each with its prompt."""
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    cost = {g: prompts[rows[0]] + sum(responses[i] for i in rows) for g, rows in members.items()}
+    bins: list[list] = []  # [rows, tokens, longest response]
+
+    def fits(b: list, rows: list[int], tokens: int) -> bool:
+        longest = max([b[2]] + [responses[i] for i in rows])
+        return b[1] + tokens <= max_tokens and (len(b[0]) + len(rows)) * longest <= max_scored
+
+    for g in sorted(members, key=lambda g: (-cost[g], g)):
+        rows = members[g]
+        home = next((b for b in bins if fits(b, rows, cost[g])), None)
+        if home is None and fits([[], 0, 0], rows, cost[g]):
+            home = [[], 0, 0]
+            bins.append(home)
+        if home is not None:
+            home[0] += rows
+            home[1] += cost[g]
+            home[2] = max([home[2]] + [responses[i] for i in rows])
+            continue
+        part = None
+        for i in rows:  # too big for one micro-batch: row by row, the prompt again in each part
+            add = responses[i] if part is not None else prompts[i] + responses[i]
+            if part is None or not fits(part, [i], add):
+                part = [[], 0, 0]
+                bins.append(part)
+                add = prompts[i] + responses[i]
+            part[0].append(i)
+            part[1] += add
+            part[2] = max(part[2], responses[i])
+    return [b[0] for b in bins]
+
+
+def split_shared(batch: RolloutBatch, max_tokens: int) -> tuple[list[RolloutBatch], list[int]]:
+    """``split_packed`` with shared prompts: micro-batches of whole GRPO groups (``shared_groups``) within
+    ``max_tokens`` packed tokens each. Returns the micro-batches and the batch rows they hold, in order."""
+    max_scored = max(1, max_tokens // batch.seq_len) * batch.responses.shape[1]
+    groups = shared_groups(batch.group_index.tolist(), batch.prompt_lens.tolist(), batch.response_lens.tolist(),
+                           max_tokens, max_scored)  # fmt: skip
+    return [share(trim(batch.select(g))) for g in groups], [i for g in groups for i in g]
