@@ -36,20 +36,35 @@ class SegmentSeqParams(PackedSeqParams):
     max_k: int = 0
 
 
-def segment_attention(q, k, v, cu_seqlens: torch.Tensor, scale: float, window: int | None = None):
+def segment_attention(q, k, v, cu_seqlens: torch.Tensor, scale: float, window: int | None = None, *,
+                      kv_index: torch.Tensor | None = None, cu_k: torch.Tensor | None = None):  # fmt: skip
     """q [S, H, D], k/v [S, G, D] (H a multiple of G), cu_seqlens [N + 1] segment starts -> [S, H, D]:
-    causal SDPA inside each segment (``window``: also at most that many positions back)."""
+    causal SDPA inside each segment (``window``: also at most that many positions back). Per-segment
+    SDPA: any device, the reference of the varlen path.
+
+    Shared prompts: query segment i attends to the keys at ``kv_index[cu_k[i]:cu_k[i+1]]`` instead of its
+    own rows, causally aligned at the end (its last query sees every key, its query j the first
+    Lk - Lq + j + 1)."""
     out = torch.empty_like(q)
-    bounds = cu_seqlens.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        qs, ks, vs = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, L, D]
-        mask = None
-        if window is not None and b - a > window:
-            idx = torch.arange(b - a, device=q.device)
-            mask = (idx[None, :] <= idx[:, None]) & (idx[:, None] - idx[None, :] <= window)  # [L, L]
+    bq = cu_seqlens.tolist()
+    bk = bq if cu_k is None else cu_k.tolist()
+    for a, b, c, d in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
+        qs = q[a:b].transpose(0, 1)[None]  # [1, H, Lq, D]
+        if kv_index is None:
+            ks, vs = (t[c:d].transpose(0, 1)[None] for t in (k, v))  # [1, G, Lk, D]
+        else:
+            ks, vs = (t.index_select(0, kv_index[c:d]).transpose(0, 1)[None] for t in (k, v))
+        lq, lk = b - a, d - c
+        mask = None  # plain causal unless the keys run ahead of the queries or the window cuts them
+        if lq != lk or (window is not None and lk > window):
+            iq = torch.arange(lq, device=q.device)[:, None] + (lk - lq)  # each query's own key position
+            ik = torch.arange(lk, device=q.device)[None, :]
+            mask = ik <= iq  # [Lq, Lk]
+            if window is not None:
+                mask &= iq - ik <= window
         o = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=True, scale=scale
-        )  # [1, H, L, D]
+        )  # [1, H, Lq, D]
         out[a:b] = o[0].transpose(0, 1)
     return out
 
@@ -61,28 +76,6 @@ def _varlen_kwargs(params, scale: float, d: int) -> tuple[dict, float]:
     if "scale" in params:
         return kwargs | {"scale": scale}, 1.0
     return kwargs, scale * d**0.5
-
-
-def shared_segment_attention(q, k, v, cu_q: torch.Tensor, kv_index: torch.Tensor, cu_k: torch.Tensor,
-                             scale: float, window: int | None = None):  # fmt: skip
-    """q [S, H, D], k/v [S, G, D]; query segment i (rows cu_q[i]:cu_q[i+1]) attends to the keys at
-    kv_index[cu_k[i]:cu_k[i+1]], causally aligned at the end (its last query sees every key, its query j
-    the first Lk - Lq + j + 1). Per-segment SDPA: any device, the reference of the varlen path."""
-    out = torch.empty_like(q)
-    bq, bk = cu_q.tolist(), cu_k.tolist()
-    for a, b, c, d in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
-        idx = kv_index[c:d]
-        qs = q[a:b].transpose(0, 1)[None]  # [1, H, Lq, D]
-        ks, vs = (t.index_select(0, idx).transpose(0, 1)[None] for t in (k, v))  # [1, G, Lk, D]
-        lq, lk = b - a, d - c
-        iq = torch.arange(lq, device=q.device)[:, None] + (lk - lq)  # each query's own key position
-        ik = torch.arange(lk, device=q.device)[None, :]
-        keep = ik <= iq  # [Lq, Lk]
-        if window is not None:
-            keep &= iq - ik <= window
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=keep, enable_gqa=True, scale=scale)
-        out[a:b] = o[0].transpose(0, 1)
-    return out
 
 
 def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
@@ -121,7 +114,7 @@ def _trial(device: torch.device, dtype: torch.dtype, shared: bool) -> bool:
         cq, ck = (torch.tensor(c, device=device, dtype=torch.int32) for c in ([0, 5, 8, 12], [0, 5, 13, 22]))
         q12, k12, v12 = q[:12], k[:12], v[:12]
         fns = (lambda: shared_attention(q12, k12, v12, cq, idx, ck, 5, 9, 0.1, None, varlen=True),
-               lambda: shared_segment_attention(q12, k12, v12, cq, idx, ck, 0.1))  # fmt: skip
+               lambda: segment_attention(q12, k12, v12, cq, 0.1, kv_index=idx, cu_k=ck))  # fmt: skip
     outs = []
     for fn in fns:
         o = fn()
@@ -164,7 +157,7 @@ def shared_attention(q, k, v, cu_q, kv_index, cu_k, max_q: int, max_k: int, scal
     if varlen is None:
         varlen = window is None and varlen_available(q.device, q.dtype, shared=True)
     if not varlen:
-        return shared_segment_attention(q, k, v, cu_q, kv_index, cu_k, scale, window)
+        return segment_attention(q, k, v, cu_q, scale, window, kv_index=kv_index, cu_k=cu_k)
     ks, vs = k.index_select(0, kv_index), v.index_select(0, kv_index)  # [Sk, G, D]
     return varlen_attention(q, ks, vs, cu_q, max_q, scale, cu_k=cu_k, max_k=max_k)
 

@@ -131,12 +131,18 @@ def token_counts(mbs: list[RolloutBatch]) -> tuple[int, int, int]:
     return real, run, sum(rows)
 
 
+def max_scored(batch: RolloutBatch, max_tokens: int) -> int:
+    """The LM-head rows (sequences x longest response) a packed micro-batch of ``batch`` may score: no more
+    than padded rows of its longest sequences give within ``max_tokens`` (the memory model's bound)."""
+    return max(1, max_tokens // batch.seq_len) * batch.responses.shape[1]
+
+
 def split_packed(batch: RolloutBatch, max_tokens: int) -> tuple[list[RolloutBatch], list[int]]:
     """``split_by_tokens`` for packed micro-batches: sequences whose lengths sum to at most ``max_tokens``
     and whose LM-head rows stay within what the padded split allows (``packed_groups``), each micro-batch carrying its ``PackedLayout`` in ``packed``. Returns the
     micro-batches and the batch rows they hold, in order."""
     lengths = batch.prompt_lens + batch.response_lens
-    # LM-head rows (sequences x longest response) no more than padded rows of the longest sequences give
-    max_scored = max(1, max_tokens // batch.seq_len) * batch.responses.shape[1]
-    groups = packed_groups(lengths.tolist(), max_tokens, batch.response_lens.tolist(), max_scored)
+    groups = packed_groups(
+        lengths.tolist(), max_tokens, batch.response_lens.tolist(), max_scored(batch, max_tokens)
+    )
     return [pack(trim(batch.select(g))) for g in groups], [i for g in groups for i in g]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.rollout.batch import RolloutBatch, trim
-from megatron_rl.rollout.packing import PackedLayout
+from megatron_rl.rollout.packing import PackedLayout, max_scored
 
 
 def shared_layout(input_ids: torch.Tensor, prompt_lens: torch.Tensor, response_lens: torch.Tensor,
@@ -54,9 +54,8 @@ def shared_layout(input_ids: torch.Tensor, prompt_lens: torch.Tensor, response_l
             cu_q.append(len(src))
             cu_k.append(len(kv_index))
         row_pos[row, :p] = torch.arange(start_p, start_p + p)
-        row_pos[row, p:] = torch.arange(start_r, start_r + t - p).clamp(
-            max=max(start_r + r - 1, start_p + p - 1)
-        )
+        last = start_r + r - 1 if r else start_p + p - 1  # past its end a row points at its own last token
+        row_pos[row, p:] = torch.arange(start_r, start_r + t - p).clamp(max=last)
     q_lens = [hi - lo for lo, hi in zip(cu_q[:-1], cu_q[1:])]
     k_lens = [hi - lo for lo, hi in zip(cu_k[:-1], cu_k[1:])]
     row_pos = row_pos.to(dev)
@@ -93,34 +92,33 @@ def shared_groups(groups: list[int], prompts: list[int], responses: list[int], m
         longest = max([b[2]] + [responses[i] for i in rows])
         return b[1] + tokens <= max_tokens and (len(b[0]) + len(rows)) * longest <= max_scored
 
+    def put(b: list | None, rows: list[int], tokens: int) -> list:
+        if b is None:  # a new micro-batch
+            b = [[], 0, 0]
+            bins.append(b)
+        b[0] += rows
+        b[1] += tokens
+        b[2] = max([b[2]] + [responses[i] for i in rows])
+        return b
+
     for g in sorted(members, key=lambda g: (-cost[g], g)):
         rows = members[g]
         home = next((b for b in bins if fits(b, rows, cost[g])), None)
-        if home is None and fits([[], 0, 0], rows, cost[g]):
-            home = [[], 0, 0]
-            bins.append(home)
-        if home is not None:
-            home[0] += rows
-            home[1] += cost[g]
-            home[2] = max([home[2]] + [responses[i] for i in rows])
+        if home is not None or fits([[], 0, 0], rows, cost[g]):
+            put(home, rows, cost[g])
             continue
         part = None
         for i in rows:  # too big for one micro-batch: row by row, the prompt again in each part
-            add = responses[i] if part is not None else prompts[i] + responses[i]
-            if part is None or not fits(part, [i], add):
-                part = [[], 0, 0]
-                bins.append(part)
-                add = prompts[i] + responses[i]
-            part[0].append(i)
-            part[1] += add
-            part[2] = max(part[2], responses[i])
+            if part is not None and fits(part, [i], responses[i]):
+                put(part, [i], responses[i])
+            else:
+                part = put(None, [i], prompts[i] + responses[i])
     return [b[0] for b in bins]
 
 
 def split_shared(batch: RolloutBatch, max_tokens: int) -> tuple[list[RolloutBatch], list[int]]:
     """``split_packed`` with shared prompts: micro-batches of whole GRPO groups (``shared_groups``) within
     ``max_tokens`` packed tokens each. Returns the micro-batches and the batch rows they hold, in order."""
-    max_scored = max(1, max_tokens // batch.seq_len) * batch.responses.shape[1]
     groups = shared_groups(batch.group_index.tolist(), batch.prompt_lens.tolist(), batch.response_lens.tolist(),
-                           max_tokens, max_scored)  # fmt: skip
+                           max_tokens, max_scored(batch, max_tokens))  # fmt: skip
     return [share(trim(batch.select(g))) for g in groups], [i for g in groups for i in g]

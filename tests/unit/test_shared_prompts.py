@@ -5,7 +5,7 @@ token budget, and shared attention equals every row's own causal attention over 
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.models.packed_attention import shared_attention, shared_segment_attention
+from megatron_rl.models.packed_attention import segment_attention, shared_attention
 from megatron_rl.rollout.batch import RolloutBatch
 from megatron_rl.rollout.packing import pad_layout, token_counts, unpack
 from megatron_rl.rollout.shared_prompts import shared_groups, shared_layout, split_shared
@@ -80,8 +80,8 @@ def test_shared_attention_equals_each_rows_own_causal_attention():
             *(x.transpose(0, 1)[None] for x in (qr, kr, vr)), is_causal=True, enable_gqa=True, scale=0.3
         )[0].transpose(0, 1)  # [n, H, D]
         assert torch.allclose(out[lay.row_pos[b, :n]], alone, atol=1e-12), b
-    windowed = shared_segment_attention(
-        q, k, v, lay.cu_seqlens, lay.kv_index, lay.cu_seqlens_k, 0.3, window=1
+    windowed = segment_attention(
+        q, k, v, lay.cu_seqlens, 0.3, window=1, kv_index=lay.kv_index, cu_k=lay.cu_seqlens_k
     )
     assert torch.allclose(windowed[:2], out[:2], atol=1e-12) and not torch.allclose(windowed[5:9], out[5:9])
 
