@@ -6,6 +6,10 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARAL
 # NVLink multicast stays off: the lent machines do not support it (see the device notes)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=${PYTHONPATH:-}:$PWD
+# megatron-core's hybrid-device optimizer: what full fine-tuning of a 7B-8B model needs on one H200 (its
+# fp32 state does not fit beside the weights); run_sizes.sh and bench_lora_8b.sh add it at those sizes
+HYBRID_OPTIM=(actor.optim.backend=megatron actor.optim.use_distributed_optimizer=true
+  actor.optim.optimizer_cpu_offload=true actor.optim.optimizer_offload_fraction=0.5)
 END=$(($(date +%s) + BUDGET_S))
 : > "$LOG"
 

@@ -18,10 +18,9 @@ OUT=${OUT:-benchmarks/results/lora_8b}; mkdir -p "$OUT"
 STEPS=${STEPS:-2}; BUDGET_S=${BUDGET_S:-540}; BUDGET=${BUDGET:-7680}; SLOTS=${SLOTS:-256}
 CAP_LORA=${CAP_LORA:-260}  # the LoRA run's share; full fine-tuning gets what is left
 LOG="$OUT/lora_8b.log"; PART_TAIL=4; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
-source benchmarks/_parts.sh  # environment, deadline, part()
+source benchmarks/_parts.sh  # environment, deadline, part(), HYBRID_OPTIM
 SHAPE=llama-3.1-8b; W=(--steps "$STEPS"); X=()
-FULL=(actor.optim.backend=megatron actor.optim.use_distributed_optimizer=true
-  actor.optim.optimizer_cpu_offload=true actor.optim.optimizer_offload_fraction=0.5)
+FULL=("${HYBRID_OPTIM[@]}")
 if [[ ${TINY:-0} == 1 ]]; then
   SHAPE=tiny; BUDGET=${BUDGET_TINY:-96}; SLOTS=4; X=(trainer.gpu_memory_gb=139.8)
   FULL=(actor.optim.backend=megatron)  # the hybrid CPU optimizer steps bf16 weights only; tiny is fp32

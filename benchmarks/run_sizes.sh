@@ -25,11 +25,9 @@ SIZES=${SIZES:-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b qwen2.5-7b llama-3.1-8b}
 TRL_SIZES=${TRL_SIZES-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b}; TRL_GC_SIZES=${TRL_GC_SIZES-qwen2.5-7b llama-3.1-8b}
 TRL_LATE_SIZES=${TRL_LATE_SIZES-}
 STEPS=${STEPS:-3}; TRL_STEPS=${TRL_STEPS:-2}; BUDGET_S=${BUDGET_S:-570}
-OFFLOAD_KEYS=${OFFLOAD_KEYS:-actor.optim.backend=megatron actor.optim.use_distributed_optimizer=true \
-actor.optim.optimizer_cpu_offload=true actor.optim.optimizer_offload_fraction=0.5 \
-trainer.save_final=false trainer.save_on_signal=false}
 LOG="$OUT/sizes.log"; PART_TAIL=6; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
-source benchmarks/_parts.sh  # environment, deadline, part()
+source benchmarks/_parts.sh  # environment, deadline, part(), HYBRID_OPTIM
+OFFLOAD_KEYS=${OFFLOAD_KEYS:-${HYBRID_OPTIM[*]} trainer.save_final=false trainer.save_on_signal=false}
 # per-part caps (s), measured session 4 plus margin: 3 steps of ours at 7-8B took ~255-275 s (random
 # weights written and loaded ~45 s, build ~27 s, warm-up step ~85 s: torch.compile and the hybrid-device
 # optimizer's first step, which creates its host state), so B fits both sizes in one 570 s call
