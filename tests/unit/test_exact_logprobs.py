@@ -136,8 +136,13 @@ def test_exact_logprobs_refuses_tensor_parallelism_naming_the_keys():
 
 @pytest.mark.parametrize(
     "key,value",
-    [("actor.lora.rank", 4), ("rollout.multi_turn.enable", True), ("actor.pack_sequences", True)],
-    ids=["lora", "multi_turn", "packing"],
+    [
+        ("actor.lora.rank", 4),
+        ("rollout.multi_turn.enable", True),
+        ("actor.pack_sequences", True),
+        ("actor.share_prompts", True),
+    ],
+    ids=["lora", "multi_turn", "packing", "shared_prompts"],
 )
 def test_exact_logprobs_refuses_lora_and_multi_turn_naming_the_key(key, value):
     """The exact layers carry no LoRA side path and a later turn's prefill (decoder.extend) is not
