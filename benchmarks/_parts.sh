@@ -19,6 +19,6 @@ part() {  # part NAME CAP_S CMD...: run CMD under min(CAP_S, time left - 20 s fo
   if ((t < 30)); then echo "== $name: skipped, $left s left" | tee -a "$LOG"; return; fi
   echo "== $name (timeout ${t}s): $*" | tee -a "$LOG"
   local s=$(date +%s)
-  timeout "$t" "$@" 2>&1 | grep -v -i -E 'warn|^\s*$' | tee -a "$LOG" | tail -n "${PART_TAIL:-15}"
+  timeout "$t" "$@" 2>&1 | awk 'tolower($0) ~ /unusable/ || (tolower($0) !~ /warn/ && $0 !~ /^[[:space:]]*$/)' | tee -a "$LOG" | tail -n "${PART_TAIL:-15}"
   echo "== $name: rc ${PIPESTATUS[0]} in $(($(date +%s) - s)) s" | tee -a "$LOG"
 }

@@ -16,10 +16,12 @@ GRPO benchmark (P 256, R 512, n 8) 29% fewer.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from megatron_rl.rollout.batch import RolloutBatch, trim
-from megatron_rl.rollout.packing import PackedLayout, max_scored
+from megatron_rl.rollout.packing import PackedLayout
 
 
 def shared_layout(input_ids: torch.Tensor, prompt_lens: torch.Tensor, response_lens: torch.Tensor,
@@ -116,9 +118,24 @@ def shared_groups(groups: list[int], prompts: list[int], responses: list[int], m
     return [b[0] for b in bins]
 
 
+def shared_seq_tokens(prompt_len: int, response_len: int, n: int) -> int:
+    """Packed tokens per sequence in a shared micro-batch of groups of ``n``: its response and its share of
+    the one prompt copy (the memory model's unit, as ``prompt_len + response_len`` is without sharing)."""
+    return response_len + -(-prompt_len // max(1, n))
+
+
+def shared_max_scored(batch: RolloutBatch, max_tokens: int) -> int:
+    """The LM-head rows (sequences x longest response) a shared micro-batch of ``batch`` may score: as many
+    sequences as ``max_tokens`` holds at ``shared_seq_tokens`` each (the memory model's bound; the unshared
+    bound, ``packing.max_scored``, would stop a micro-batch at the sequences of full length that fit)."""
+    r = batch.responses.shape[1]
+    n = max(Counter(batch.group_index.tolist()).values(), default=1)
+    return max(1, max_tokens // shared_seq_tokens(batch.seq_len - r, r, n)) * r
+
+
 def split_shared(batch: RolloutBatch, max_tokens: int) -> tuple[list[RolloutBatch], list[int]]:
     """``split_packed`` with shared prompts: micro-batches of whole GRPO groups (``shared_groups``) within
     ``max_tokens`` packed tokens each. Returns the micro-batches and the batch rows they hold, in order."""
     groups = shared_groups(batch.group_index.tolist(), batch.prompt_lens.tolist(), batch.response_lens.tolist(),
-                           max_tokens, max_scored(batch, max_tokens))  # fmt: skip
+                           max_tokens, shared_max_scored(batch, max_tokens))  # fmt: skip
     return [share(trim(batch.select(g))) for g in groups], [i for g in groups for i in g]

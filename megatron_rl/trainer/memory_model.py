@@ -19,6 +19,7 @@ from megatron_rl.config.schema import JobConfig
 from megatron_rl.distributed.dims import ParallelDims
 from megatron_rl.models.args import ModelArgs
 from megatron_rl.models.lora_hf import adapter_params_per_layer
+from megatron_rl.rollout.shared_prompts import shared_seq_tokens
 
 BYTES = {"float32": 4, "bfloat16": 2}
 GIB = 2**30
@@ -37,6 +38,14 @@ def trained_roles(cfg: JobConfig) -> dict[str, str]:
 
 def _seq_len(cfg: JobConfig, p: int) -> int:
     return p + cfg.rollout.max_new_tokens
+
+
+def seq_tokens(cfg: JobConfig, role: str, p: int) -> int:
+    """Tokens one sequence runs in a ``role`` update micro-batch: prompt + response, or with
+    ``share_prompts`` its response plus its share of the group's one prompt copy (``shared_seq_tokens``)."""
+    if getattr(cfg, role).share_prompts is True:
+        return shared_seq_tokens(p, cfg.rollout.max_new_tokens, cfg.rollout.n)
+    return _seq_len(cfg, p)
 
 
 def micro_seqs(cfg: JobConfig, role: str, seq_len: int, budget: int | None = None) -> int:
@@ -77,10 +86,14 @@ def activation_bytes(
     backward, one unit's activations (uniform: recompute_num_layers layers; block: the layers past the
     first recompute_num_layers, plus one recomputed layer)."""
     w = getattr(cfg, role)
-    s = _seq_len(cfg, p)
+    s = seq_tokens(cfg, role, p)
     tokens = s * micro_seqs(cfg, role, s, budget)
     layers = a.num_layers // dims.pp
     per_layer = layer_activation_bytes_per_token(cfg, a, dims.tp, role)
+    if s != _seq_len(cfg, p):  # shared prompts: attention keeps the gathered key segments (prompt + response)
+        n, r = cfg.rollout.n, cfg.rollout.max_new_tokens
+        keys_per_token = (n * (p + r) + p) / (n * r + p)
+        per_layer += keys_per_token * 2 * a.num_query_groups * a.head_dim / dims.tp * BYTES[cfg.model.dtype]
     h_in = a.hidden_size / (dims.tp if cfg.parallel.sequence_parallel else 1) * BYTES[cfg.model.dtype]
     if w.recompute_granularity == "full" and w.recompute_method == "uniform":
         n = w.recompute_num_layers
@@ -106,7 +119,7 @@ def logit_bytes(cfg: JobConfig, a: ModelArgs, dims: ParallelDims, p: int, budget
     ``rollout.exact_logprobs`` holds two more (its Triton LM head's output beside the compiled kernel's
     copy, and the exact log-softmax's input): measured (session 5, 0.5B, 56k logit rows) 136.0 GiB allocated
     and 15.9 GiB (one more logits tensor) asked for where two copies planned 119.9 GiB."""
-    s = _seq_len(cfg, p)
+    s = seq_tokens(cfg, "actor", p)
     b = micro_seqs(cfg, "actor", s, budget)
     rows = b * (s if cfg.parallel.sequence_parallel else cfg.rollout.max_new_tokens)
     copies = 4 if cfg.rollout.exact_logprobs else 2

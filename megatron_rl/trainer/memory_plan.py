@@ -15,7 +15,7 @@ from megatron_rl.config.schema import JobConfig
 from megatron_rl.config.validate import HYBRID_NO_SAVE, ConfigError
 from megatron_rl.distributed.dims import ParallelDims
 from megatron_rl.models.args import ModelArgs
-from megatron_rl.trainer.memory_model import GIB, estimate, gen_slots, trained_roles
+from megatron_rl.trainer.memory_model import GIB, estimate, gen_slots, seq_tokens, trained_roles
 
 AUTO = "auto"
 HEADROOM = 1.15  # the memory model's tolerance, applied to everything above the resident state
@@ -83,7 +83,7 @@ def _offload_hint(cfg: JobConfig, dims: ParallelDims, a: ModelArgs, p: int, tota
 def _resolve_budget(cfg, dims, a, p, total, role, chosen, notes) -> None:
     w = getattr(cfg, role)
     key = f"{role}.ppo_max_token_len_per_gpu"
-    s = p + cfg.rollout.max_new_tokens
+    s = seq_tokens(cfg, role, p)
     cands = _token_candidates(cfg, dims, role, s)
     best = _largest(
         cands, lambda b: _fits(estimate(cfg, dims, a, p, {**chosen, role: b}), f"{role}_update", total)
@@ -109,7 +109,8 @@ def _resolve_budget(cfg, dims, a, p, total, role, chosen, notes) -> None:
                                    _offload_hint(cfg, dims, a, p, total, role)))  # fmt: skip
     if w.ppo_max_token_len_per_gpu == AUTO:
         chosen[role] = best
-        notes[key] = f"auto -> {best} ({best // s} sequences of {s} tokens; the largest that fits)"
+        unit = "tokens" if s == p + cfg.rollout.max_new_tokens else "tokens with their shared prompts"
+        notes[key] = f"auto -> {best} ({best // s} sequences of {s} {unit}; the largest that fits)"
     elif min(int(w.ppo_max_token_len_per_gpu), cands[-1]) > best:
         est = estimate(cfg, dims, a, p, chosen)
         raise ConfigError(_refusal(est, f"{role}_update", total, f"{key}={w.ppo_max_token_len_per_gpu}",

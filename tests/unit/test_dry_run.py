@@ -265,3 +265,28 @@ def test_exact_logprobs_counts_its_extra_logits_and_refuses_the_budget_that_ran_
     assert estimate(cfg, ONE, a, 256)["peaks"]["actor_update"] / GIB == pytest.approx(37.0, rel=0.15)
     cfg.actor.ppo_max_token_len_per_gpu = "auto"
     assert plan(cfg, ONE, a, 256, H200)["chosen"]["actor"] < 84480
+
+
+# Session 6 on one H200 (benchmarks/results/2026-12-02-h200-session6), actor.share_prompts=true: the
+# sequences each update micro-batch held (whole groups of 8 under that session's LM-head bound) and the
+# measured update peak (GiB). Budget = those sequences x (512 + 256 / 8) shared tokens each.
+MEASURED_SHARED = [("qwen2.5-1.5b", 48, 96.25), ("qwen2.5-3b", 24, 104.59), ("qwen2.5-7b", 8, 108.07)]
+
+
+@pytest.mark.parametrize("shape,seqs,update_gib", MEASURED_SHARED)
+def test_the_memory_model_counts_shared_prompts_once(shape, seqs, update_gib):
+    """With shared prompts a sequence runs 512 + 256/8 tokens in the update, not 768: the model counts
+    that (and the gathered key segments), and the auto budget is a multiple of it."""
+    cfg, a = grpo(seqs * 544, shape)
+    cfg.actor.share_prompts = True
+    if shape == "qwen2.5-7b":
+        o = cfg.actor.optim
+        o.backend, o.use_distributed_optimizer, o.optimizer_cpu_offload = "megatron", True, True
+        o.optimizer_offload_fraction = 0.5
+    shared = estimate(cfg, ONE, a, 256)["peaks"]["actor_update"]
+    assert shared / GIB == pytest.approx(update_gib, rel=0.05)
+    cfg.actor.share_prompts = False  # the same budget unshared: fewer, longer sequences, other peak
+    assert estimate(cfg, ONE, a, 256)["peaks"]["actor_update"] != pytest.approx(shared, rel=0.01)
+    cfg.actor.share_prompts, cfg.actor.ppo_max_token_len_per_gpu = True, "auto"
+    got = plan(cfg, ONE, a, 256, H200)["chosen"]["actor"]
+    assert got % 544 == 0 and got > 0

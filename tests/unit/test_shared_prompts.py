@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from megatron_rl.models.packed_attention import segment_attention, shared_attention
 from megatron_rl.rollout.batch import RolloutBatch
 from megatron_rl.rollout.packing import pad_layout, token_counts, unpack
-from megatron_rl.rollout.shared_prompts import shared_groups, shared_layout, split_shared
+from megatron_rl.rollout.shared_prompts import shared_groups, shared_layout, shared_seq_tokens, split_shared
 
 PROMPTS = ([5, 6, 7], [8, 9])  # two groups' prompt tokens
 GROUPS = (0, 0, 0, 1, 1)  # rows 0-2 share prompt 0, rows 3-4 prompt 1
@@ -108,3 +108,36 @@ def test_split_shared_counts_prompts_once():
     assert sorted(order) == list(range(5)) and mb.packed.shared
     real, run, rows = token_counts([mb])
     assert (real, run) == (17, 17) and rows == int((batch.prompt_lens + batch.response_lens).sum()) == 25
+
+
+def _groups_batch(groups: int, n: int, p: int, r: int) -> RolloutBatch:
+    """``groups`` prompts of ``p`` tokens with ``n`` responses of ``r`` tokens each (fixed lengths)."""
+    b, t = groups * n, p + r
+    ids = torch.arange(b * t).reshape(b, t) % 50 + 1
+    for g in range(groups):  # a group's rows share their prompt tokens
+        ids[g * n : (g + 1) * n, :p] = ids[g * n, :p]
+    j = torch.arange(r)
+    score_pos = (p - 1 + j).expand(b, r)
+    return RolloutBatch(
+        input_ids=ids, responses=ids[:, p:], response_mask=torch.ones(b, r), score_pos=score_pos,
+        prompt_lens=torch.full((b,), p), response_lens=torch.full((b,), r),
+        group_index=torch.arange(b) // n, rollout_log_probs=torch.zeros(b, r), finish_reasons=["length"] * b,
+        rows=[None] * b,
+    )  # fmt: skip
+
+
+def test_shared_micro_batches_hold_the_sequences_the_memory_model_counts():
+    """The split's LM-head bound is the memory model's: as many sequences as the budget holds at
+    r + p / n tokens each (``shared_seq_tokens``), so a budget for 10 shared sequences holds a whole group
+    of 8 (the unshared bound, 340 // 48 = 7 sequences of full length, split every group in two)."""
+    p, r, n = 16, 32, 8
+    per = shared_seq_tokens(p, r, n)
+    assert per == r + p // n == 34
+    batch = _groups_batch(4, n, p, r)
+    mbs, order = split_shared(batch, 10 * per)
+    assert sorted(order) == list(range(32)) and [len(mb) for mb in mbs] == [8, 8, 8, 8]
+    for mb in mbs:
+        _, run, _ = token_counts([mb])
+        assert run == p + n * r <= 10 * per
+    mbs, _ = split_shared(batch, 20 * per)  # two groups each: 2 x 272 tokens <= 680
+    assert [len(mb) for mb in mbs] == [16, 16]
