@@ -310,11 +310,13 @@ class ActorConfig(RecomputeKeys):
         "Run each micro-batch's sequences end to end in one row (THD, attention kept inside each sequence): "
         "no padded tokens; with use_dynamic_bsz the token budget then counts real tokens.",
     )
-    share_prompts: bool = doc(
-        False,
+    share_prompts: Any = doc(
+        "auto",
         "Packed micro-batches (as pack_sequences) that hold each prompt once for all its sampled responses "
         "(a GRPO group's n): every response attends to the one prompt copy, so a group runs P + nR tokens, not "
-        "n(P + R); log-probs and gradients equal the unshared ones.",
+        "n(P + R); log-probs and gradients equal the unshared ones. auto = on where torch's varlen_attn passes "
+        "its start-up trial on the GPU and the job is single-turn, without LoRA, sequence parallelism or "
+        "rollout.exact_logprobs, with rollout.n > 1 (the memory plan prints the choice); true / false.",
     )
     ppo_epochs: int = doc(1, "Passes over each rollout batch.")
     policy_loss: str = doc(
@@ -364,7 +366,7 @@ class CriticConfig(RecomputeKeys):
         16384, "With use_dynamic_bsz: padded tokens per critic micro-batch; auto as for the actor."
     )
     pack_sequences: bool = doc(False, "Critic micro-batches packed (as actor.pack_sequences).")
-    share_prompts: bool = doc(False, "Critic micro-batches with shared prompts (as actor.share_prompts).")
+    share_prompts: Any = doc("auto", "Critic micro-batches with shared prompts (as actor.share_prompts).")
     ppo_epochs: int = doc(1, "Critic passes over each rollout batch.")
     cliprange_value: float = doc(0.5, "Value clipping range around the old values.")
     loss_agg_mode: str = doc("token-mean", "Aggregation of the value loss (as actor.loss_agg_mode).")

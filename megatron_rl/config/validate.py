@@ -117,7 +117,7 @@ def _check_exact_logprobs(cfg: JobConfig) -> None:
         (cfg.actor.lora.enabled, f"actor.lora.rank={cfg.actor.lora.rank}"),
         (cfg.rollout.multi_turn.enable, "rollout.multi_turn.enable=true"),
         (cfg.actor.pack_sequences, "actor.pack_sequences=true"),
-        (cfg.actor.share_prompts, "actor.share_prompts=true"),
+        (cfg.actor.share_prompts is True, "actor.share_prompts=true"),
     ]
     bad = [name for clash, name in clashes if clash]
     if bad:
@@ -148,6 +148,9 @@ def _check_update_batches(cfg: JobConfig, role: str, dp: int) -> int:
             f"sequences does not split evenly over the data-parallel size {dp} (world / (TP x PP)). "
             f"Make {role}.ppo_mini_batch_size * rollout.n a multiple of {dp}."
         )
+    share = _get(cfg, f"{role}.share_prompts")
+    if share not in ("auto", True, False):
+        raise ConfigError(f"{role}.share_prompts={share!r}: use true, false or auto.")
     budget = _get(cfg, f"{role}.ppo_max_token_len_per_gpu")
     if budget != "auto" and not (isinstance(budget, int) and budget > 0):
         raise ConfigError(f"{role}.ppo_max_token_len_per_gpu={budget!r}: use a positive token count or auto.")

@@ -43,7 +43,7 @@ def _seq_len(cfg: JobConfig, p: int) -> int:
 def seq_tokens(cfg: JobConfig, role: str, p: int) -> int:
     """Tokens one sequence runs in a ``role`` update micro-batch: prompt + response, or with
     ``share_prompts`` its response plus its share of the group's one prompt copy (``shared_seq_tokens``)."""
-    if getattr(cfg, role).share_prompts is True:
+    if getattr(cfg, role).share_prompts is True:  # "auto": resolved by the memory plan before this counts
         return shared_seq_tokens(p, cfg.rollout.max_new_tokens, cfg.rollout.n)
     return _seq_len(cfg, p)
 

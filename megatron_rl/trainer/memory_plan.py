@@ -4,12 +4,17 @@ refuse a configuration it says cannot fit, naming the key to change and a value 
 Resolved here: ``actor.ppo_max_token_len_per_gpu`` and ``critic.ppo_max_token_len_per_gpu`` (with
 use_dynamic_bsz; the largest whole number of sequences whose training peak fits) and
 ``rollout.max_num_seqs`` (the most KV-cache slots whose generation peak fits; the KV cache,
-``rollout.kv_cache_tokens``, is then sized for exactly those slots). A phase fits when
+``rollout.kv_cache_tokens``, is then sized for exactly those slots), and ``actor.share_prompts`` /
+``critic.share_prompts`` (``share_choice``; first, since a shared sequence runs fewer tokens). A phase fits when
 resident state + 1.15 x what the phase adds on top <= GPU memory - 2 GiB: the memory model is held to
 15% of the measured peak per phase, and the CUDA context, NCCL and allocator slack need the rest.
 """
 
 from __future__ import annotations
+
+import copy
+
+import torch
 
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.config.validate import HYBRID_NO_SAVE, ConfigError
@@ -33,6 +38,42 @@ def gpu_memory_bytes(cfg: JobConfig) -> tuple[float | None, str]:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return float(props.total_memory), f"{props.name}, {props.total_memory / GIB:.1f} GiB"
     return None, "no GPU and trainer.gpu_memory_gb unset"
+
+
+def share_prompts_blocker(cfg: JobConfig, role: str) -> str | None:
+    """Why ``{role}.share_prompts=auto`` stays off in this configuration (None: nothing in the config
+    stops it). Sharing is on by auto only where the parity tests cover it (single-turn, no LoRA, no
+    sequence parallelism) and where it is faster: on CUDA, through torch's varlen_attn."""
+    if cfg.rollout.n < 2:
+        return "rollout.n=1: no two responses share a prompt"
+    if cfg.rollout.exact_logprobs:
+        return "rollout.exact_logprobs=true trains on unpacked rows"
+    if cfg.rollout.multi_turn.enable:
+        return "multi-turn rollouts"
+    if getattr(cfg, role).lora.enabled:
+        return f"{role}.lora.rank={getattr(cfg, role).lora.rank}"
+    if cfg.parallel.sequence_parallel:
+        return "parallel.sequence_parallel=true"
+    if cfg.model.dtype not in ("bfloat16", "float16"):
+        return f"model.dtype={cfg.model.dtype}: torch's varlen_attn runs in bf16/fp16 only"
+    return None
+
+
+def share_choice(cfg: JobConfig, role: str) -> tuple[bool, str]:
+    """``{role}.share_prompts=auto`` resolved: (on, why). On where nothing in the config stops it and
+    torch's varlen_attn passes its trial with shared key segments on this rank's GPU (the per-segment
+    loop that would run otherwise is slower than unshared rows)."""
+    from megatron_rl.models.packed_attention import varlen_available, varlen_notes
+
+    blocker = share_prompts_blocker(cfg, role)
+    if blocker is not None:
+        return False, blocker
+    if not torch.cuda.is_available():
+        return False, "no CUDA device: torch's varlen_attn runs on CUDA only"
+    dev, dtype = torch.device("cuda", torch.cuda.current_device()), getattr(torch, cfg.model.dtype)
+    if not varlen_available(dev, dtype, shared=True):
+        return False, f"torch varlen_attn failed its trial: {varlen_notes()[f'{dev} {dtype} shared']}"
+    return True, "each prompt once per group in the update"
 
 
 def _fits(est: dict, phase: str, total: float) -> bool:
@@ -61,8 +102,6 @@ def _token_candidates(cfg: JobConfig, dims: ParallelDims, role: str, seq_len: in
 def _offload_hint(cfg: JobConfig, dims: ParallelDims, a: ModelArgs, p: int, total: float, role: str) -> str:
     """What to set when even one sequence per micro-batch cannot train: the hybrid-device optimizer with
     the smallest host fraction that fits (if any does)."""
-    import copy
-
     trial = copy.deepcopy(cfg)
     o = getattr(trial, role).optim
     keys = (f"{role}.optim.backend=megatron {role}.optim.use_distributed_optimizer=true "
@@ -155,6 +194,13 @@ def plan(cfg: JobConfig, dims: ParallelDims, a: ModelArgs, p: int, total: float 
     the GPU's bytes (None: no GPU to fit, auto keys get the configured defaults' fallbacks)."""
     chosen, notes = {}, {}
     roles = [r for r in trained_roles(cfg) if r != "ref"]
+    shares = {r: share_choice(cfg, r) for r in roles if getattr(cfg, r).share_prompts == AUTO}
+    if shares:
+        cfg = copy.deepcopy(cfg)  # the estimates below see the choice; apply_plan writes it
+        for r, (on, why) in shares.items():
+            getattr(cfg, r).share_prompts = chosen[f"{r}_share_prompts"] = on
+            if torch.cuda.is_available():  # said on a GPU; on CPU it is always off and would only be noise
+                notes[f"{r}.share_prompts"] = f"auto -> {str(on).lower()} ({why})"
     if total is None:
         autos = [
             f"{r}.ppo_max_token_len_per_gpu"
@@ -177,6 +223,8 @@ def apply_plan(cfg: JobConfig, chosen: dict) -> None:
     for role in ("actor", "critic"):
         if role in chosen:
             getattr(cfg, role).ppo_max_token_len_per_gpu = chosen[role]
+        if f"{role}_share_prompts" in chosen:
+            getattr(cfg, role).share_prompts = chosen[f"{role}_share_prompts"]
     if "max_num_seqs" in chosen:
         cfg.rollout.max_num_seqs = chosen["max_num_seqs"]
     if "kv_cache_tokens" in chosen:

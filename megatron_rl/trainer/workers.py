@@ -163,7 +163,7 @@ class _TrainedModel:
         token budget counts real tokens; ``share_prompts``: packed with each prompt once
         (``rollout.shared_prompts``), whole groups together."""
         cfg = self.cfg
-        shared = cfg.share_prompts
+        shared = cfg.share_prompts is True  # auto is resolved by the memory plan (off where it did not run)
         if cfg.use_dynamic_bsz:
             split = split_shared if shared else split_packed if cfg.pack_sequences else split_by_tokens
             return split(batch, cfg.ppo_max_token_len_per_gpu)

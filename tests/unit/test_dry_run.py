@@ -4,6 +4,7 @@ budgets and the refusal of jobs that cannot fit (issue 15 item 4), from config.j
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import subprocess
 import sys
@@ -74,7 +75,9 @@ def test_the_3b_budget_that_died_is_no_longer_called_safe():
     assert "actor.ppo_max_token_len_per_gpu=24576" in msg and "actor.ppo_max_token_len_per_gpu=19968" in msg
     cfg.actor.ppo_max_token_len_per_gpu = 8192  # measured 74.3 GiB: within 15%
     assert estimate(cfg, ONE, a, 256)["peaks"]["actor_update"] / GIB == pytest.approx(74.3, rel=0.15)
-    assert plan(cfg, ONE, a, 256, H200)["chosen"] == {}
+    assert plan(cfg, ONE, a, 256, H200)["chosen"] == {
+        "actor_share_prompts": False
+    }  # no auto budget: none chosen
 
 
 def test_auto_picks_the_largest_budget_and_slots_that_fit():
@@ -290,3 +293,52 @@ def test_the_memory_model_counts_shared_prompts_once(shape, seqs, update_gib):
     cfg.actor.share_prompts, cfg.actor.ppo_max_token_len_per_gpu = True, "auto"
     got = plan(cfg, ONE, a, 256, H200)["chosen"]["actor"]
     assert got % 544 == 0 and got > 0
+
+
+def test_share_prompts_auto_is_on_only_where_varlen_runs_and_the_job_is_covered(monkeypatch):
+    import megatron_rl.models.packed_attention as pa
+    import megatron_rl.trainer.memory_plan as mp
+
+    cfg, a = grpo("auto")
+    assert cfg.actor.share_prompts == "auto"  # the default
+    got = plan(copy.deepcopy(cfg), ONE, a, 256, H200)  # this machine: no CUDA
+    assert got["chosen"]["actor_share_prompts"] is False and got["chosen"]["actor"] % 768 == 0
+    assert "actor.share_prompts" not in got["notes"]  # not printed on a machine without a GPU
+    assert "no CUDA device" in mp.share_choice(cfg, "actor")[1]
+    # a GPU whose varlen_attn passes the trial: on, and the budget counts shared sequences
+    monkeypatch.setattr(mp.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mp.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(pa, "varlen_available", lambda dev, dtype, shared=False: True)
+    got = plan(copy.deepcopy(cfg), ONE, a, 256, H200)
+    assert got["chosen"]["actor_share_prompts"] is True and got["chosen"]["actor"] % 544 == 0
+    assert got["notes"]["actor.share_prompts"].startswith("auto -> true")
+    assert "shared prompts" in got["notes"]["actor.ppo_max_token_len_per_gpu"]
+    fitted = copy.deepcopy(cfg)
+    apply_plan(fitted, got["chosen"])
+    assert fitted.actor.share_prompts is True and cfg.actor.share_prompts == "auto"  # plan left cfg alone
+    for key, value, why in [("rollout.n", 1, "rollout.n=1"), ("rollout.exact_logprobs", True, "exact_logprobs"),
+                            ("rollout.multi_turn.enable", True, "multi-turn"), ("actor.lora.rank", 8, "lora"),
+                            ("parallel.sequence_parallel", True, "sequence_parallel"),
+                            ("model.dtype", "float32", "model.dtype=float32")]:  # fmt: skip
+        blocked = copy.deepcopy(cfg)
+        *path, last = key.split(".")
+        setattr(functools.reduce(getattr, path, blocked), last, value)
+        on, note = mp.share_choice(blocked, "actor")
+        assert not on and why in note, (key, note)
+    # the trial failed on this GPU: off, with its errors
+    pa._VARLEN_WHY[("cuda:0", mp.torch.bfloat16, True)] = (
+        "largest relative error vs float32: varlen_attn 1e-1"
+    )
+    monkeypatch.setattr(pa, "varlen_available", lambda dev, dtype, shared=False: False)
+    on, note = mp.share_choice(cfg, "actor")
+    assert not on and "failed its trial" in note and "1e-1" in note
+    pa._VARLEN_WHY.pop(("cuda:0", mp.torch.bfloat16, True))
+
+
+def test_share_prompts_takes_true_false_or_auto():
+    from megatron_rl.config.validate import validate_job
+
+    cfg, _ = grpo(24576)
+    cfg.actor.share_prompts = "yes"
+    with pytest.raises(ConfigError, match="actor.share_prompts='yes': use true, false or auto"):
+        validate_job(cfg, 1)
