@@ -31,7 +31,9 @@
 - Checkpoints: ``sharded_state_dict`` is megatron-core's. Every optimizer tensor is tied to its model
   parameter's ShardedTensor, so it reshards across TP/PP/DP like the weights; the distributed optimizer
   uses the ``fully_reshardable`` format (its shards are all-gathered over DP into whole per-param tensors
-  at save, held in CPU memory on every rank for the write: 12 bytes per parameter of this stage).
+  at save, held in CPU memory on every rank for the write: 12 bytes per parameter of this stage). The
+  hybrid optimizer's checkpoint has the same layout; ``megatron_rl.optim.hybrid`` says what it adds (at DP=1
+  the tensors are written from and read into the live state, without that gather).
 """
 
 from __future__ import annotations
