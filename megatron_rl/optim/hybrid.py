@@ -20,6 +20,8 @@ run's settings. What this module adds to megatron-core's path:
   the one-GPU 7B-8B case) the same checkpoint is written from and read into the live state tensors.
   megatron-core's exchange would first gather everything into new host tensors (12 bytes per param, plus
   as much again while it gathers), which the host that holds the offloaded state does not have room for.
+- At DP>1 megatron-core's exchange runs in its memory-efficient form (``MegatronOptimizer``): gathered
+  over gloo into DP rank 0's host memory instead of an all-gather through device memory.
 - ``set_step``: the Adam step from ``host_state``; megatron-core copies the hybrid optimizer's param-group
   keys onto its sub-optimizers before every step, so a loaded group ``step`` would pin TE FusedAdam's
   (per-group) step at the loaded value.

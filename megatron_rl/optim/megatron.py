@@ -216,8 +216,14 @@ class MegatronOptimizer(Optimizer):
         if self._in_place():
             return hybrid.in_place_state(self.opt.chained_optimizers[0], model_sharded_state_dict)
         metadata = {"distrib_optim_sharding_type": DIST_OPT_SHARDING}
+        if self.hybrid is not None:  # gathered over gloo into DP rank 0's host memory: no device memory
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = True
         sd = self.opt.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
-        return hybrid.strip_groups(sd) if self.hybrid is not None else sd
+        if self.hybrid is None:
+            return sd
+        if sd["param_state"] is None:  # not DP rank 0 (megatron-core would report it as common state)
+            del sd["param_state"]
+        return hybrid.strip_groups(sd)
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
         if self._in_place():

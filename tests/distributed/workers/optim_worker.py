@@ -244,6 +244,12 @@ def hybrid_checkpoint(root: Path) -> None:
         run = Run(path, bf16, tp=tp, **optim)
         run.load(ckpt, host)
         assert run.opt.adam_step() == host["adam_step"], what
+        if run.opt.hybrid is not None:  # nothing loaded stays referenced: each state tensor owns its storage
+            for sub in run.opt.hybrid.sub_optimizers:
+                for p, st in sub.state.items():
+                    assert st["master_param"] is p, what
+                    for t in st.values():
+                        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), what
         metrics = [run.update(s) for s in (2, 3)]
         assert run.opt.adam_step() == host["adam_step"] + 4, what  # each param's step moved once per step
         return run, metrics
