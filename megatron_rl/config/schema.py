@@ -208,7 +208,8 @@ class OptimConfig:
     )
     optimizer_offload_fraction: float = doc(
         1.0,
-        "With optimizer_cpu_offload: the fraction (0..1) of this rank's optimizer state kept on the host.",
+        "With optimizer_cpu_offload: the fraction (0..1) of this rank's optimizer state kept on the host; a "
+        "resume may change it (the checkpointed state is split anew).",
     )
     overlap_cpu_optimizer_d2h_h2d: bool = doc(
         False,

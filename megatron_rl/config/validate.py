@@ -217,7 +217,7 @@ def _check_optim(cfg: JobConfig, role: str) -> None:
 
 def _check_hybrid_optim(cfg: JobConfig, optim, role: str) -> None:
     """megatron-core's hybrid-device optimizer: inside its distributed optimizer, on bf16 weights (0.16.1
-    hands it non-leaf views of fp32 weights, which torch optimizers refuse), not yet in checkpoints."""
+    hands it non-leaf views of fp32 weights, which torch optimizers refuse)."""
     k = f"{role}.optim"
     if optim.backend != "megatron" or not optim.use_distributed_optimizer:
         raise ConfigError(
@@ -243,18 +243,8 @@ def _check_hybrid_optim(cfg: JobConfig, optim, role: str) -> None:
             f"its own fp32 main params of bf16 weights; it cannot step fp32 weights), got "
             f"model.dtype={cfg.model.dtype}. Set model.dtype=bfloat16 or {k}.optimizer_cpu_offload=false."
         )
-    tr = cfg.trainer
-    if tr.save_freq > 0 or tr.save_final or tr.save_on_signal:
-        raise ConfigError(
-            f"{k}.optimizer_cpu_offload=true cannot be checkpointed yet (the hybrid optimizer's state is not "
-            f"wired into the checkpoint), and this run would save (trainer.save_freq={tr.save_freq}, "
-            f"trainer.save_final={tr.save_final}, trainer.save_on_signal={tr.save_on_signal}): set "
-            f"{HYBRID_NO_SAVE} or {k}.optimizer_cpu_offload=false."
-        )
 
 
-# what a run with the hybrid-device optimizer must set while its state cannot be checkpointed
-HYBRID_NO_SAVE = "trainer.save_freq=-1 trainer.save_final=false trainer.save_on_signal=false"
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 
 

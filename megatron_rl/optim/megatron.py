@@ -31,7 +31,9 @@
 - Checkpoints: ``sharded_state_dict`` is megatron-core's. Every optimizer tensor is tied to its model
   parameter's ShardedTensor, so it reshards across TP/PP/DP like the weights; the distributed optimizer
   uses the ``fully_reshardable`` format (its shards are all-gathered over DP into whole per-param tensors
-  at save, held in CPU memory on every rank for the write: 12 bytes per parameter of this stage).
+  at save, held in CPU memory on every rank for the write: 12 bytes per parameter of this stage). The
+  hybrid optimizer's checkpoint has the same layout; ``megatron_rl.optim.hybrid`` says what it adds (at DP=1
+  the tensors are written from and read into the live state, without that gather).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
 from megatron_rl.config.schema import OptimConfig
 from megatron_rl.models import unwrap
+from megatron_rl.optim import hybrid
 from megatron_rl.optim.base import Optimizer, OptimizerKind, ensure_adam_state
 from megatron_rl.optim.schedule import build_scheduler
 
@@ -190,25 +193,42 @@ class MegatronOptimizer(Optimizer):
 
     # --- checkpoints -------------------------------------------------------------------------------
 
+    @property
+    def hybrid(self) -> HybridDeviceOptimizer | None:
+        return self.inner if isinstance(self.inner, HybridDeviceOptimizer) else None
+
     def _ensure_state(self) -> None:
-        """torch Adam's lazily created state (zeros, step 0), exactly what its first step would create:
+        """Adam's lazily created state (zeros, step 0), exactly what its first step would create:
         megatron-core's state dicts assume it exists (the distributed optimizer reads one common step)."""
-        if isinstance(self.inner, HybridDeviceOptimizer):
-            raise NotImplementedError(
-                "checkpoints of optim.optimizer_cpu_offload=true are not supported yet (megatron-core's "
-                "hybrid optimizer state is not wired into the checkpoint); set trainer.save_freq=-1 or "
-                "optim.optimizer_cpu_offload=false"
-            )
-        if _torch_adam(self.inner):
+        if self.hybrid is not None:
+            hybrid.ensure_state(self.hybrid)
+        elif _torch_adam(self.inner):
             ensure_adam_state(self.inner)
+
+    def _in_place(self) -> bool:
+        """The hybrid optimizer's checkpoint is written from and read into its live tensors when this rank
+        holds whole params (``optim.hybrid``)."""
+        return self.hybrid is not None and hybrid.whole_params(self.opt.chained_optimizers[0])
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
         """megatron-core's optimizer ShardedStateDict, tied to ``model_sharded_state_dict``'s tensors."""
         self._ensure_state()
+        if self._in_place():
+            return hybrid.in_place_state(self.opt.chained_optimizers[0], model_sharded_state_dict)
         metadata = {"distrib_optim_sharding_type": DIST_OPT_SHARDING}
-        return self.opt.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
+        if self.hybrid is not None:  # gathered over gloo into DP rank 0's host memory: no device memory
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = True
+        sd = self.opt.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
+        if self.hybrid is None:
+            return sd
+        if sd["param_state"] is None:  # not DP rank 0 (megatron-core would report it as common state)
+            del sd["param_state"]
+        return hybrid.strip_groups(sd)
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
+        if self._in_place():
+            hybrid.load_in_place(self.opt.chained_optimizers[0], loaded)
+            return
         if self.kind.use_distributed_optimizer and "param_state" in loaded:
             # megatron-core 0.16.1 copies *every* state key of a param from the checkpoint's tensors, which
             # have no per-param "step" (torch Adam keeps one; TE/apex FusedAdam do not): KeyError. So the
@@ -229,6 +249,11 @@ class MegatronOptimizer(Optimizer):
                     self.inner.state[p]["step"] = step
         else:
             self.opt.load_state_dict(loaded)
+        if self.hybrid is not None:
+            hybrid.restore_groups(self.hybrid)
+            hybrid.release_loaded(self.hybrid)
+            gc.collect()  # the sub-optimizers megatron-core's load replaced sit in reference cycles
+            return  # the step: load_host_state
         self._fuse()
         if _torch_adam(self.inner):
             # megatron-core hands every param the same 0-dim step tensor (distributed optimizer) or none
@@ -264,6 +289,8 @@ class MegatronOptimizer(Optimizer):
 
     def load_host_state(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.hybrid is not None:
+            hybrid.set_step(self.hybrid, int(state["adam_step"]))
 
     # --- offload -------------------------------------------------------------------------------------
 

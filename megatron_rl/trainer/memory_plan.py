@@ -17,7 +17,7 @@ import copy
 import torch
 
 from megatron_rl.config.schema import JobConfig
-from megatron_rl.config.validate import HYBRID_NO_SAVE, ConfigError
+from megatron_rl.config.validate import ConfigError
 from megatron_rl.distributed.dims import ParallelDims
 from megatron_rl.models.args import ModelArgs
 from megatron_rl.trainer.memory_model import GIB, estimate, gen_slots, seq_tokens, trained_roles
@@ -105,7 +105,7 @@ def _offload_hint(cfg: JobConfig, dims: ParallelDims, a: ModelArgs, p: int, tota
     trial = copy.deepcopy(cfg)
     o = getattr(trial, role).optim
     keys = (f"{role}.optim.backend=megatron {role}.optim.use_distributed_optimizer=true "
-            f"{role}.optim.optimizer_cpu_offload=true {HYBRID_NO_SAVE}")  # fmt: skip
+            f"{role}.optim.optimizer_cpu_offload=true")  # fmt: skip
     if not hasattr(o, "optimizer_cpu_offload"):
         return "the model's optimizer state does not fit on this GPU: shard it over more GPUs (TP/PP/DP)"
     o.backend, o.use_distributed_optimizer, o.optimizer_cpu_offload = "megatron", True, True
