@@ -165,17 +165,28 @@ def pad_response(out: torch.Tensor, r: int) -> torch.Tensor:
     return torch.nn.functional.pad(out, (0, r - out.shape[1])) if out.shape[1] < r else out
 
 
-def token_budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+def token_budget_groups(
+    lengths: list[int], max_tokens: int, responses: list[int] | None = None, max_scored: int | None = None
+) -> list[list[int]]:
     """Dynamic batch size, padded rows: indices of ``lengths`` grouped longest first, each group filled
     greedily while (its size + 1) x its longest (the first) fits ``max_tokens``. A single sequence longer
-    than ``max_tokens`` gets a group of its own (the config check prevents it)."""
+    than ``max_tokens`` gets a group of its own (the config check prevents it). ``max_scored``: also at
+    most that many LM-head rows (group size x its longest of ``responses``): the memory model's bound, which
+    short prompts would otherwise pass (more sequences of the same padded length, each scoring more rows)."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     groups: list[list[int]] = []
+    longest = 0
     for i in order:
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+        r = responses[i] if responses is not None else 0
+        fits = groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens
+        if fits and max_scored is not None:
+            fits = (len(groups[-1]) + 1) * max(longest, r) <= max_scored
+        if fits:
             groups[-1].append(i)
+            longest = max(longest, r)
         else:
             groups.append([i])
+            longest = r
     return groups
 
 
@@ -211,12 +222,20 @@ def padded_fraction(lengths: list[int], groups: list[list[int]], packed: bool = 
     return 1.0 - real / run if run else 0.0
 
 
-def split_by_tokens(batch: RolloutBatch, max_tokens: int) -> tuple[list[RolloutBatch], list[int]]:
+def split_by_tokens(
+    batch: RolloutBatch, max_tokens: int, max_scored: int | None = None
+) -> tuple[list[RolloutBatch], list[int]]:
     """Dynamic batch size: micro-batches of similar-length sequences holding at most ``max_tokens``
-    padded tokens each (``token_budget_groups``), each trimmed to its own longest sequence.
+    padded tokens each (``token_budget_groups``; and at most ``max_scored`` LM-head rows, the memory
+    plan's bound), each trimmed to its own longest sequence.
 
     Longest first, greedily filled, so padding is small and few, large micro-batches run. Returns the
     micro-batches and ``order``: micro-batch rows, concatenated, are ``batch`` rows ``order``.
     """
-    groups = token_budget_groups((batch.prompt_lens + batch.response_lens).tolist(), max_tokens)
+    groups = token_budget_groups(
+        (batch.prompt_lens + batch.response_lens).tolist(),
+        max_tokens,
+        batch.response_lens.tolist(),
+        max_scored,
+    )
     return [trim(batch.select(g)) for g in groups], [i for g in groups for i in g]

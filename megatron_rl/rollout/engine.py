@@ -208,7 +208,7 @@ class RolloutEngine:
         stats = self.last_stats = GenerationStats()
         on_gpu = torch.cuda.is_available()
         if on_gpu:
-            # the update leaves free blocks in the caching allocator (session 6, 8B: 9.85 GiB reserved but
+            # the update leaves free blocks in the caching allocator (session 7, 8B: 9.85 GiB reserved but
             # unallocated) that the KV cache, one large tensor, cannot use: hand them back first
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()

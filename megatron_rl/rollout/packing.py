@@ -131,18 +131,20 @@ def token_counts(mbs: list[RolloutBatch]) -> tuple[int, int, int]:
     return real, run, sum(rows)
 
 
-def max_scored(batch: RolloutBatch, max_tokens: int) -> int:
+def max_scored_rows(batch: RolloutBatch, max_tokens: int) -> int:
     """The LM-head rows (sequences x longest response) a packed micro-batch of ``batch`` may score: no more
     than padded rows of its longest sequences give within ``max_tokens`` (the memory model's bound)."""
     return max(1, max_tokens // batch.seq_len) * batch.responses.shape[1]
 
 
-def split_packed(batch: RolloutBatch, max_tokens: int) -> tuple[list[RolloutBatch], list[int]]:
+def split_packed(
+    batch: RolloutBatch, max_tokens: int, max_scored: int | None = None
+) -> tuple[list[RolloutBatch], list[int]]:
     """``split_by_tokens`` for packed micro-batches: sequences whose lengths sum to at most ``max_tokens``
-    and whose LM-head rows stay within what the padded split allows (``packed_groups``), each micro-batch carrying its ``PackedLayout`` in ``packed``. Returns the
-    micro-batches and the batch rows they hold, in order."""
+    and whose LM-head rows stay within ``max_scored`` (the memory plan's bound; default what the padded
+    split of this batch allows), each micro-batch carrying its ``PackedLayout`` in ``packed``
+    (``packed_groups``). Returns the micro-batches and the batch rows they hold, in order."""
     lengths = batch.prompt_lens + batch.response_lens
-    groups = packed_groups(
-        lengths.tolist(), max_tokens, batch.response_lens.tolist(), max_scored(batch, max_tokens)
-    )
+    bound = max_scored_rows(batch, max_tokens) if max_scored is None else max_scored
+    groups = packed_groups(lengths.tolist(), max_tokens, batch.response_lens.tolist(), bound)
     return [pack(trim(batch.select(g))) for g in groups], [i for g in groups for i in g]

@@ -127,15 +127,18 @@ def shared_seq_tokens(prompt_len: int, response_len: int, n: int) -> int:
 def shared_max_scored(batch: RolloutBatch, max_tokens: int) -> int:
     """The LM-head rows (sequences x longest response) a shared micro-batch of ``batch`` may score: as many
     sequences as ``max_tokens`` holds at ``shared_seq_tokens`` each (the memory model's bound; the unshared
-    bound, ``packing.max_scored``, would stop a micro-batch at the sequences of full length that fit)."""
+    bound, ``packing.max_scored_rows``, would stop a micro-batch at the sequences of full length that fit)."""
     r = batch.responses.shape[1]
     n = max(Counter(batch.group_index.tolist()).values(), default=1)
     return max(1, max_tokens // shared_seq_tokens(batch.seq_len - r, r, n)) * r
 
 
-def split_shared(batch: RolloutBatch, max_tokens: int) -> tuple[list[RolloutBatch], list[int]]:
+def split_shared(
+    batch: RolloutBatch, max_tokens: int, max_scored: int | None = None
+) -> tuple[list[RolloutBatch], list[int]]:
     """``split_packed`` with shared prompts: micro-batches of whole GRPO groups (``shared_groups``) within
-    ``max_tokens`` packed tokens each. Returns the micro-batches and the batch rows they hold, in order."""
+    ``max_tokens`` packed tokens and ``max_scored`` LM-head rows each (the memory plan's bound; default
+    ``shared_max_scored``). Returns the micro-batches and the batch rows they hold, in order."""
     groups = shared_groups(batch.group_index.tolist(), batch.prompt_lens.tolist(), batch.response_lens.tolist(),
-                           max_tokens, shared_max_scored(batch, max_tokens))  # fmt: skip
+                           max_tokens, max_scored or shared_max_scored(batch, max_tokens))  # fmt: skip
     return [share(trim(batch.select(g))) for g in groups], [i for g in groups for i in g]

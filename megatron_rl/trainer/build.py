@@ -25,6 +25,7 @@ from megatron_rl.rollout.sampling import logprob_temperature
 from megatron_rl.tasks import register_builtin_tasks, secret_digit
 from megatron_rl.tasks.last_digit import prepare_builtin_task
 from megatron_rl.trainer.advantage import build_kl_controller
+from megatron_rl.trainer.memory_model import scored_rows
 from megatron_rl.trainer.workers import CriticWorker, PolicyWorker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -191,8 +192,13 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
     val_ds = PromptDataset(val_files, files_key="data.val_files", **dataset_kw) if val_files else None
     total = min(cfg.trainer.total_training_steps, loader.steps_per_epoch * cfg.trainer.total_epochs)
     args = ModelArgs.from_hf_config(model_dir, tp=dims.tp)
-    fit_to_gpu(cfg, dims, args, max(len(r.prompt_ids) for r in train_ds.rows))  # before any weights load
+    prompt_len = max(len(r.prompt_ids) for r in train_ds.rows)
+    fit_to_gpu(cfg, dims, args, prompt_len)  # before any weights load
     actor, ref, critic = _build_models(cfg, args, model_dir, total)
+    if cfg.actor.use_dynamic_bsz:  # the LM-head rows the plan sized the logits for bound every micro-batch
+        for policy in (actor, ref):
+            if policy is not None:
+                policy.max_scored = scored_rows(cfg, "actor", prompt_len)
     engine_cfg = EngineConfig.from_config(cfg.rollout)
     reward_model = None
     if cfg.reward.reward_fn == "model":

@@ -60,6 +60,13 @@ def micro_seqs(cfg: JobConfig, role: str, seq_len: int, budget: int | None = Non
     return w.ppo_micro_batch_size_per_gpu
 
 
+def scored_rows(cfg: JobConfig, role: str, p: int) -> int:
+    """The LM-head rows (sequences x response length) the model counts for one ``role`` micro-batch at
+    prompt length ``p``: the split's bound, so that micro-batches of shorter prompts (more sequences within
+    the same token budget) never score more rows than the plan sized the logits for."""
+    return micro_seqs(cfg, role, seq_tokens(cfg, role, p)) * cfg.rollout.max_new_tokens
+
+
 def layer_activation_bytes_per_token(cfg: JobConfig, a: ModelArgs, tp: int, role: str) -> float:
     """Bytes one token keeps for backward in one local-spec layer: the two norm inputs and outputs and
     attention-out's input (5h), the SDPA inputs and output (q, k, v, out: 2q + kv; flash/cuDNN keep no

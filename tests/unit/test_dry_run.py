@@ -270,7 +270,7 @@ def test_exact_logprobs_counts_its_extra_logits_and_refuses_the_budget_that_ran_
     assert plan(cfg, ONE, a, 256, H200)["chosen"]["actor"] < 84480
 
 
-# Session 6 on one H200 (benchmarks/results/2026-12-02-h200-session6), actor.share_prompts=true: the
+# Session 7 on one H200 (benchmarks/results/2026-12-02-h200-session7), actor.share_prompts=true: the
 # sequences each update micro-batch held (whole groups of 8 under that session's LM-head bound) and the
 # measured update peak (GiB). Budget = those sequences x (512 + 256 / 8) shared tokens each.
 MEASURED_SHARED = [("qwen2.5-1.5b", 48, 96.25), ("qwen2.5-3b", 24, 104.59), ("qwen2.5-7b", 8, 108.07)]
