@@ -246,6 +246,7 @@ def roofline(c, dims, counts, batch) -> dict:
     new token of the longest response, all sequences together, each live until its own end)."""
     import torch
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
     n = c.args.matmul_params()
     prompt_t, response_t = float(counts[0]), float(counts[1])
@@ -255,10 +256,8 @@ def roofline(c, dims, counts, batch) -> dict:
         torch.tensor(x, dtype=torch.float64, device=batch.prompt_lens.device) for x in live_kv(batch)
     )
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-    dist.all_reduce(kv_tokens)
-    decode_bytes = (
-        float(steps) * weights + kv * float(kv_tokens) / dims.tp
-    )  # TP ranks of a replica: one batch
+    dist.all_reduce(kv_tokens, group=ps.get_data_parallel_group())  # TP/PP ranks of a replica: one batch
+    decode_bytes = float(steps) * weights + kv * float(kv_tokens)
     r = roofline_step_s(n, (prompt_t + response_t) / dims.world_size, prompt_t / dims.world_size,
                         decode_bytes / dims.world_size)  # fmt: skip
     formula = (f"6 x {n:.4g} x {prompt_t + response_t:.0f} / {PEAK_BF16_FLOPS:.3g} + 2 x {n:.4g} x {prompt_t:.0f} "
@@ -270,6 +269,7 @@ def roofline(c, dims, counts, batch) -> dict:
 def run(a: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
     from hydra import compose, initialize_config_dir
 
     from megatron_rl.config.entry import checked_layout, quiet_third_party
@@ -317,7 +317,7 @@ def run(a: argparse.Namespace) -> dict:
             dtype=torch.float64,
             device=batch.prompt_lens.device,
         )
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=ps.get_data_parallel_group())  # TP/PP ranks of a replica: one batch
         tokens = float(counts[0] + counts[1])
         phases = {k.split("/", 1)[1]: v for k, v in timer.metrics().items()}
         update_s = phases.get("update_actor", 0.0)

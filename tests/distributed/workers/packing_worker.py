@@ -98,8 +98,9 @@ def policy_parity(path: Path, tp: int, pp: int = 1, names=tuple(LAYOUTS)) -> Non
         _same(g0, g, f"tp={tp} {name}")
 
 
-def critic_parity(path: Path, tp: int) -> None:
-    """Critic: values and value-loss gradients, padded vs packed vs shared prompts."""
+def critic_parity(path: Path, tp: int, pp: int = 1) -> None:
+    """Critic: values and value-loss gradients, padded vs packed vs shared prompts (the layout of the
+    policy_parity call before it: TP ``tp``, PP ``pp``)."""
     model, args = _model(path, tp, "critic")
     batch = grouped_batch(args.vocab_size)
     g = torch.Generator().manual_seed(3)
@@ -116,13 +117,14 @@ def critic_parity(path: Path, tp: int) -> None:
         mbs, _ = worker._split(batch)
         model.zero_grad(set_to_none=True)
         outs = run_micro_batches(model, mbs, partial(worker._loss, (20, 7)), False, False)
-        results.append((values, sum(float(o["vf_loss"]) for o in outs), _grads(model)))
+        loss = broadcast_from_last_stage(sum(float(o["vf_loss"]) for o in outs))
+        results.append((values, loss, _grads(model)))
     v0, l0, g0 = results[0]
     assert l0 != 0
     for name, (v1, l1, g1) in zip(("packed", "shared"), results[1:]):
         assert torch.allclose(v0, v1, atol=1e-12), (tp, name, (v0 - v1).abs().max())
         assert abs(l0 - l1) < 1e-12, (name, l0, l1)
-        _same(g0, g1, f"critic tp={tp} {name}")
+        _same(g0, g1, f"critic tp={tp} pp={pp} {name}")
 
 
 if __name__ == "__main__":
@@ -135,5 +137,6 @@ if __name__ == "__main__":
         policy_parity(root / "qwen2", tp)
         critic_parity(root / "qwen2", tp)
     policy_parity(root / "qwen2", 1, 2, ("padded", "shared"))
+    critic_parity(root / "qwen2", 1, 2)  # share_prompts=auto may turn it on for a PP critic too
     if dist.get_rank() == 0:
         print("packing checks passed")
