@@ -269,8 +269,8 @@ def roofline(c, dims, counts, batch) -> dict:
 def run(a: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     from hydra import compose, initialize_config_dir
+    from megatron.core import parallel_state as ps
 
     from megatron_rl.config.entry import checked_layout, quiet_third_party
     from megatron_rl.config.store import CONFIG_DIR, to_job_config
