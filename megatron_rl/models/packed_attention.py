@@ -151,6 +151,24 @@ def varlen_available(device: torch.device, dtype: torch.dtype, shared: bool = Fa
     return _VARLEN_OK[key]
 
 
+def agree_on_varlen(device: torch.device, dtype: torch.dtype, shared: bool, group=None) -> bool:
+    """``varlen_available`` agreed by every rank of ``group`` (default: the world): false everywhere if any
+    rank's trial failed. The shared-prompt choice (``share_prompts=auto``) follows it, so every rank of a
+    TP/PP group builds the same micro-batch layout (a disagreement would hang the pipeline's collectives)."""
+    ok = varlen_available(device, dtype, shared)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+        flag = torch.tensor([int(ok)], device=device if device.type == "cuda" else "cpu")
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+        if ok and not bool(flag):
+            key = (str(device), dtype, shared)
+            _VARLEN_OK[key], _VARLEN_WHY[key] = (
+                False,
+                f"another rank's trial failed (this rank's: {_VARLEN_WHY[key]})",
+            )
+            ok = False
+    return ok
+
+
 def packed_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float, window: int | None):
     """q [S, H, D], k/v [S, G, D] of packed sequences -> [S, H, D], causal within each sequence."""
     if window is None and varlen_available(q.device, q.dtype):

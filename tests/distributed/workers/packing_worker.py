@@ -127,6 +127,21 @@ def critic_parity(path: Path, tp: int, pp: int = 1) -> None:
         _same(g0, g1, f"critic tp={tp} pp={pp} {name}")
 
 
+def agreement() -> None:
+    """agree_on_varlen: one rank's failed trial turns varlen (and so share_prompts=auto) off on every rank."""
+    from megatron_rl.models import packed_attention as pa
+
+    key, rank = ("cpu", torch.bfloat16, True), dist.get_rank()
+    for local in ([True, True], [True, False]):
+        pa._VARLEN_OK[key], pa._VARLEN_WHY[key] = local[rank], "set by the test"
+        agreed = pa.agree_on_varlen(torch.device("cpu"), torch.bfloat16, True)
+        assert agreed is all(local) and pa._VARLEN_OK[key] is all(local), (rank, local, agreed)
+        assert ("another rank" in pa._VARLEN_WHY[key]) is (local[rank] and not all(local)), pa._VARLEN_WHY[
+            key
+        ]
+    del pa._VARLEN_OK[key], pa._VARLEN_WHY[key]
+
+
 if __name__ == "__main__":
     root = Path(sys.argv[1])
     init_distributed(1, 1)
@@ -138,5 +153,6 @@ if __name__ == "__main__":
         critic_parity(root / "qwen2", tp)
     policy_parity(root / "qwen2", 1, 2, ("padded", "shared"))
     critic_parity(root / "qwen2", 1, 2)  # share_prompts=auto may turn it on for a PP critic too
+    agreement()
     if dist.get_rank() == 0:
         print("packing checks passed")
