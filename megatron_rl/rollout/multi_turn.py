@@ -77,7 +77,9 @@ class TurnRenderer:
             key = (tuple(tuple(sorted(m.items())) for m in messages), last_token)
             ids = self._ids.get(key)
         except TypeError:  # a message with an unhashable value: render it every time
-            return list(self.tokenizer(self.text(messages, last_token), add_special_tokens=False)["input_ids"])
+            return list(
+                self.tokenizer(self.text(messages, last_token), add_special_tokens=False)["input_ids"]
+            )
         if ids is None:
             if len(self._ids) >= _MAX_MEMO:
                 self._ids.clear()

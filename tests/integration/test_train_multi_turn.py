@@ -85,16 +85,16 @@ def test_multi_turn_training_runs_with_masked_tool_answers(tmp_path):
 
 def test_tool_task_learns_to_call_the_tool(tmp_path):
     """experiment=secret_digit_dapo: the random tiny model rarely ends a turn with the call marker and never
-    answers with the tool's digit; after 120 steps it calls the tool on every training sample and repeats its
+    answers with the tool's digit; after 80 steps it calls the tool on every training sample and repeats its
     answer on validation prompts it never trained on. A policy that never calls scores 0 there and one that
     calls and guesses 0.1, so a score above 0.4 needs the tool's answer copied. Measured (greedy validation,
-    64 prompts, step 0 / 40 / 80 / 120), seed 1234: 0 / .19 / .52 / .52; seed 2: 0 / .55 / .58 / .58;
-    seed 3: 0 / .33 / .48 / .50."""
+    64 prompts, steps 0 / 40 / 80), seed 1234 (this test): 0 / .19 / .52; seeds 2, 3, 4, 5 at step 80:
+    .58, .48, .80, .53; seed 6 learns to call but not to copy (.08)."""
     out = train(tmp_path / "run", "experiment=secret_digit_dapo")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics(tmp_path / "run")
     scores = val_scores(rows)
-    assert len(scores) == 4 and scores[0] < 0.15 and scores[-1] > 0.4, scores
+    assert len(scores) == 3 and scores[0] < 0.15 and scores[-1] > 0.4, scores
     steps = [r for r in rows if "actor/pg_loss" in r]
     first, last = steps[0], steps[-1]
     samples = 32 * 8  # the tiny model's data.train_batch_size x rollout.n
