@@ -201,6 +201,13 @@ def test_turn_renderer_appends_what_the_template_writes_after_the_model_stopped(
         "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
     )
     assert r.ids(two, im_end) == tok(r.text(two, im_end), add_special_tokens=False)["input_ids"]
+    # memoised: the same answer again, a caller's edit of the list it got does not leak into the next
+    # call, and another stop token or message is another entry
+    got = r.ids(two, im_end)
+    got.append(-1)
+    assert r.ids(two, im_end) == tok(r.text(two, im_end), add_special_tokens=False)["input_ids"]
+    assert r.ids(two, None) == tok(r.text(two, None), add_special_tokens=False)["input_ids"] != got[:-1]
+    assert r.ids(two[:1], im_end) == tok(r.text(two[:1], im_end), add_special_tokens=False)["input_ids"]
     with pytest.raises(ValueError, match="chat template"):
         TurnRenderer(build_char_tokenizer(chat_template=None), None)
 
