@@ -275,7 +275,10 @@ class Checkpointer:
             "roles": list(self.roles),
             "data": data,
             "kl_ctrl": self.kl_ctrl.state_dict(),
-            "optimizers": {n: r.opt.host_state() for n, r in self.roles.items()},
+            "optimizers": {
+                n: {**r.opt.host_state(), resume_config.SCHEDULE_UNIT_KEY: resume_config.SCHEDULE_UNIT}
+                for n, r in self.roles.items()
+            },
             "lora_base": {
                 n: base_record(_unwrap(r.model), self.side.hf_source) for n, r in self.roles.items()
             },
@@ -427,6 +430,9 @@ class Checkpointer:
             load_trainable(_unwrap(r.model), weights, name, path)
             r.opt.load_sharded_state_dict(loaded[name]["optim"])
             r.opt.load_host_state(state["optimizers"][name])
+            moved = resume_config.schedule_position(r.opt.scheduler, state["optimizers"][name], name,
+                                                    int(state["step"]), state.get("config", self.config))  # fmt: skip
+            notes += [moved] if moved else []
             if any(resume_config.is_schedule(c.key) for c in found):
                 resume_config.apply_schedule(r.opt.scheduler, resume_config.schedule_peak(found, name))
         step = int(state["step"])

@@ -5,7 +5,8 @@ is ignored silently. Most keys are read from the config at every step, so the ne
 The exceptions are values the checkpoint restores over the config:
 
 - the LR schedule (``*.optim.lr``, warmup, decay style, min ratio): applied; the peak LR stored with the
-  scheduler is replaced (``apply_schedule``) and the LR is recomputed for the resumed step;
+  scheduler is replaced (``apply_schedule``) and the LR is recomputed for the resumed step. A checkpoint
+  written before the schedule counted training steps has its position converted (``schedule_position``);
 - AdamW's betas / eps / weight decay: refused (the moments were accumulated with the old values, and the
   megatron backend restores its param groups from the checkpoint);
 - the KL controller: refused (its current coefficient is training state).
@@ -21,6 +22,9 @@ from dataclasses import dataclass
 
 from megatron_rl.checkpoint.layout import CheckpointError
 
+# In each optimizer's state.json entry: the LR scheduler's position counts training steps (updates).
+# Entries without it were written when the scheduler stepped once per optimizer step (mini-batch).
+SCHEDULE_UNIT_KEY, SCHEDULE_UNIT = "lr_schedule_unit", "training_step"
 SCHEDULE = ("optim.lr", "optim.lr_warmup_steps", "optim.lr_decay_style", "optim.min_lr_ratio")
 REFUSED = {
     "optim.betas": "AdamW's moments were accumulated with the old betas",
@@ -105,3 +109,19 @@ def apply_schedule(sched, peak_lr: float | None) -> None:
     for group, base, lr in zip(sched.optimizer.param_groups, sched.base_lrs, lrs):
         group["initial_lr"], group["lr"] = base, lr
     sched._last_lr = lrs
+
+
+def schedule_position(sched, saved_opt: dict, role: str, step: int, saved_config: dict) -> str | None:
+    """Move a loaded ``LambdaLR`` written by the old per-optimizer-step convention (``saved_opt``, the role's
+    ``state.json["optimizers"]`` entry, has no ``lr_schedule_unit``) to this role's count of updates after
+    ``step`` training steps: every step for the critic, the steps from ``trainer.critic_warmup`` on for the
+    actor (``saved_config``: the checkpointed run's). Returns the log line, or None when nothing changed."""
+    if saved_opt.get(SCHEDULE_UNIT_KEY) == SCHEDULE_UNIT:
+        return None
+    warmup = int(saved_config.get("trainer", {}).get("critic_warmup", 0)) if role == "actor" else 0
+    was, sched.last_epoch = sched.last_epoch, max(0, step - warmup)
+    apply_schedule(sched, None)
+    return (
+        f"megatron-rl: resume: {role} LR schedule position {was} (optimizer steps, a checkpoint from before "
+        f"the schedule counted training steps) -> {sched.last_epoch} training steps"
+    )

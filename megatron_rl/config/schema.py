@@ -172,8 +172,16 @@ class OptimConfig:
     betas: list = doc([0.9, 0.999], "AdamW betas.")
     eps: float = doc(1e-8, "AdamW epsilon.")
     clip_grad: float = doc(1.0, "Global gradient-norm clip (over all TP/PP shards).")
-    lr_warmup_steps: int = doc(0, "Linear warmup steps (optimizer steps).")
-    lr_decay_style: str = doc("constant", "constant | linear | cosine after warmup.")
+    lr_warmup_steps: int = doc(
+        0,
+        "Linear warmup, in training steps (verl's convention: the schedule advances once per update, so "
+        "all optimizer steps of a training step, its mini-batches times ppo_epochs, share one LR).",
+    )
+    lr_decay_style: str = doc(
+        "constant",
+        "constant | linear | cosine after warmup, reaching min_lr_ratio * lr at the end of the run (after "
+        "trainer.total_training_steps training steps, or fewer by trainer.total_epochs).",
+    )
     min_lr_ratio: float = doc(0.0, "Final LR as a fraction of lr for linear/cosine decay.")
     backend: str = doc(
         "local",

@@ -19,7 +19,8 @@ BACKENDS: dict[str, type[Optimizer]] = {"local": LocalOptimizer, "megatron": Meg
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int) -> Optimizer:
-    """The ``cfg.backend`` optimizer of ``model`` (its LR schedule spans ``total_steps`` optimizer steps)."""
+    """The ``cfg.backend`` optimizer of ``model``. Its LR schedule spans ``total_steps`` training steps and
+    advances by ``Optimizer.step_lr`` (once per update), not by the optimizer steps of an update."""
     if cfg.backend not in BACKENDS:
         raise ValueError(f"optim.backend={cfg.backend!r}; use one of: {' | '.join(BACKENDS)}")
     return BACKENDS[cfg.backend](model, cfg, total_steps)

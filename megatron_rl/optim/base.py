@@ -60,8 +60,15 @@ class Optimizer(abc.ABC):
     @abc.abstractmethod
     def step(self) -> dict[str, torch.Tensor]:
         """Reduce the accumulated gradients, clip them to ``cfg.clip_grad``, update (skipped when the grad
-        norm is not finite), step the LR schedule and zero the gradients. Returns ``grad_norm`` and the
-        ``lr`` the update used (0-dim tensors)."""
+        norm is not finite) and zero the gradients. Returns ``grad_norm`` and the ``lr`` the update used
+        (0-dim tensors). The LR schedule does not move here: see ``step_lr``."""
+
+    def step_lr(self) -> None:
+        """Advance the LR schedule by one *training* step. The trainer calls it once per update, after all
+        the optimizer steps of that update (its mini-batches times ``ppo_epochs``), so they share one LR and
+        ``lr_warmup_steps`` / the decay span count training steps whatever the mini-batch count (verl's
+        convention: its workers step their LR scheduler once per ``update_policy``)."""
+        self.scheduler.step()
 
     @abc.abstractmethod
     def zero_grad(self) -> None:

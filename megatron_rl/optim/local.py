@@ -71,7 +71,6 @@ class LocalOptimizer(Optimizer):
             if pairs:
                 with torch.no_grad():
                     torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
-        self.scheduler.step()
         self.zero_grad()
         return {"grad_norm": grad_norm, "lr": torch.tensor(lr)}
 

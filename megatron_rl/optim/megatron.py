@@ -27,7 +27,7 @@
   that a non-finite grad norm skips the update, as the local backend does (bf16 has no loss scaler to
   catch it). Then the grad buffers are zeroed.
 - LR: torch ``LambdaLR`` with ``schedule.lr_lambda`` over the inner optimizer's param groups, the same
-  warmup/decay as the local backend.
+  warmup/decay as the local backend, advanced once per training step (``step_lr``).
 - Checkpoints: ``sharded_state_dict`` is megatron-core's. Every optimizer tensor is tied to its model
   parameter's ShardedTensor, so it reshards across TP/PP/DP like the weights; the distributed optimizer
   uses the ``fully_reshardable`` format (its shards are all-gathered over DP into whole per-param tensors
@@ -165,7 +165,7 @@ class MegatronOptimizer(Optimizer):
         return f"{kind.__module__}.{kind.__name__}{fused}"
 
     def step(self) -> dict[str, torch.Tensor]:
-        """Reduce, clip and apply the gradients in the DDP buffers; step the LR; zero the buffers."""
+        """Reduce, clip and apply the gradients in the DDP buffers; zero the buffers (the LR: ``step_lr``)."""
         finalize_model_grads([self.ddp])
         opt = self.opt
         found_inf = opt.prepare_grads()
@@ -183,7 +183,6 @@ class MegatronOptimizer(Optimizer):
                             use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
                         )
             opt.step_with_ready_grads()
-        self.scheduler.step()
         self.zero_grad()
         return {"grad_norm": torch.tensor(grad_norm), "lr": torch.tensor(lr)}
 

@@ -10,7 +10,9 @@ from megatron_rl.config.schema import OptimConfig
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int):
-    """Multiplier of the peak LR at optimizer step ``s``: linear warmup, then constant/linear/cosine."""
+    """Multiplier of the peak LR at training step ``step`` (0-based count of this model's updates): linear
+    warmup over ``cfg.lr_warmup_steps``, then constant/linear/cosine down to ``cfg.min_lr_ratio`` at
+    ``total_steps``. Every optimizer step of one training step uses that step's LR."""
 
     def fn(step: int) -> float:
         if cfg.lr_warmup_steps > 0 and step < cfg.lr_warmup_steps:

@@ -197,6 +197,7 @@ class _TrainedModel:
                 counts = [a + b for a, b in zip(counts, token_counts(mbs))]  # as run (SP padding included)
                 step_info.append(self.opt.step())
                 steps += 1
+        self.opt.step_lr()  # once per training step: the schedule counts training steps, not mini-batches
         metrics = broadcast_from_last_stage(_reduce_update_metrics(per_micro, steps))
         out = {f"{prefix}/{k}": v for k, v in metrics.items()}
         out[PAD_FRAC[prefix]], out[SHARED_FRAC[prefix]] = _token_fractions(counts, batch.response_mask.device)

@@ -103,7 +103,8 @@ def test_sigkill_after_second_checkpoint_then_restart_matches_uninterrupted(tmp_
 
     _write_split(tmp_path / "train8.parquet", 8, seed=3)
     data = [f"data.train_files={tmp_path / 'train8.parquet'}", "trainer.total_epochs=2"]
-    args = [*SMALL, *data, f"trainer.total_training_steps={STEPS + 2}"]  # the epochs end the run at STEPS
+    schedule = ["actor.optim.lr_warmup_steps=1", "actor.optim.lr_decay_style=cosine"]  # it resumes too
+    args = [*SMALL, *data, *schedule, f"trainer.total_training_steps={STEPS + 2}"]  # epochs end it at STEPS
     ref_out, out = tmp_path / "ref", tmp_path / "killed"
     _check(train(ref_out, *args, nproc=2))
     _run_and_kill_after_checkpoint(out, 2, *args)
