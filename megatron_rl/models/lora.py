@@ -228,6 +228,13 @@ def freeze_base(model: torch.nn.Module, trainable: tuple[str, ...] = ()) -> None
     tensor-parallel linear layers run their frozen weights as single GEMMs (``_fold_frozen_forward_impl``)."""
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name) or name.endswith(trainable))
+    fold_frozen_linears(model)
+
+
+def fold_frozen_linears(model: torch.nn.Module) -> None:
+    """Every tensor-parallel linear layer of ``model`` runs a frozen weight as 2D GEMMs
+    (``_fold_frozen_forward_impl``; a trainable weight takes megatron-core's own path): a LoRA base, or
+    the frozen reference model of full fine-tuning (not its batch-invariant ``exact`` layers)."""
     for mod in model.modules():
         if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
             mod._forward_impl = _fold_frozen_forward_impl

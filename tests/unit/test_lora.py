@@ -256,5 +256,13 @@ def test_lora_backward_runs_no_frozen_weight_gradient_and_no_bmm():
         assert grads["lora"].keys() == grads["lora_full_head"].keys()
         for n, g in grads["lora"].items():
             torch.testing.assert_close(g, grads["lora_full_head"][n], rtol=1e-5, atol=1e-6, msg=n)
+
+        # full fine-tuning's frozen reference model: a strided input (flash SDPA's output) is one GEMM too
+        proj = build_model(args, "ref", backend="local").decoder.layers[0].self_attention.linear_proj
+        x = torch.randn(3, t, proj.input_size).transpose(0, 1)  # [T, B, in], strided
+        with torch.no_grad(), _MatmulLog() as log:
+            out, _ = proj(x)
+        assert [op for op, _, _ in log.ops] == ["mm"], log.ops
+        torch.testing.assert_close(out, x @ proj.weight.t(), rtol=1e-5, atol=1e-5)
     finally:
         destroy_distributed()
