@@ -14,7 +14,7 @@ from megatron_rl.distributed import device
 from megatron_rl.kernels.mcore import fusion_flags
 from megatron_rl.models import exact_layers
 from megatron_rl.models.args import ModelArgs
-from megatron_rl.models.lora import freeze_base, init_adapters
+from megatron_rl.models.lora import fold_frozen_linears, freeze_base, init_adapters
 from megatron_rl.models.spec import block_spec, uses_te
 
 ROLES = ("actor", "critic", "reward", "ref")
@@ -127,4 +127,6 @@ def build_model(
     if role == "ref":
         model.eval()
         model.requires_grad_(False)
+        if not exact:  # its frozen weights as single GEMMs (exact layers bring their own linears)
+            fold_frozen_linears(model)
     return model

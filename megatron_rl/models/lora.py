@@ -202,29 +202,25 @@ def init_adapters(model: torch.nn.Module, init: str, seed: int = LORA_SEED) -> N
                 mod.lora_B.zero_()
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
-
-
 def _fold_frozen_forward_impl(input, weight, *args, **kwargs):
-    """megatron-core's ``_forward_impl`` with contiguous operands for a frozen weight.
+    """megatron-core's ``_forward_impl`` with a frozen weight's matmuls run as 2D GEMMs.
 
-    ``torch.matmul([T, B, in], W.t())`` folds into one [T*B, in] GEMM for a non-contiguous operand only
-    when W requires grad (the trainable path copies instead); for a frozen W it runs a bmm of T batches of
-    [B, in] with W broadcast, B = sequences in the micro-batch. Frozen LoRA bases hit it twice on GPU:
-    flash SDPA's output makes linear_proj's input non-contiguous, and GPTModel's [T, B] -> [B, T] logits
-    transpose makes the LM head's input gradient non-contiguous (T batches of [B, V] x [V, h])."""
+    ``torch.matmul([T, B, in], W.t())`` and the backward's ``grad_output.matmul(W)`` fold into one
+    [T*B, in] GEMM only when W requires grad or when the leading dims' strides are exactly row-major
+    (``stride[0] == stride[1] * B``, size-1 dims included); otherwise they run a bmm of T batches of
+    [B, in] with W broadcast, i.e. T GEMVs of a frozen W. Frozen LoRA bases hit it on GPU where flash
+    SDPA's output makes linear_proj's input non-contiguous, and GPTModel's [T, B] -> [B, T] logits
+    transpose makes the LM head's output gradient strided: with the response-only head (input
+    [B*R, 1, h]) that gradient is [B*R, 1, V] with strides (V, B*R*V, 1), which ``is_contiguous()``
+    accepts (the size-1 dim's stride is ignored) but matmul does not fold: B*R GEMVs of [1, V] x [V, h].
+    So the frozen path runs on [T*B, in] (``reshape``: a copy only where the input is not viewable) and
+    views the result back; the view's backward hands LinearWithFrozenWeight a 2D gradient. Under
+    sequence parallelism the all-gather / reduce-scatter along dim 0 of [T*B, in] is the one along T."""
     if weight.requires_grad:
         return linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)
-    return _ContiguousGrad.apply(linear_with_frozen_weight(input.contiguous(), weight, *args, **kwargs))
+    lead = input.shape[1:-1]  # (B,)
+    out = linear_with_frozen_weight(input.reshape(-1, input.shape[-1]), weight, *args, **kwargs)
+    return out.view(-1, *lead, out.shape[-1])  # [T, B, out] (T the gathered length under SP)
 
 
 def freeze_base(model: torch.nn.Module, trainable: tuple[str, ...] = ()) -> None:
@@ -232,6 +228,13 @@ def freeze_base(model: torch.nn.Module, trainable: tuple[str, ...] = ()) -> None
     tensor-parallel linear layers run their frozen weights as single GEMMs (``_fold_frozen_forward_impl``)."""
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name) or name.endswith(trainable))
+    fold_frozen_linears(model)
+
+
+def fold_frozen_linears(model: torch.nn.Module) -> None:
+    """Every tensor-parallel linear layer of ``model`` runs a frozen weight as 2D GEMMs
+    (``_fold_frozen_forward_impl``; a trainable weight takes megatron-core's own path): a LoRA base, or
+    the frozen reference model of full fine-tuning (not its batch-invariant ``exact`` layers)."""
     for mod in model.modules():
         if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
             mod._forward_impl = _fold_frozen_forward_impl

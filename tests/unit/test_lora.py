@@ -205,3 +205,64 @@ def test_frozen_base_runs_as_single_gemms_with_unchanged_results():
         torch.testing.assert_close(proj.lora_B.grad, b.grad, rtol=1e-5, atol=1e-5)
     finally:
         destroy_distributed()
+
+
+def test_lora_backward_runs_no_frozen_weight_gradient_and_no_bmm():
+    """The trainer's forward/backward (LM head at the response positions only, ``set_head_positions``):
+    with LoRA every matmul is one 2D GEMM and the frozen weights get no weight-gradient GEMM, so its
+    FLOPs are at most ~2/3 of full fine-tuning's plus the adapters'. The head's output gradient is
+    [B*R, 1, V] with strides (V, B*R*V, 1): ``is_contiguous()`` but not foldable by matmul, which ran it
+    as B*R GEMVs of the frozen [V, h] head (session 7's 8B LoRA update at 2.4x full fine-tuning's time).
+    The adapters' gradients equal those through the full-length head gathered at the same positions."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_rl.distributed.runtime import destroy_distributed, init_distributed
+    from megatron_rl.models.builder import build_model
+    from megatron_rl.models.head import set_head_positions
+
+    init_distributed(1, 1, seed=0)
+    try:
+        args = ModelArgs.from_hf_config(tiny_hf_config("llama", vocab_size=512, tie_word_embeddings=False))
+        b, t, r = 3, 12, 7
+        ids = torch.randint(0, 512, (b, t), generator=torch.Generator().manual_seed(0))
+        pos, score = (
+            torch.arange(t).expand(b, t),
+            torch.arange(t - r - 1, t - 1).expand(b, r),
+        )  # [B, T], [B, R]
+        flops, grads = {}, {}
+        for mode in ("lora", "full", "lora_full_head"):
+            torch.manual_seed(0)
+            lora = None if mode == "full" else LoRAConfig(rank=2, alpha=4)
+            model = build_model(args, "actor", backend="local", lora=lora)
+            if lora is not None:
+                for _, p in sorted((n, p) for n, p in model.named_parameters() if n.endswith("lora_B")):
+                    torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(p.numel()))
+            if mode != "lora_full_head":
+                set_head_positions(model, score)
+            with _MatmulLog() as log, FlopCounterMode(display=False) as fc:
+                logits = model(ids, pos, None)  # [1, B*R, V] or [B, T, V]
+                if mode == "lora_full_head":
+                    logits = logits[torch.arange(b)[:, None], score]  # [B, R, V]
+                logits.float().logsumexp(-1).square().mean().backward()
+            flops[mode] = fc.get_total_flops()
+            if lora is not None:
+                assert log.ops and all(op == "mm" for op, _, _ in log.ops), [
+                    o for o in log.ops if o[0] != "mm"
+                ]
+                grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+                assert grads[mode] and all(n.endswith(("lora_A", "lora_B")) for n in grads[mode])
+        # forward + dgrad + the adapters: 0.69 of full fine-tuning here (>= 1 if frozen wgrads were computed)
+        assert flops["lora"] <= 0.75 * flops["full"], flops
+        assert grads["lora"].keys() == grads["lora_full_head"].keys()
+        for n, g in grads["lora"].items():
+            torch.testing.assert_close(g, grads["lora_full_head"][n], rtol=1e-5, atol=1e-6, msg=n)
+
+        # full fine-tuning's frozen reference model: a strided input (flash SDPA's output) is one GEMM too
+        proj = build_model(args, "ref", backend="local").decoder.layers[0].self_attention.linear_proj
+        x = torch.randn(3, t, proj.input_size).transpose(0, 1)  # [T, B, in], strided
+        with torch.no_grad(), _MatmulLog() as log:
+            out, _ = proj(x)
+        assert [op for op, _, _ in log.ops] == ["mm"], log.ops
+        torch.testing.assert_close(out, x @ proj.weight.t(), rtol=1e-5, atol=1e-5)
+    finally:
+        destroy_distributed()
