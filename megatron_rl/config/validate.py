@@ -149,7 +149,7 @@ def _check_update_batches(cfg: JobConfig, role: str, dp: int) -> int:
             f"Make {role}.ppo_mini_batch_size * rollout.n a multiple of {dp}."
         )
     share = _get(cfg, f"{role}.share_prompts")
-    if share not in ("auto", True, False):
+    if share != "auto" and not isinstance(share, bool):  # 1 == True: an int would pass an `in` test
         raise ConfigError(f"{role}.share_prompts={share!r}: use true, false or auto.")
     budget = _get(cfg, f"{role}.ppo_max_token_len_per_gpu")
     if budget != "auto" and not (isinstance(budget, int) and budget > 0):

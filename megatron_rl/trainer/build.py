@@ -141,7 +141,12 @@ def fit_to_gpu(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, prompt_len: 
         dtype = DTYPES[cfg.model.dtype]
         if dtype in (torch.bfloat16, torch.float16):  # every rank decides alike (the plan reads the result)
             agree_on_varlen(torch.device("cuda", torch.cuda.current_device()), dtype, shared=True)
-    fitted = plan(cfg, dims, args, prompt_len, gpu_memory_bytes(cfg)[0])
+    total = gpu_memory_bytes(cfg)[0]
+    if total is not None and torch.distributed.get_world_size() > 1:  # every rank plans for the smallest GPU
+        t = torch.tensor([total], dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        total = float(t)
+    fitted = plan(cfg, dims, args, prompt_len, total)
     apply_plan(cfg, fitted["chosen"])
     if fitted["notes"] and torch.distributed.get_rank() == 0:
         print("memory plan: " + "; ".join(f"{k}: {v}" for k, v in fitted["notes"].items()), flush=True)

@@ -339,6 +339,7 @@ def test_share_prompts_takes_true_false_or_auto():
     from megatron_rl.config.validate import validate_job
 
     cfg, _ = grpo(24576)
-    cfg.actor.share_prompts = "yes"
-    with pytest.raises(ConfigError, match="actor.share_prompts='yes': use true, false or auto"):
-        validate_job(cfg, 1)
+    for bad in ("yes", 1):
+        cfg.actor.share_prompts = bad
+        with pytest.raises(ConfigError, match=f"actor.share_prompts={bad!r}: use true, false or auto"):
+            validate_job(cfg, 1)
