@@ -17,7 +17,6 @@ from megatron_rl.data.tokenizer_fit import check_tokenizer_fits
 from megatron_rl.distributed import ParallelDims
 from megatron_rl.logging import MetricsLogger
 from megatron_rl.models import ModelArgs, build_model, load_hf_weights
-from megatron_rl.models.packed_attention import agree_on_varlen
 from megatron_rl.rewards import build_reward_fn
 from megatron_rl.rewards.reward_model import RewardModelScorer
 from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
@@ -137,10 +136,6 @@ def fit_to_gpu(cfg: JobConfig, dims: ParallelDims, args: ModelArgs, prompt_len: 
     ``ConfigError`` names the key and a value that fits); rank 0 prints what auto chose."""
     from megatron_rl.trainer.memory_plan import apply_plan, gpu_memory_bytes, plan
 
-    if torch.cuda.is_available() and "auto" in (cfg.actor.share_prompts, cfg.critic.share_prompts):
-        dtype = DTYPES[cfg.model.dtype]
-        if dtype in (torch.bfloat16, torch.float16):  # every rank decides alike (the plan reads the result)
-            agree_on_varlen(torch.device("cuda", torch.cuda.current_device()), dtype, shared=True)
     total = gpu_memory_bytes(cfg)[0]
     if total is not None and torch.distributed.get_world_size() > 1:  # every rank plans for the smallest GPU
         t = torch.tensor([total], dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")

@@ -61,9 +61,9 @@ def share_prompts_blocker(cfg: JobConfig, role: str) -> str | None:
 
 def share_choice(cfg: JobConfig, role: str) -> tuple[bool, str]:
     """``{role}.share_prompts=auto`` resolved: (on, why). On where nothing in the config stops it and
-    torch's varlen_attn passes its trial with shared key segments on this rank's GPU (the per-segment
-    loop that would run otherwise is slower than unshared rows)."""
-    from megatron_rl.models.packed_attention import varlen_available, varlen_notes
+    torch's varlen_attn passes its trial with shared key segments on every rank's GPU (agreed, so all ranks
+    build the same micro-batches; the per-segment loop that would run otherwise is slower than unshared rows)."""
+    from megatron_rl.models.packed_attention import agree_on_varlen, varlen_notes
 
     blocker = share_prompts_blocker(cfg, role)
     if blocker is not None:
@@ -71,7 +71,7 @@ def share_choice(cfg: JobConfig, role: str) -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "no CUDA device: torch's varlen_attn runs on CUDA only"
     dev, dtype = torch.device("cuda", torch.cuda.current_device()), getattr(torch, cfg.model.dtype)
-    if not varlen_available(dev, dtype, shared=True):
+    if not agree_on_varlen(dev, dtype, shared=True):
         return False, f"torch varlen_attn failed its trial: {varlen_notes()[f'{dev} {dtype} shared']}"
     return True, "each prompt once per group in the update"
 
