@@ -53,9 +53,21 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--shape", default="qwen2.5-0.5b", help="a name in megatron_rl.models.shapes.SHAPES")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_step.json"))
     a = ap.parse_args()
-    hf = build_hf(24, "cuda")
+    if a.shape == "qwen2.5-0.5b":
+        hf = build_hf(24, "cuda")
+    else:  # another shape, random bf16 weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from megatron_rl.models.shapes import hf_config
+
+        cfg = dict(hf_config(a.shape, eos_token_id=EOS, pad_token_id=0, bos_token_id=0))
+        cfg = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            hf = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).eval()
     spec = spec_of(hf.config)
     params = mcore_params(hf, spec)
     del hf

@@ -7,7 +7,8 @@
 # tokens (measured, and the CPU arithmetic of spread_lengths.py), roofline written out, x roofline.
 #
 # Parts, most important first (each under a timeout from what is left of BUDGET_S, default 410 s):
-# ours 0.5B packed, TRL 0.5B, ours 3B packed, TRL 3B, ours 0.5B padded, ours 3B padded.
+# ours 0.5B defaults (prompts shared), TRL 0.5B, ours 3B defaults, TRL 3B, then ours packed (share_prompts=false)
+# and padded (share_prompts=false, no packing) at each size.
 # Needs the carried wheels (see benchmarks/README.md). Knobs: SIZES, STEPS (3: first is warm-up),
 # TRL_STEPS (2), BUDGET_S, CAP_TRL (170 s per TRL part).   CPU smoke: TINY=1 bash benchmarks/run_spread.sh
 set -uo pipefail
@@ -24,16 +25,21 @@ if [[ ${TINY:-0} == 1 ]]; then  # CPU smoke: the tiny shape, tiny sizes, same co
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee -a "$LOG"
 keys=(actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu=auto rollout.max_num_seqs=auto "${X[@]}")
-for S in $SIZES; do
+for S in $SIZES; do  # the defaults (share_prompts=auto: each prompt once per group where the GPU trial passes)
   tag=${S//[.-]/_}
-  part "ours_packed_$S" 150 python3 benchmarks/bench_rl_step.py --shape "$S" "${W[@]}" \
-    --out "$PARTS/ours_packed_$tag.json" "${keys[@]}" actor.pack_sequences=true
+  part "ours_default_$S" 150 python3 benchmarks/bench_rl_step.py --shape "$S" "${W[@]}" \
+    --out "$PARTS/ours_default_$tag.json" "${keys[@]}"
   part "trl_$S" "${CAP_TRL:-170}" python3 benchmarks/bench_trl_grpo.py --shape "$S" "${T[@]}" --out "$PARTS/trl_$tag.json"
 done
-for S in $SIZES; do  # today's layout (padded rows), where time is left
+for S in $SIZES; do  # plain packing (no prompt sharing), then today's padded rows, where time is left
+  tag=${S//[.-]/_}
+  part "ours_packed_$S" 150 python3 benchmarks/bench_rl_step.py --shape "$S" "${W[@]}" \
+    --out "$PARTS/ours_packed_$tag.json" "${keys[@]}" actor.pack_sequences=true actor.share_prompts=false
+done
+for S in $SIZES; do
   tag=${S//[.-]/_}
   part "ours_padded_$S" 150 python3 benchmarks/bench_rl_step.py --shape "$S" "${W[@]}" \
-    --out "$PARTS/ours_padded_$tag.json" "${keys[@]}"
+    --out "$PARTS/ours_padded_$tag.json" "${keys[@]}" actor.share_prompts=false
 done
 export RUN_SPREAD_COMMAND="SIZES='$SIZES' STEPS=$STEPS TRL_STEPS=$TRL_STEPS BUDGET_S=$BUDGET_S bash benchmarks/run_spread.sh"
 python3 benchmarks/spread_summary.py "$PARTS" "$OUT" "$SIZES" 2>&1 | tee -a "$LOG"

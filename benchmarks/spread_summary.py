@@ -1,4 +1,4 @@
-"""The table of ``run_spread.sh``: per size, ours packed / ours padded (bench_rl_step.py --lengths spread)
+"""The table of ``run_spread.sh``: per size, ours at the defaults (prompts shared) / packed / padded (bench_rl_step.py --lengths spread)
 and TRL (bench_trl_grpo.py --lengths spread) from PARTS -> OUT/spread.json (everything, part JSONs
 included) and OUT/spread.md (the table, the roofline arithmetic, the padded-fraction arithmetic).
 
@@ -27,7 +27,8 @@ def variant_row(ours: dict, trl: dict | None) -> dict:
     """One run of ours against TRL's run on the same lengths."""
     m = ours["median_after_warmup"]
     row = {"step_s": m["step_s"], "tok_per_s_per_gpu": m["tok_per_s_per_gpu"], "timing_s": m["timing_s"],
-           "update_pad_frac": m.get("update_pad_frac"), "step_over_roofline": m.get("step_over_roofline"),
+           "update_pad_frac": m.get("update_pad_frac"), "update_shared_frac": m.get("update_shared_frac"),
+           "step_over_roofline": m.get("step_over_roofline"),
            "roofline": ours["steps"][-1].get("roofline"), "update_mfu": m.get("actor_update_mfu"),
            "decode_fraction_of_hbm_floor": m.get("decode_fraction_of_hbm_floor"),
            "mean_response_len": ours["workload"].get("mean_response_len"),
@@ -58,7 +59,7 @@ def main(parts: str, out: str, sizes: str) -> None:
             t = trl["median_after_warmup"]
             entry["trl"] = {"step_s": t["step_s"], "timing_s": t["timing_s"],
                             "completion_mean_length_logged": trl.get("completion_mean_length_logged")}  # fmt: skip
-        for variant in ("packed", "padded"):
+        for variant in ("default", "packed", "padded"):
             ours = _load(Path(parts) / f"ours_{variant}_{tag}.json")
             if not ours:
                 continue
@@ -75,7 +76,7 @@ def main(parts: str, out: str, sizes: str) -> None:
                       f"| {_median(v['pad_frac_arithmetic']['pad_frac_padded'][1:]):.3f} | {_f(r.get('total_s'), '.2f')} "
                       f"| {_f(v['step_over_roofline'], '.2f')} | {_f(v['decode_fraction_of_hbm_floor'], '.1%')} "
                       f"| {_f(v['mean_response_len'], '.0f')} |")  # fmt: skip
-            if variant == "packed" and r:
+            if r and "roofline_written_out" not in entry:
                 entry["roofline_written_out"] = (
                     f"{r['formula']} = {r['update_s']:.3f} + {r['prefill_s']:.3f} + {r['decode_s']:.3f} = {r['total_s']:.3f} s"
                 )
