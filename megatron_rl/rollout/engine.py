@@ -117,6 +117,9 @@ class GenerationStats:
     decode_steps: int = 0
     decode_s: float = 0.0  # time in decode steps (forward + sampling + bookkeeping), prefills excluded
     new_tokens: int = 0  # this replica's
+    decode_rows: int = 0  # rows the decode steps ran (bucket sizes summed over steps)
+    compactions: int = 0  # times live sequences moved to lower slots (``_Runner._compact``)
+    moved_slots: int = 0
 
 
 def _oom_message(exc: Exception) -> str:
@@ -316,6 +319,10 @@ class _DecodeState:
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - t0
 
+    def bucket(self, b: int) -> int:
+        """Rows a decode step over slots 0..b-1 runs: a power-of-two bucket with CUDA graphs, else b."""
+        return min(1 << (b - 1).bit_length(), self.cache.plan.slots) if self.use_graphs else b
+
     def decode(self, b: int, kv_need: int) -> torch.Tensor:
         """logits [b', V] for slots 0..b'-1, b' >= b (the power-of-two bucket on GPU), attending over the
         first kv' >= ``kv_need`` cache positions (``kv_need`` rounded up to ``_KV_BUCKET``): decode
@@ -329,7 +336,7 @@ class _DecodeState:
         kv = full if whole else min(-(-kv_need // _KV_BUCKET) * _KV_BUCKET, full)
         if not self.use_graphs:
             return self._eager(b, kv)
-        bucket = min(1 << (b - 1).bit_length(), self.cache.plan.slots)
+        bucket = self.bucket(b)
         if (bucket, kv) not in self.graphs:
             self._capture(bucket, kv)
         graph, out = self.graphs[bucket, kv]
@@ -552,12 +559,51 @@ class _Runner:
 
     def _step(self) -> None:
         logits = self.state.decode(max(self.active) + 1, self.kv_need)  # [b, V], b a bucket >= max slot + 1
+        self.stats.decode_rows += logits.shape[0]
         rows = self.rows[: logits.shape[0]]
         live = self.live[rows]
         self._record(rows, *self._sample(logits, rows), live, self.state.pos[rows] + 1)
         for slot in self.left:
             self.left[slot] -= 1
         self.kv_need += 1
+
+    def _compact(self) -> None:
+        """Nothing waiting: move the sequences of the highest slots into free lower ones, so that the decode
+        batch (the power-of-two bucket over the highest active slot) shrinks as sequences finish. Without it
+        a batch of 512 decoded 512 rows to the end while most had stopped (spread-length GRPO, H200: 4.4 ms
+        a step at 0.5B, more than with every row live). Moves a slot's cached keys/values (the positions
+        written so far) and its device-side progress; sampling noise follows the sequence (its key and
+        token count), so layout-invariant sampling gives the same tokens."""
+        if not self.active:
+            return
+        target = self.state.bucket(len(self.active))
+        movers = sorted(s for s in self.active if s >= target)
+        if not movers or self.state.bucket(max(self.active) + 1) <= target:
+            return
+        dests = [self.cache.allocate() for _ in movers]  # lowest first: all below target
+        dev = self.rows.device
+        src, dst = torch.tensor(movers, device=dev), torch.tensor(dests, device=dev)
+        self.cache.copy_prefix(src, dst, min(self.kv_need, self.cache.plan.max_len))
+        per_slot = [
+            self.state.tok,
+            self.state.pos,
+            self.live,
+            self.count,
+            self.keys,
+            self.out_tok,
+            self.out_lp,
+        ]
+        for t in per_slot + ([self.out_tlp] if self.out_tlp is not None else []):
+            t[dst] = t[src]
+        self.live[src] = False
+        self.state.pos[src] = 0  # idle, as a released slot
+        for a, b in zip(movers, dests):
+            self.active[b], self.left[b] = self.active.pop(a), self.left.pop(a)
+            if a in self.appended:
+                self.appended[b] = self.appended.pop(a)
+            self.cache.release(a)
+        self.stats.compactions += 1
+        self.stats.moved_slots += len(movers)
 
     def run(self, seqs: list[Completion]) -> None:
         waiting = deque(seqs)
@@ -567,6 +613,8 @@ class _Runner:
                 self._admit(waiting)
             elif since_sync >= _SYNC_EVERY or min(self.left.values()) <= 0:
                 self._retire()
+                if not waiting and _COMPACT:
+                    self._compact()
                 since_sync = 0
             else:
                 self._step()
@@ -574,6 +622,7 @@ class _Runner:
                 self.stats.decode_steps += 1
 
 
+_COMPACT = True  # move live sequences to low slots when nothing waits (``_Runner._compact``)
 _KV_BUCKET = 128  # decode attention length granularity (one CUDA graph per bucket used)
 _KV_BUCKET_FROM = 512  # caches up to this many positions are attended whole (one graph per batch bucket)
 

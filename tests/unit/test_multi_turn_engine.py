@@ -4,6 +4,7 @@ trained tokens are what the model saw (compared with re-rendering the conversati
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -65,7 +66,11 @@ def _setup(max_turns=3):
     return tok, hf, spec, params, mt
 
 
-def test_turns_continue_in_the_same_slot_with_exact_logprobs_and_masks():
+@pytest.mark.parametrize("sync_every", [16, 2])  # 2: slots freed and episodes moved down mid-run
+def test_turns_continue_in_the_same_slot_with_exact_logprobs_and_masks(monkeypatch, sync_every):
+    from megatron_rl.rollout import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "_SYNC_EVERY", sync_every)
     tok, hf, spec, params, mt = _setup()
     prompts = [_chat_ids(tok, [{"role": "user", "content": q}], True) for q in ("12+3", "what", "7*8=", "hi")]
     stops = tuple(tok.convert_tokens_to_ids(list("abcdefghijklmnopqrstuvwxyz")))  # turns end soon
@@ -75,6 +80,8 @@ def test_turns_continue_in_the_same_slot_with_exact_logprobs_and_masks():
     out = engine.generate(prompts, sp, session=session)
     appended = mt.renderer.ids([{"role": "tool", "content": ANSWER}], None)
     assert max(c.turns for c in out) >= 2
+    if sync_every == 2:  # episodes in flight also moved to lower slots (engine._Runner._compact)
+        assert engine.last_stats.moved_slots > 0
     for c in out:
         mask = torch.tensor(c.response_mask)
         assert len(mask) == len(c.response_ids) == len(c.logprobs) and mask[-1] == 1

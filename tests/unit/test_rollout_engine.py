@@ -321,3 +321,46 @@ def test_copy_prefix_copies_only_the_prompt_positions_of_the_chosen_slots():
         assert torch.equal(cache.data[:, :, dst, :, :4], before[:, :, 0, :, :4])
         assert torch.equal(cache.data[:, :, dst, :, 4:], before[:, :, dst, :, 4:])
     assert torch.equal(cache.data[:, :, :2], before[:, :, :2])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_finished_sequences_free_the_decode_batch_and_results_do_not_change(monkeypatch, family):
+    """All prompts admitted at once, nothing waiting: as sequences stop, the live ones move to the lowest
+    slots (``_Runner._compact``) so later decode steps run fewer rows. Greedy tokens and log-probs still
+    equal HF; sampled (layout-invariant) tokens equal the run without compaction."""
+    from megatron_rl.rollout import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "_SYNC_EVERY", 2)
+    hf = tiny_hf(family)
+    spec = spec_of(hf)
+    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
+    prompts = random_prompts(9, seed=7)
+    full = [hf_greedy(hf, p, 20) for p in prompts]
+    stop = {full[0][1], full[2][4], full[5][8], full[7][13]}  # the early finishers sit in low slots
+    sp = SamplingParams(temperature=0, max_new_tokens=20, stop_token_ids=tuple(stop))
+    runs = {}
+    for compact in (True, False):
+        monkeypatch.setattr(engine_mod, "_COMPACT", compact)
+        engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=9))
+        runs[compact] = (engine.generate(prompts, sp), engine.last_stats)
+    out, stats = runs[True]
+    for p, c, ref in zip(prompts, out, full):
+        cut = next((i + 1 for i, t in enumerate(ref) if t in stop), len(ref))
+        assert c.response_ids == ref[:cut] and c.finish_reason == (
+            "stop" if ref[cut - 1] in stop else "length"
+        )
+        assert (torch.tensor(c.logprobs) - hf_logprobs(hf, p, c.response_ids, 1.0)).abs().max() < 1e-5
+    assert len({len(c.response_ids) for c in out}) >= 3
+    assert stats.compactions > 0 and stats.moved_slots > 0
+    assert stats.decode_rows < runs[False][1].decode_rows  # fewer rows decoded for the same tokens
+    assert runs[False][1].compactions == 0
+    sampled = SamplingParams(temperature=1.0, n=3, max_new_tokens=20, seed=3, stop_token_ids=tuple(stop),
+                             layout_invariant_sampling=True)  # fmt: skip
+    got = {}
+    for compact in (True, False):
+        monkeypatch.setattr(engine_mod, "_COMPACT", compact)
+        got[compact] = RolloutEngine(params, spec, EngineConfig(max_num_seqs=27)).generate(prompts, sampled)
+    assert [c.response_ids for c in got[True]] == [c.response_ids for c in got[False]]
+    assert len({len(c.response_ids) for c in got[True]}) >= 3
+    for a, b in zip(got[True], got[False]):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
