@@ -237,6 +237,7 @@ def decode_numbers(c, dims, batch) -> dict:
     return {"tok_per_s": s.new_tokens / max(s.generate_s, 1e-9), "decode_steps": s.decode_steps,
             "ms_per_decode_step": 1e3 * step_s, "hbm_floor_ms_per_step": 1e3 * floor_s,
             "fraction_of_hbm_floor": floor_s / max(step_s, 1e-12), "slots": s.slots,
+            "mean_rows_per_step": s.decode_rows / max(s.decode_steps, 1), "compactions": s.compactions,
             "prefill_s": s.prefill_s, "prefill_tokens": s.prefill_tokens, "decode_s": s.decode_s}  # fmt: skip
 
 

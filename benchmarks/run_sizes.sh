@@ -8,7 +8,8 @@
 #
 # Ours runs at defaults plus the workload and actor.ppo_max_token_len_per_gpu=auto, rollout.max_num_seqs=auto
 # (the memory plan picks both); at 7B/8B the actor's optimizer state does not fit one GPU, so OFFLOAD_KEYS
-# (megatron-core's hybrid-device optimizer) are added there. TRL: TRL_SIZES, gradient checkpointing on at
+# (megatron-core's hybrid-device optimizer; the gradient buffers freed while generating, so the KV cache
+# holds every sequence) are added there. TRL: TRL_SIZES, gradient checkpointing on at
 # TRL_GC_SIZES; TRL_LATE_SIZES run after every size of ours (kept for the end of the call: skipped when the
 # time is spent). Needs the carried wheels (see benchmarks/README.md). Knobs: SIZES, STEPS (3: the first
 # is warm-up), TRL_STEPS (2), BUDGET_S (570), CAP_OURS / CAP_TRL (per-part timeouts, s; default per size).
@@ -27,7 +28,7 @@ TRL_LATE_SIZES=${TRL_LATE_SIZES-}
 STEPS=${STEPS:-3}; TRL_STEPS=${TRL_STEPS:-2}; BUDGET_S=${BUDGET_S:-570}
 LOG="$OUT/sizes.log"; PART_TAIL=6; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 source benchmarks/_parts.sh  # environment, deadline, part(), HYBRID_OPTIM
-OFFLOAD_KEYS=${OFFLOAD_KEYS:-${HYBRID_OPTIM[*]} trainer.save_final=false trainer.save_on_signal=false}
+OFFLOAD_KEYS=${OFFLOAD_KEYS:-${HYBRID_OPTIM[*]} actor.optim.grad_offload=true trainer.save_final=false trainer.save_on_signal=false}
 # per-part caps (s), measured session 4 plus margin: 3 steps of ours at 7-8B took ~255-275 s (random
 # weights written and loaded ~45 s, build ~27 s, warm-up step ~85 s: torch.compile and the hybrid-device
 # optimizer's first step, which creates its host state), so B fits both sizes in one 570 s call

@@ -9,13 +9,14 @@
 # Parts, most important first (each under a timeout from what is left of BUDGET_S, default 410 s):
 # ours 0.5B defaults (prompts shared), TRL 0.5B, ours 3B defaults, TRL 3B, then ours packed (share_prompts=false)
 # and padded (share_prompts=false, no packing) at each size.
-# Needs the carried wheels (see benchmarks/README.md). Knobs: SIZES, STEPS (3: first is warm-up),
+# Needs the carried wheels (see benchmarks/README.md). Knobs: SIZES, TRL_SIZES and LAYOUT_SIZES (the sizes that
+# also run TRL / the packed and padded layouts; default SIZES), STEPS (3: first is warm-up),
 # TRL_STEPS (2), BUDGET_S, CAP_TRL (170 s per TRL part).   CPU smoke: TINY=1 bash benchmarks/run_spread.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
 PARTS=${PARTS:-/tmp/run_spread_parts}; rm -rf "$PARTS"; mkdir -p "$PARTS"
-SIZES=${SIZES:-qwen2.5-0.5b qwen2.5-3b}; STEPS=${STEPS:-3}; TRL_STEPS=${TRL_STEPS:-2}; BUDGET_S=${BUDGET_S:-410}
+SIZES=${SIZES:-qwen2.5-0.5b qwen2.5-3b}; TRL_SIZES=${TRL_SIZES-$SIZES}; LAYOUT_SIZES=${LAYOUT_SIZES-$SIZES}; STEPS=${STEPS:-3}; TRL_STEPS=${TRL_STEPS:-2}; BUDGET_S=${BUDGET_S:-410}
 LOG="$OUT/spread.log"; PART_TAIL=4; OMP_NUM_THREADS=8
 source benchmarks/_parts.sh  # the environment, the deadline (BUDGET_S) and part()
 W=(--lengths spread --steps "$STEPS"); T=(--lengths spread --steps "$TRL_STEPS"); X=()
@@ -29,17 +30,17 @@ for S in $SIZES; do  # the defaults (share_prompts=auto: each prompt once per gr
   tag=${S//[.-]/_}
   part "ours_default_$S" 150 python3 benchmarks/bench_rl_step.py --shape "$S" "${W[@]}" \
     --out "$PARTS/ours_default_$tag.json" "${keys[@]}"
-  part "trl_$S" "${CAP_TRL:-170}" python3 benchmarks/bench_trl_grpo.py --shape "$S" "${T[@]}" --out "$PARTS/trl_$tag.json"
+  [[ " $TRL_SIZES " == *" $S "* ]] && part "trl_$S" "${CAP_TRL:-170}" python3 benchmarks/bench_trl_grpo.py --shape "$S" "${T[@]}" --out "$PARTS/trl_$tag.json"
 done
-for S in $SIZES; do  # plain packing (no prompt sharing), then today's padded rows, where time is left
+for S in $LAYOUT_SIZES; do  # plain packing (no prompt sharing), then today's padded rows, where time is left
   tag=${S//[.-]/_}
   part "ours_packed_$S" 150 python3 benchmarks/bench_rl_step.py --shape "$S" "${W[@]}" \
     --out "$PARTS/ours_packed_$tag.json" "${keys[@]}" actor.pack_sequences=true actor.share_prompts=false
 done
-for S in $SIZES; do
+for S in $LAYOUT_SIZES; do
   tag=${S//[.-]/_}
   part "ours_padded_$S" 150 python3 benchmarks/bench_rl_step.py --shape "$S" "${W[@]}" \
     --out "$PARTS/ours_padded_$tag.json" "${keys[@]}" actor.share_prompts=false
 done
-export RUN_SPREAD_COMMAND="SIZES='$SIZES' STEPS=$STEPS TRL_STEPS=$TRL_STEPS BUDGET_S=$BUDGET_S bash benchmarks/run_spread.sh"
+export RUN_SPREAD_COMMAND="SIZES='$SIZES' TRL_SIZES='$TRL_SIZES' LAYOUT_SIZES='$LAYOUT_SIZES' STEPS=$STEPS TRL_STEPS=$TRL_STEPS BUDGET_S=$BUDGET_S bash benchmarks/run_spread.sh"
 python3 benchmarks/spread_summary.py "$PARTS" "$OUT" "$SIZES" 2>&1 | tee -a "$LOG"

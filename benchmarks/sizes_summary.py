@@ -47,11 +47,13 @@ def size_row(shape: str, ours: dict | None, trl: dict | None) -> dict:
                 "peak_gib": {"generation": measured.get("generation"), "actor_update": measured.get("actor_update"),
                              "log_probs": measured.get("log_probs")},
                 "dry_run_gib": {"generation": dry.get("generation"), "actor_update": dry.get("actor_update")}}  # fmt: skip
-    if trl:
+    if trl and len(trl["steps"]) < 2:  # killed after its warm-up step: no timed step, no ratio
+        row["trl_warm_up_only_step_s"] = trl["steps"][0]["step_s"] if trl["steps"] else None
+    elif trl:
         t = trl["median_after_warmup"]
         row |= {"trl_step_s": t["step_s"], "trl_tok_per_s_per_gpu": t["tok_per_s_per_gpu"],
                 "trl_timing_s": t["timing_s"], "trl_gradient_checkpointing": trl["workload"].get("gradient_checkpointing"),
-                "trl_timed_steps": max(1, len(trl["steps"]) - 1)}  # fmt: skip
+                "trl_timed_steps": len(trl["steps"]) - 1}  # fmt: skip
         if ours:
             row["ratio_to_trl"] = row["tok_per_s_per_gpu"] / row["trl_tok_per_s_per_gpu"]
     return row
@@ -72,6 +74,8 @@ def markdown(rows: list[dict], head: str) -> str:
             continue
         pk, dr, rf = r["peak_gib"], r["dry_run_gib"], r["roofline"] or {}
         trl = f"{r['trl_step_s']:.2f} ({r['trl_tok_per_s_per_gpu']:.0f})" if "trl_step_s" in r else "not run"
+        if r.get("trl_warm_up_only_step_s"):
+            trl = f"warm-up step only ({r['trl_warm_up_only_step_s']:.2f})"
         if r.get("trl_gradient_checkpointing"):
             trl += " GC"
         lines.append(

@@ -55,6 +55,9 @@ def main(parts: str, out: str, sizes: str) -> None:
         tag = shape.replace(".", "_").replace("-", "_")
         trl = _load(Path(parts) / f"trl_{tag}.json")
         entry: dict = {"shape": shape, "trl": None}
+        if trl and len(trl["steps"]) < 2:  # killed after its warm-up step: no timed step, no ratio
+            entry["trl_warm_up_only_step_s"] = trl["steps"][0]["step_s"] if trl["steps"] else None
+            trl = None
         if trl:
             t = trl["median_after_warmup"]
             entry["trl"] = {"step_s": t["step_s"], "timing_s": t["timing_s"],

@@ -16,6 +16,7 @@ One ``generate`` call on every rank of the job (SPMD):
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -30,7 +31,7 @@ from megatron_rl.kernels import decode_attention as decode_kernel
 from megatron_rl.models import lora
 from megatron_rl.rollout import decoder, reshard
 from megatron_rl.rollout.decoder import GenWeights, check_decodable
-from megatron_rl.rollout.kv_cache import KV_KEYS, KVCache, bytes_per_token, plan_cache
+from megatron_rl.rollout.kv_cache import KV_KEYS, KVCache, bytes_per_token, fit_free_memory, plan_cache
 from megatron_rl.rollout.multi_turn import Session
 from megatron_rl.rollout.sampling import (
     SamplingParams,
@@ -188,6 +189,12 @@ class RolloutEngine:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             device=dev,
         )
+        if dev.type == "cuda":  # the plan counts bytes; the device must also hold them in one piece
+            free, _ = torch.cuda.mem_get_info(dev)
+            held = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+            plan, note = fit_free_memory(plan, free, held)
+            if note:
+                warnings.warn(note, stacklevel=2)
         state = _DecodeState(spec, plan, groups, w.embed.dtype, dev, dev.type == "cuda" and cfg.cuda_graphs,
                              cfg.exact_logprobs)  # fmt: skip
         state.bind(w)

@@ -364,3 +364,18 @@ def test_finished_sequences_free_the_decode_batch_and_results_do_not_change(monk
     assert len({len(c.response_ids) for c in got[True]}) >= 3
     for a, b in zip(got[True], got[False]):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_a_planned_kv_cache_that_the_free_device_memory_cannot_hold_gets_fewer_slots():
+    """The 8B OOM of session 7: 421 slots planned (39.5 GiB), 37.5 GiB free, 9.9 GiB in fragments."""
+    from megatron_rl.rollout.kv_cache import CachePlan, fit_free_memory
+
+    gib = 2**30
+    plan = CachePlan(slots=421, max_len=768, bytes_per_token=131072)
+    same, note = fit_free_memory(plan, free=60 * gib, held=0)
+    assert same == plan and note is None
+    fewer, note = fit_free_memory(plan, free=int(37.5 * gib), held=int(9.9 * gib))
+    assert fewer.max_len == 768 and fewer.bytes <= 36 * gib and fewer.slots == 36 * gib // (768 * 131072)
+    assert "421 slots" in note and "expandable_segments" in note and "rollout.max_num_seqs" in note
+    # not even one slot: the plan stands and the allocation raises GenerationOOM naming the keys
+    assert fit_free_memory(plan, free=gib, held=0) == (plan, None)
