@@ -23,3 +23,19 @@ def test_offload_while_generating_is_bit_identical_and_timed(tmp_path):
     for row in got:
         assert row["timing_s/offload"] >= 0 and row["timing_s/reload"] >= 0, row
     assert all("timing_s/offload" not in row for row in ref)
+
+
+HYBRID = ["actor.optim.backend=megatron", "actor.optim.use_distributed_optimizer=true",
+          "actor.optim.optimizer_cpu_offload=true", "actor.optim.optimizer_offload_fraction=0.5"]  # fmt: skip
+
+
+def test_grad_offload_with_the_hybrid_device_optimizer_is_bit_identical(tmp_path):
+    """The 7B/8B benchmark rows: megatron-core's hybrid optimizer holds part of its state on the host, and the
+    gradient buffers are freed while generating (``actor.optim.grad_offload``) to give the KV cache room."""
+    runs = {}
+    for name, extra in (("plain", []), ("offload", ["actor.optim.grad_offload=true"])):
+        proc = train(tmp_path / name, *SMALL, *PPO, *HYBRID, *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = metrics(tmp_path / name)
+    assert _comparable(runs["offload"]) == _comparable(runs["plain"])
+    assert all(row["timing_s/offload"] >= 0 for row in runs["offload"])
