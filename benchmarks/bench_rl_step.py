@@ -224,19 +224,19 @@ def live_kv(batch) -> tuple[float, float]:
 
 
 def decode_numbers(c, dims, batch) -> dict:
-    """This step's generation: new tokens per second per GPU over the decode steps, and the decode step
-    against its HBM floor (the actor's bf16 weights + the mean live KV per step, read once per step at
-    PEAK_HBM_BYTES_PER_S)."""
+    """This step's generation: new tokens per second per GPU over the decode steps, and the decode time
+    against its HBM floor: every sequence decoding together (one step per token of the longest response),
+    each step reading the actor's bf16 weights and the live KV at PEAK_HBM_BYTES_PER_S. Where the KV cache
+    holds fewer slots than sequences the engine runs more steps than that floor (``decode_steps``), so the
+    fraction compares whole decode times, not per-step times."""
     s = c.engine.last_stats
     weights = c.args.stage_params(dims.tp, 1)["first"] * 2
     steps, kv_tokens = live_kv(batch)
     step_s = s.decode_s / max(s.decode_steps, 1)
-    floor_s = (
-        weights + kv_tokens / max(steps, 1) * c.args.kv_bytes_per_token(dims.tp)
-    ) / PEAK_HBM_BYTES_PER_S
+    floor_total_s = (weights * steps + kv_tokens * c.args.kv_bytes_per_token(dims.tp)) / PEAK_HBM_BYTES_PER_S
     return {"tok_per_s": s.new_tokens / max(s.generate_s, 1e-9), "decode_steps": s.decode_steps,
-            "ms_per_decode_step": 1e3 * step_s, "hbm_floor_ms_per_step": 1e3 * floor_s,
-            "fraction_of_hbm_floor": floor_s / max(step_s, 1e-12), "slots": s.slots,
+            "ms_per_decode_step": 1e3 * step_s, "hbm_floor_ms_per_step": 1e3 * floor_total_s / max(steps, 1),
+            "fraction_of_hbm_floor": floor_total_s / max(s.decode_s, 1e-12), "slots": s.slots,
             "mean_rows_per_step": s.decode_rows / max(s.decode_steps, 1), "compactions": s.compactions,
             "prefill_s": s.prefill_s, "prefill_tokens": s.prefill_tokens, "decode_s": s.decode_s}  # fmt: skip
 
