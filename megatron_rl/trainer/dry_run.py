@@ -107,7 +107,7 @@ def report(cfg: JobConfig, dims: ParallelDims) -> dict:
         "gpu": {"bytes": total, "from": total_how},
     }  # fmt: skip
     try:
-        fitted = plan(cfg, dims, arch, p, total)
+        fitted = plan(cfg, dims, arch, p, total, dry_run=True)
     except ConfigError as err:
         out["memory"], out["refused"] = estimate(cfg, dims, arch, p), str(err)
         raise

@@ -59,15 +59,20 @@ def share_prompts_blocker(cfg: JobConfig, role: str) -> str | None:
     return None
 
 
-def share_choice(cfg: JobConfig, role: str) -> tuple[bool, str]:
+def share_choice(cfg: JobConfig, role: str, for_absent_gpu: bool = False) -> tuple[bool, str]:
     """``{role}.share_prompts=auto`` resolved: (on, why). On where nothing in the config stops it and
     torch's varlen_attn passes its trial with shared key segments on every rank's GPU (agreed, so all ranks
-    build the same micro-batches; the per-segment loop that would run otherwise is slower than unshared rows)."""
+    build the same micro-batches; the per-segment loop that would run otherwise is slower than unshared rows).
+    ``for_absent_gpu``: a dry run planning for a GPU this machine lacks (``trainer.gpu_memory_gb``): the
+    trial cannot run here, so the plan assumes it passes (it did at every size on an H200) and says so."""
     from megatron_rl.models.packed_attention import agree_on_varlen, varlen_notes
 
     blocker = share_prompts_blocker(cfg, role)
     if blocker is not None:
         return False, blocker
+    if not torch.cuda.is_available() and for_absent_gpu:
+        return True, ("assumed for the GPU: torch's varlen_attn trial runs there, and if it fails, auto keeps "
+                      "sharing off and the budgets shrink to the unshared ones")  # fmt: skip
     if not torch.cuda.is_available():
         return False, "no CUDA device: torch's varlen_attn runs on CUDA only"
     dev, dtype = torch.device("cuda", torch.cuda.current_device()), getattr(torch, cfg.model.dtype)
@@ -188,18 +193,22 @@ def _refusal(est: dict, phase: str, total: float, key_value: str, fix: str) -> s
             f"(trainer.dry_run=true prints the whole estimate.)")  # fmt: skip
 
 
-def plan(cfg: JobConfig, dims: ParallelDims, a: ModelArgs, p: int, total: float | None) -> dict:
+def plan(
+    cfg: JobConfig, dims: ParallelDims, a: ModelArgs, p: int, total: float | None, dry_run: bool = False
+) -> dict:
     """Resolve the ``auto`` keys of ``cfg`` (returned as {"actor": .., "critic": .., "max_num_seqs": ..},
     only those that were auto) and refuse what cannot fit. ``p``: the prompt length assumed; ``total``:
-    the GPU's bytes (None: no GPU to fit, auto keys get the configured defaults' fallbacks)."""
+    the GPU's bytes (None: no GPU to fit, auto keys get the configured defaults' fallbacks). ``dry_run``:
+    planning only (``trainer.dry_run``), so a machine without the GPU plans as the GPU run would."""
     chosen, notes = {}, {}
     roles = [r for r in trained_roles(cfg) if r != "ref"]
-    shares = {r: share_choice(cfg, r) for r in roles if getattr(cfg, r).share_prompts == AUTO}
+    absent = dry_run and total is not None and not torch.cuda.is_available()
+    shares = {r: share_choice(cfg, r, absent) for r in roles if getattr(cfg, r).share_prompts == AUTO}
     if shares:
         cfg = copy.deepcopy(cfg)  # the estimates below see the choice; apply_plan writes it
         for r, (on, why) in shares.items():
             getattr(cfg, r).share_prompts = chosen[f"{r}_share_prompts"] = on
-            if torch.cuda.is_available():  # said on a GPU; on CPU it is always off and would only be noise
+            if torch.cuda.is_available() or absent:  # on a CPU run it is always off: the note would be noise
                 notes[f"{r}.share_prompts"] = f"auto -> {str(on).lower()} ({why})"
     if total is None:
         autos = [

@@ -305,6 +305,10 @@ def test_share_prompts_auto_is_on_only_where_varlen_runs_and_the_job_is_covered(
     assert got["chosen"]["actor_share_prompts"] is False and got["chosen"]["actor"] % 768 == 0
     assert "actor.share_prompts" not in got["notes"]  # not printed on a machine without a GPU
     assert "no CUDA device" in mp.share_choice(cfg, "actor")[1]
+    # a dry run here planning for the GPU (trainer.gpu_memory_gb) plans what that GPU's run will do, and says so
+    dry = plan(copy.deepcopy(cfg), ONE, a, 256, H200, dry_run=True)
+    assert dry["chosen"]["actor_share_prompts"] is True and dry["chosen"]["actor"] % 544 == 0
+    assert dry["notes"]["actor.share_prompts"].startswith("auto -> true (assumed for the GPU")
     # a GPU whose varlen_attn passes the trial: on, and the budget counts shared sequences
     monkeypatch.setattr(mp.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(mp.torch.cuda, "current_device", lambda: 0)
