@@ -54,7 +54,7 @@ def share_prompts_blocker(cfg: JobConfig, role: str) -> str | None:
         return f"{role}.lora.rank={getattr(cfg, role).lora.rank}"
     if cfg.parallel.sequence_parallel:
         return "parallel.sequence_parallel=true"
-    if cfg.model.dtype not in ("bfloat16", "float16"):
+    if cfg.model.dtype != "bfloat16":  # model.dtype is float32 or bfloat16 (validated)
         return f"model.dtype={cfg.model.dtype}: torch's varlen_attn runs in bf16/fp16 only"
     return None
 
