@@ -15,7 +15,7 @@ from megatron_rl.config.schema import JobConfig
 from megatron_rl.config.validate import ConfigError
 from megatron_rl.distributed.dims import ParallelDims
 from megatron_rl.models.args import ModelArgs, find_hf_config
-from megatron_rl.trainer.memory_model import GIB, estimate, micro_seqs, seq_tokens
+from megatron_rl.trainer.memory_model import GIB, estimate, micro_shape
 from megatron_rl.trainer.memory_plan import apply_plan, gpu_memory_bytes, plan
 
 
@@ -43,7 +43,7 @@ def micro_batches(cfg: JobConfig, dims: ParallelDims, role: str) -> dict[str, in
     n, data = cfg.rollout.n, cfg.data
     minis = max(1, data.train_batch_size // w.ppo_mini_batch_size)
     seqs = w.ppo_mini_batch_size * n // dims.dp
-    per_micro = micro_seqs(cfg, role, seq_tokens(cfg, role, cfg.data.max_prompt_length))
+    per_micro = micro_shape(cfg, role, cfg.data.max_prompt_length)[0]
     per_mini = math.ceil(seqs / per_micro)
     return {"optimizer_steps": w.ppo_epochs * minis, "micro_batches_per_optimizer_step": per_mini,
             "micro_batches": w.ppo_epochs * minis * per_mini, "sequences_per_micro_batch": per_micro}  # fmt: skip

@@ -20,7 +20,7 @@ from megatron_rl.config.schema import JobConfig
 from megatron_rl.config.validate import ConfigError
 from megatron_rl.distributed.dims import ParallelDims
 from megatron_rl.models.args import ModelArgs
-from megatron_rl.trainer.memory_model import GIB, estimate, gen_slots, seq_tokens, trained_roles
+from megatron_rl.trainer.memory_model import GIB, estimate, gen_slots, micro_shape, seq_tokens, trained_roles
 
 AUTO = "auto"
 HEADROOM = 1.15  # the memory model's tolerance, applied to everything above the resident state
@@ -98,10 +98,15 @@ def _largest(candidates: list[int], ok) -> int | None:
     return best
 
 
-def _token_candidates(cfg: JobConfig, dims: ParallelDims, role: str, seq_len: int) -> list[int]:
-    """Whole sequences per micro-batch, 1 .. a mini-batch's sequences per rank, as token budgets."""
+def _token_candidates(cfg: JobConfig, dims: ParallelDims, role: str, seq_len: int, p: int) -> list[int]:
+    """Whole sequences per micro-batch, 1 .. a mini-batch's sequences per rank, as token budgets. With
+    shared prompts: a group's rows with their prompt (1 .. n-1 rows: a group split), then whole groups
+    (what ``memory_model.micro_shape`` counts and the split packs)."""
     seqs = max(1, getattr(cfg, role).ppo_mini_batch_size * cfg.rollout.n // dims.dp)
-    return [k * seq_len for k in range(1, seqs + 1)]
+    if seq_len == p + cfg.rollout.max_new_tokens:
+        return [k * seq_len for k in range(1, seqs + 1)]
+    n, r = cfg.rollout.n, cfg.rollout.max_new_tokens
+    return [p + k * r for k in range(1, n)] + [k * (p + n * r) for k in range(1, max(1, seqs // n) + 1)]
 
 
 def _offload_hint(cfg: JobConfig, dims: ParallelDims, a: ModelArgs, p: int, total: float, role: str) -> str:
@@ -128,7 +133,7 @@ def _resolve_budget(cfg, dims, a, p, total, role, chosen, notes) -> None:
     w = getattr(cfg, role)
     key = f"{role}.ppo_max_token_len_per_gpu"
     s = seq_tokens(cfg, role, p)
-    cands = _token_candidates(cfg, dims, role, s)
+    cands = _token_candidates(cfg, dims, role, s, p)
     best = _largest(
         cands, lambda b: _fits(estimate(cfg, dims, a, p, {**chosen, role: b}), f"{role}_update", total)
     )
@@ -153,8 +158,12 @@ def _resolve_budget(cfg, dims, a, p, total, role, chosen, notes) -> None:
                                    _offload_hint(cfg, dims, a, p, total, role)))  # fmt: skip
     if w.ppo_max_token_len_per_gpu == AUTO:
         chosen[role] = best
-        unit = "tokens" if s == p + cfg.rollout.max_new_tokens else "tokens with their shared prompts"
-        notes[key] = f"auto -> {best} ({best // s} sequences of {s} {unit}; the largest that fits)"
+        if s == p + cfg.rollout.max_new_tokens:
+            notes[key] = f"auto -> {best} ({best // s} sequences of {s} tokens; the largest that fits)"
+        else:
+            seqs = micro_shape(cfg, role, p, best)[0]
+            notes[key] = (f"auto -> {best} ({seqs} sequences per micro-batch: whole GRPO groups of "
+                          f"{cfg.rollout.n} with their shared prompts; the largest that fits)")  # fmt: skip
     elif min(int(w.ppo_max_token_len_per_gpu), cands[-1]) > best:
         est = estimate(cfg, dims, a, p, chosen)
         raise ConfigError(_refusal(est, f"{role}_update", total, f"{key}={w.ppo_max_token_len_per_gpu}",

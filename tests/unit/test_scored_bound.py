@@ -58,8 +58,8 @@ def test_short_prompts_do_not_pass_the_plans_lm_head_rows(split):
 
 
 def test_shared_split_takes_the_bound_too():
-    bound = scored_rows(_cfg(share=True), "actor", P_PLAN)  # 600 // (32 + 28/4) = 15 sequences
-    assert bound == 15 * R
+    bound = scored_rows(_cfg(share=True), "actor", P_PLAN)  # 600 // (28 + 4 x 32) = 3 whole groups of 4
+    assert bound == 12 * R
     mbs, _ = split_shared(_short_prompt_batch(), BUDGET, bound)
     assert max(len(mb) for mb in mbs) * R <= bound
 
