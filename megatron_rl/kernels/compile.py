@@ -52,7 +52,19 @@ def compile_rows_dynamic(fn: Callable) -> Callable:
 def probe(name: str, device: torch.device | str, trial: Callable[[], object]) -> bool:
     """True when ``name`` should run compiled on ``device``: compiling is enabled and ``trial`` (which
     runs the compiled kernel once on a small input) succeeded, now or at an earlier probe."""
-    if name in _FAILED or not compile_enabled(device):
+    if not compile_enabled(device):
+        return False
+    why = (
+        f"torch.compile of {name} failed; it runs eagerly (slower, same results). Set "
+        "MEGATRON_RL_COMPILE=0 to skip the attempt."
+    )
+    return trial_once(name, trial, why)
+
+
+def trial_once(name: str, trial: Callable[[], object], fallback: str) -> bool:
+    """True when ``trial`` of kernel ``name`` succeeded, now or at an earlier call; a failure (any
+    exception) warns once with ``fallback`` (what runs instead) and its cause, and is remembered."""
+    if name in _FAILED:
         return False
     if name in _PROBED:
         return True
@@ -60,11 +72,7 @@ def probe(name: str, device: torch.device | str, trial: Callable[[], object]) ->
         trial()
     except Exception as exc:  # noqa: BLE001 - any compile failure: fall back, loudly
         _FAILED[name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        warnings.warn(
-            f"torch.compile of {name} failed; it runs eagerly (slower, same results). Set "
-            f"MEGATRON_RL_COMPILE=0 to skip the attempt. Cause: {_FAILED[name]}",
-            stacklevel=2,
-        )
+        warnings.warn(f"{fallback} Cause: {_FAILED[name]}", stacklevel=3)
         return False
     _PROBED.add(name)
     return True

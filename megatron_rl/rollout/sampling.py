@@ -16,7 +16,8 @@ import torch
 from megatron_rl.config.rollout_rules import check_sampling
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.kernels import batch_invariant
-from megatron_rl.kernels.compile import compile_enabled, compile_rows_dynamic, probe
+from megatron_rl.kernels import sampler as sampler_kernel
+from megatron_rl.kernels.compile import compile_enabled, compile_rows_dynamic, probe, trial_once
 
 _ROLLOUT = RolloutConfig()  # the defaults below are the rollout.* keys' own (defined once, in the schema)
 
@@ -177,6 +178,37 @@ def _draw(logits: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor, inv_temp:
 _FUSED_DRAW = compile_rows_dynamic(_draw)
 
 
+def _kernel_draw(logits: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor, inv_temp: float, noisy: bool):
+    """``_draw`` by the Triton sampler (``kernels.sampler``; ``ids`` unused): the row keys are mixed here,
+    on [B]."""
+    return sampler_kernel.draw(logits, mix64(keys) & _M32, inv_temp, noisy)
+
+
+_KERNEL = "the Triton sampler"
+_KERNEL_FALLBACK = "The Triton sampler failed its trial; the compiled (or eager) sampler serves instead."
+
+
+def _drawer(logits: torch.Tensor):
+    """The fastest draw that serves ``logits``: the Triton kernel, the compiled ``_draw``, or None (eager
+    ``sample`` then ``token_logprobs``)."""
+    if sampler_kernel.usable(logits) and trial_once(_KERNEL, lambda: _kernel_trial(logits), _KERNEL_FALLBACK):
+        return _kernel_draw
+    return _FUSED_DRAW if _fused_ok(logits) else None
+
+
+def _kernel_trial(logits: torch.Tensor) -> None:
+    """The Triton sampler once on (up to) four rows of the real logits against eager ``_draw``, noisy and
+    greedy: raises when it fails or its tokens differ (host syncs, at the first call only)."""
+    rows = logits[:4]
+    keys = torch.arange(rows.shape[0], device=logits.device) * 0x5DEECE66D
+    for noisy in (True, False):
+        tokens, lse = _kernel_draw(rows, keys, _token_ids(logits), 0.7, noisy)
+        want, want_lse = _draw(rows, keys, _token_ids(logits), 0.7, noisy)
+        if not torch.equal(tokens, want):
+            raise RuntimeError(f"tokens {tokens.tolist()} != the reference's {want.tolist()} (noisy={noisy})")
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
 def _fused_ok(logits: torch.Tensor) -> bool:
     if not compile_enabled(logits.device):
         return False
@@ -211,11 +243,13 @@ def sample_with_logprobs(
     module docstring for the convention). ``share_tokens(tokens)``, when given, makes every rank use one
     rank's tokens (generation TP) before the log-probs are read.
 
-    Without top-k / top-p and where ``kernels.compile`` allows, one compiled kernel samples and computes
-    the log-sum-exp; its noise is ``counter_log_exponential`` of ``row_keys``, or of keys drawn from
-    ``generator`` (one int64 per row and step). Otherwise ``sample`` then ``token_logprobs``."""
+    Without top-k / top-p, one pass samples and computes the log-sum-exp: the Triton sampler
+    (``kernels.sampler``) where it serves, else the compiled ``_draw`` where ``kernels.compile`` allows;
+    its noise is ``counter_log_exponential`` of ``row_keys``, or of keys drawn from ``generator`` (one
+    int64 per row and step). Otherwise ``sample`` then ``token_logprobs``."""
     temperature = params.temperature
-    if params.top_k > 0 or params.top_p < 1.0 or not _fused_ok(logits):
+    draw = None if params.top_k > 0 or params.top_p < 1.0 else _drawer(logits)
+    if draw is None:
         logits = logits.float()
         tokens = sample(logits, params, generator, row_keys)
         if share_tokens is not None:
@@ -229,7 +263,7 @@ def sample_with_logprobs(
         else torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
     )
     inv_temp = 1.0 / logprob_temperature(temperature)
-    tokens, lse = _FUSED_DRAW(logits, keys, _token_ids(logits), inv_temp, not params.greedy)
+    tokens, lse = draw(logits, keys, _token_ids(logits), inv_temp, not params.greedy)
     if share_tokens is not None:
         tokens = share_tokens(tokens)
     picked = logits.gather(-1, tokens[:, None])[:, 0].float() * inv_temp

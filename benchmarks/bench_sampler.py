@@ -1,0 +1,83 @@
+"""The sampler's draw (tokens + log-sum-exp of one decode step) three ways, at Qwen2.5's vocab in bf16: eager
+``_draw``, the compiled ``_FUSED_DRAW`` and the Triton kernel (``kernels.sampler``, a few split / block
+settings), against the time to read the logits once. Tokens are compared with the eager draw's over
+several key sets (mismatch counts; 0 expected for the kernel, which rounds as eager does), and the
+log-sum-exp's largest difference.
+
+Run: ``python benchmarks/bench_sampler.py --out $OUT/bench_sampler.json`` (CUDA, under a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from megatron_rl.kernels import sampler as kernel
+from megatron_rl.rollout.sampling import _FUSED_DRAW, _M32, _draw, mix64
+
+
+def timed_us(fn, n: int = 200) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return 1e3 * a.elapsed_time(b) / n
+
+
+def bench(rows: int, vocab: int, key_sets: int) -> dict:
+    torch.manual_seed(rows)
+    logits = (4 * torch.randn(rows, vocab, device="cuda")).to(torch.bfloat16)
+    ids = torch.arange(vocab, device="cuda")[None]
+    keys = torch.randint(-(2**62), 2**62, (rows,), device="cuda")
+    inv_temp = 1 / 0.7
+    ways = {
+        "eager": lambda k: _draw(logits, k, ids, inv_temp, True),
+        "compiled": lambda k: _FUSED_DRAW(logits, k, ids, inv_temp, True),
+        "triton": lambda k: kernel.draw(logits, mix64(k) & _M32, inv_temp, True),
+    }
+    d = kernel.splits_for(rows)
+    for splits in sorted({max(1, d // 4), d, min(64, 4 * d)}):
+        for block, warps in ((1024, 4), (4096, 8)):
+            ways[f"triton_s{splits}_b{block}_w{warps}"] = lambda k, s=splits, b=block, w=warps: kernel.draw(
+                logits, mix64(k) & _M32, inv_temp, True, splits=s, block=b, num_warps=w
+            )
+    out = {"rows": rows, "vocab": vocab, "splits_default": kernel.splits_for(rows)}
+    out["read_logits_us"] = timed_us(lambda: logits.amax(-1))
+    for name, fn in ways.items():
+        out[f"{name}_us"] = timed_us(lambda fn=fn: fn(keys))
+    key_batches = [torch.randint(-(2**62), 2**62, (rows,), device="cuda") for _ in range(key_sets)]
+    want = [_draw(logits, k, ids, inv_temp, True) for k in key_batches]
+    greedy_want = _draw(logits, keys, ids, inv_temp, False)
+    for name, fn in ways.items():
+        got = [fn(k) for k in key_batches]
+        out[f"{name}_token_mismatches"] = sum(int((g[0] != w[0]).sum()) for g, w in zip(got, want))
+        out[f"{name}_lse_max_abs_diff"] = max(float((g[1] - w[1]).abs().max()) for g, w in zip(got, want))
+    g_tok, g_lse = kernel.draw(logits, mix64(keys) & _M32, inv_temp, False)
+    out["triton_greedy_token_mismatches"] = int((g_tok != greedy_want[0]).sum())
+    out["triton_greedy_lse_max_abs_diff"] = float((g_lse - greedy_want[1]).abs().max())
+    out["rows_compared"] = rows * key_sets
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--key-sets", type=int, default=16)
+    args = ap.parse_args()
+    results = [bench(rows, args.vocab, args.key_sets) for rows in (64, 512)]
+    for r in results:
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}))
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""kernels/sampler.py (run by Triton's interpreter on CPU, fp32 logits) against the eager draw: the same
+tokens as ``argmax(z - counter_log_exponential)`` (ties to the lowest id), the log-sum-exp, greedy, and
+``sample_with_logprobs`` choosing it or falling back when it fails."""
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is in the dev extras")
+
+from megatron_rl.kernels import compile as kc  # noqa: E402
+from megatron_rl.kernels import sampler as kernel  # noqa: E402
+from megatron_rl.rollout import sampling  # noqa: E402
+from megatron_rl.rollout.sampling import (  # noqa: E402
+    SamplingParams,
+    _draw,
+    counter_log_exponential,
+    mix64,
+    sample_with_logprobs,
+)
+
+
+@pytest.fixture(autouse=True)
+def _on_cpu(monkeypatch):
+    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
+    monkeypatch.setattr(kc, "_PROBED", set())
+    monkeypatch.setattr(kc, "_FAILED", {})
+
+
+def _reference(logits, keys, inv_temp, noisy):
+    return _draw(logits, keys, torch.arange(logits.shape[-1])[None], inv_temp, noisy)
+
+
+def _kernel(logits, keys, inv_temp, noisy, **kw):
+    return kernel.draw(logits, mix64(keys) & 0xFFFFFFFF, inv_temp, noisy, **kw)
+
+
+@pytest.mark.parametrize(
+    "rows,vocab,splits,block",
+    [(37, 3001, None, 2048), (1, 3001, None, 256), (8, 1000, 1, 256), (6, 5000, 4, 512)],
+)
+def test_tokens_and_lse_equal_the_eager_draw(rows, vocab, splits, block):
+    """B = 37 and 1 with the splits chosen from B (many empty ones for B = 1), one split, several; V not a
+    multiple of the block; masked (-inf) columns as in a padded vocab."""
+    torch.manual_seed(rows)
+    logits = 4 * torch.randn(rows, vocab)
+    logits[:, -7:] = float("-inf")
+    for inv_temp, noisy in [(1 / 0.7, True), (1.0, True), (1.0, False)]:
+        keys = torch.randint(-(2**62), 2**62, (rows,))
+        tokens, lse = _kernel(logits, keys, inv_temp, noisy, splits=splits, block=block)
+        want, want_lse = _reference(logits, keys, inv_temp, noisy)
+        assert torch.equal(tokens, want)
+        torch.testing.assert_close(lse, torch.logsumexp(logits * inv_temp, -1), rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-5)
+
+
+def test_many_keys_on_one_row_give_the_reference_tokens():
+    """64 keys over one row of logits (a row repeated): each key's token is the reference's, and they
+    spread over the likely tokens."""
+    logits = torch.randn(1, 700).repeat(64, 1)
+    keys = mix64(torch.arange(64)) + 12345
+    tokens, _ = _kernel(logits, keys, 1.0, True, splits=4, block=128)
+    assert torch.equal(tokens, _reference(logits, keys, 1.0, True)[0])
+    assert len(set(tokens.tolist())) > 16
+
+
+def test_greedy_ties_go_to_the_lowest_id_across_splits():
+    """Integer logits from {0, 1, 2}: the maximum repeats within lanes, blocks and splits."""
+    torch.manual_seed(0)
+    logits = torch.randint(0, 3, (5, 2000)).float()
+    logits[1, :1500] = 0.0  # the first 2 sits in the last split
+    logits[2] = 1.0  # all tied: id 0
+    tokens, lse = _kernel(logits, torch.zeros(5, dtype=torch.long), 1.0, False, splits=4, block=128)
+    assert torch.equal(tokens, logits.argmax(-1))
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=1e-6, atol=1e-5)
+
+
+def test_noisy_ties_go_to_the_lowest_id():
+    """Two ids whose 24 noise bits collide get the same (top) logit: their scores tie exactly, and the
+    lower id wins, as in torch.argmax, with the pair in different splits."""
+    vocab = 20000
+    key = torch.tensor([7])
+    noise = counter_log_exponential(key, vocab)[0]
+    values, order = noise.sort()
+    same = (values[1:] == values[:-1]).nonzero()[:, 0]
+    pairs = sorted((order[i].item(), order[i + 1].item()) for i in same)
+    lo, hi = min(pairs, key=lambda p: -abs(p[0] - p[1]))  # the pair farthest apart
+    lo, hi = min(lo, hi), max(lo, hi)
+    logits = torch.full((1, vocab), -20.0)
+    logits[0, [lo, hi]] = 20.0
+    tokens, _ = _kernel(logits, key, 1.0, True, splits=8, block=512)
+    assert tokens.item() == lo == _reference(logits, key, 1.0, True)[0].item()
+
+
+def test_splits_depend_on_the_batch_only():
+    assert kernel.splits_for(1) == 64 and kernel.splits_for(64) == 16 and kernel.splits_for(512) == 2
+    assert kernel.splits_for(1024) == 1 and kernel.splits_for(37) == 32
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_sample_with_logprobs_runs_the_kernel_with_the_eager_tokens(monkeypatch, temperature):
+    torch.manual_seed(1)
+    logits = 3 * torch.randn(9, 1500)
+    keys = torch.randint(-(2**40), 2**40, (9,))
+    params = SamplingParams(temperature=temperature)
+    calls = []
+    draw = kernel.draw
+    monkeypatch.setattr(kernel, "draw", lambda *a, **k: calls.append(1) or draw(*a, **k))
+    tokens, lps = sample_with_logprobs(logits, params, None, keys if temperature else None)
+    assert calls and sampling._KERNEL in kc._PROBED
+    monkeypatch.setattr(kernel, "RUN_ON_CPU", False)
+    monkeypatch.setenv("MEGATRON_RL_COMPILE", "0")
+    want, want_lps = sample_with_logprobs(logits, params, None, keys if temperature else None)
+    assert torch.equal(tokens, want)
+    torch.testing.assert_close(lps, want_lps, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failing_kernel_falls_back_to_the_eager_draw_with_a_warning(monkeypatch):
+    monkeypatch.setenv("MEGATRON_RL_COMPILE", "0")
+    logits = torch.randn(5, 300)
+    keys = torch.randint(-(2**40), 2**40, (5,))
+    params = SamplingParams(temperature=1.0)
+    want = sample_with_logprobs(logits, params, None, keys)  # RUN_ON_CPU on: the kernel, probed fine
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(kc, "_PROBED", set())
+    monkeypatch.setattr(kernel, "draw", broken)
+    with pytest.warns(UserWarning, match="Triton sampler failed its trial.*no kernel today"):
+        got = sample_with_logprobs(logits, params, None, keys)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once; the kernel is not tried again
+        assert torch.equal(sample_with_logprobs(logits, params, None, keys)[0], want[0])
