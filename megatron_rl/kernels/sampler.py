@@ -18,6 +18,8 @@ CPU under Triton's interpreter (``RUN_ON_CPU``).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -114,15 +116,18 @@ if HAVE_TRITON:
 # Tests run the kernel on CPU under Triton's interpreter: TRITON_INTERPRET=1 must be set before triton
 # is first imported (tests/conftest.py) and this flag turned on.
 RUN_ON_CPU = False
+# Off on CUDA until measured there (compiles, token equality with the eager draw at bf16, speed against the
+# compiled draw: ``benchmarks/bench_sampler.py``); MEGATRON_RL_TRITON_SAMPLER=1 turns it on.
+ON_CUDA = os.environ.get("MEGATRON_RL_TRITON_SAMPLER", "0") == "1"
 
 
 def usable(logits: torch.Tensor) -> bool:
-    """Whether the kernel runs for logits [B, V]: Triton importable, bf16/fp16/fp32 on CUDA (or CPU with
-    ``RUN_ON_CPU``), unit stride over the vocab."""
+    """Whether the kernel runs for logits [B, V]: Triton importable, bf16/fp16/fp32 on CUDA with ``ON_CUDA``
+    (or CPU with ``RUN_ON_CPU``), unit stride over the vocab."""
     dev = logits.device.type
     return (
         HAVE_TRITON
-        and (dev == "cuda" or (RUN_ON_CPU and dev == "cpu"))
+        and ((ON_CUDA and dev == "cuda") or (RUN_ON_CPU and dev == "cpu"))
         and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and logits.dim() == 2
         and logits.stride(-1) == 1
