@@ -1,0 +1,239 @@
+"""Fused elementwise kernels for the rollout decode step (one token per sequence).
+
+Between the GEMMs and the attention a decode step ran, per layer: RoPE as a batched matmul with a
+[B, D, D] rotation matrix, two indexed KV-cache writes, two residual adds and RMSNorms, and SwiGLU as
+two GEMMs plus SiLU and product kernels. Here:
+
+- ``rope_kv_write``: rotates q and k of one step, writes rotated k and raw v into the cache at each
+  row's position and returns the rotated q (one kernel for the bmm and both cache writes);
+- ``swiglu``: silu(gate) * up on ONE fc1 output (fp32 inside, one rounding: ``kernels.swiglu``);
+- ``add_rms_norm``: x + y rounded to x's dtype, then RMSNorm of it (fp32 statistics, one rounding after
+  the weight, as ``F.rms_norm``), both returned.
+
+Each kernel is tried once on a small input against its reference ops (``usable``): one that raises or
+disagrees is reported in a warning and the decoder keeps its reference ops. Runs on CUDA with bf16/fp16
+where Triton is installed; tests run it on CPU under Triton's interpreter (``RUN_ON_CPU``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # CPU-only installs without triton: the reference ops serve
+    HAVE_TRITON = False
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _rope_kv_kernel(
+        qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr,
+        s_b, s_g, s_r, s_d, sc_b, sc_d, sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t,
+        groups: tl.constexpr, rep: tl.constexpr, rows: tl.constexpr, dim: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        b = pid // groups
+        g = pid % groups
+        r = tl.arange(0, rows)
+        d = tl.arange(0, dim)
+        rolled = (d + dim // 2) % dim  # out[j] = x[j] cos[j] + x[(j + D/2) % D] signed_sin[j]
+        base = qkv_ptr + b * s_b + g * s_g + r[:, None] * s_r
+        live = r[:, None] < rep + 2
+        x = tl.load(base + d[None, :] * s_d, mask=live, other=0.0)  # [rows, dim]
+        xr = tl.load(base + rolled[None, :] * s_d, mask=live, other=0.0).to(tl.float32)
+        cos = tl.load(cos_ptr + b * sc_b + d * sc_d).to(tl.float32)
+        sin = tl.load(sin_ptr + b * sc_b + d * sc_d).to(tl.float32)
+        rot = (x.to(tl.float32) * cos[None, :] + xr * sin[None, :]).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + b * sq_b + g * sq_g + r[:, None] * sq_r + d[None, :], rot, mask=r[:, None] < rep)
+        pos = tl.load(pos_ptr + b)
+        k_at = k_ptr + b * sk_b + g * sk_g + pos * sk_t + d[None, :] + r[:, None] * 0
+        tl.store(k_at, rot.to(k_ptr.dtype.element_ty), mask=r[:, None] == rep)
+        v_at = v_ptr + b * sv_b + g * sv_g + pos * sv_t + d[None, :] + r[:, None] * 0
+        tl.store(v_at, x.to(v_ptr.dtype.element_ty), mask=r[:, None] == rep + 1)
+
+    @triton.jit
+    def _swiglu_kernel(y_ptr, out_ptr, s_y, s_o, ffn, block: tl.constexpr):
+        row = tl.program_id(0)
+        f = tl.program_id(1) * block + tl.arange(0, block)
+        live = f < ffn
+        gate = tl.load(y_ptr + row * s_y + f, mask=live, other=0.0).to(tl.float32)
+        up = tl.load(y_ptr + row * s_y + ffn + f, mask=live, other=0.0).to(tl.float32)
+        out = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + row * s_o + f, out.to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _add_rms_norm_kernel(
+        x_ptr, y_ptr, w_ptr, x_out_ptr, h_ptr, s_x, s_y, s_xo, s_h, hidden, eps, block: tl.constexpr
+    ):
+        row = tl.program_id(0)
+        c = tl.arange(0, block)
+        live = c < hidden
+        x = tl.load(x_ptr + row * s_x + c, mask=live, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + row * s_y + c, mask=live, other=0.0).to(tl.float32)
+        x_new = (x + y).to(x_out_ptr.dtype.element_ty)  # rounded as ``x = x + y`` is
+        tl.store(x_out_ptr + row * s_xo + c, x_new, mask=live)
+        xf = x_new.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
+        w = tl.load(w_ptr + c, mask=live, other=0.0).to(tl.float32)
+        tl.store(h_ptr + row * s_h + c, (xf * rstd * w).to(h_ptr.dtype.element_ty), mask=live)
+
+
+# Tests run the kernels on CPU under Triton's interpreter: TRITON_INTERPRET=1 must be set before triton
+# is first imported (tests/conftest.py) and this flag turned on.
+RUN_ON_CPU = False
+
+
+def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """One decode step's RoPE and KV-cache write.
+
+    qkv [B, G, rep+2, D] (per group rep query heads, then k, then v; any strides), cos / signed sin [B, D]
+    (``decoder.rope_cos_sin``; unit stride not needed), positions [B], k_cache / v_cache [B, G, T, D]
+    (unit stride in D). Writes rotated k and raw v at each row's position; returns rotated q
+    [B, G, rep, D] (contiguous, qkv's dtype). Products and the sum in fp32, one rounding (as the bmm with
+    ``decoder.rope_matrix``)."""
+    bsz, groups, rows2, dim = qkv.shape
+    rep = rows2 - 2
+    q = torch.empty(bsz, groups, rep, dim, dtype=qkv.dtype, device=qkv.device)
+    _rope_kv_kernel[(bsz * groups,)](
+        qkv, cos, sin, positions, q, k_cache, v_cache,
+        qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3), cos.stride(0), cos.stride(1),
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        groups=groups, rep=rep, rows=triton.next_power_of_2(rows2), dim=dim, num_warps=1 if dim <= 64 else 2,
+    )  # fmt: skip
+    return q
+
+
+def swiglu(y: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """y [N, 2F] (gate half, then up half; unit stride in the last dim) -> silu(gate) * up [N, F] in y's
+    dtype, fp32 inside (``kernels.swiglu.swiglu_forward``)."""
+    rows, two_f = y.shape
+    ffn = two_f // 2
+    out = torch.empty(rows, ffn, dtype=y.dtype, device=y.device)
+    _swiglu_kernel[(rows, triton.cdiv(ffn, block))](y, out, y.stride(0), out.stride(0), ffn, block=block)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float):
+    """x, y [N, h] (unit stride in h), weight [h] -> (x + y [N, h] in x's dtype, rms_norm of it [N, h]):
+    fp32 statistics, one rounding after the weight (as ``F.rms_norm``)."""
+    rows, hidden = x.shape
+    x_new = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    h = torch.empty_like(x_new)
+    block = triton.next_power_of_2(hidden)
+    _add_rms_norm_kernel[(rows,)](
+        x, y, weight, x_new, h, x.stride(0), y.stride(0), x_new.stride(0), h.stride(0), hidden, eps,
+        block=block, num_warps=4 if block <= 2048 else 8,
+    )  # fmt: skip
+    return x_new, h
+
+
+# --- references (the ops each kernel replaces) and the one-time trial -------------------------------
+
+
+def rope_kv_write_reference(qkv, cos, sin, positions, k_cache, v_cache) -> torch.Tensor:
+    """What ``rope_kv_write`` replaces: the bmm with ``rope_matrix`` and two indexed cache writes."""
+    from megatron_rl.rollout.decoder import rope_matrix
+
+    bsz, _, rows2, dim = qkv.shape
+    batch = torch.arange(bsz, device=qkv.device)
+    rot = torch.bmm(qkv.reshape(bsz, -1, dim), rope_matrix(cos, sin)).view(qkv.shape)  # [B, G, rep+2, D]
+    k_cache[batch, :, positions] = rot[:, :, rows2 - 2]
+    v_cache[batch, :, positions] = qkv[:, :, rows2 - 1]
+    return rot[:, :, : rows2 - 2]
+
+
+def swiglu_reference(y: torch.Tensor) -> torch.Tensor:
+    gate, up = y.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(y.dtype)
+
+
+def add_rms_norm_reference(x, y, weight, eps):
+    x_new = x + y
+    return x_new, F.rms_norm(x_new, (x.shape[-1],), weight, eps)
+
+
+def _trial_rope(device, dtype):
+    g = torch.Generator().manual_seed(0)
+    bsz, groups, rep, dim, t = 3, 2, 3, 16, 8
+    qkv = torch.randn(bsz, groups, rep + 2, dim, generator=g).to(device, dtype)
+    pos = torch.tensor([0, 5, 7], device=device)
+    from megatron_rl.rollout.decoder import rope_cos_sin
+
+    cos, sin = rope_cos_sin(pos[:, None], dim, 1e4, dtype)
+    cos, sin = cos[:, 0, 0, 0], sin[:, 0, 0, 0]  # [B, D]
+    caches = [torch.randn(bsz, groups, t, dim, generator=g).to(device, dtype) for _ in range(2)]
+    ref_k, ref_v, k, v = caches[0], caches[1], caches[0].clone(), caches[1].clone()
+    want = rope_kv_write_reference(qkv, cos, sin, pos, ref_k, ref_v)
+    return (rope_kv_write(qkv, cos, sin, pos, k, v), k, v), (want, ref_k, ref_v)
+
+
+def _trial_swiglu(device, dtype):
+    y = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    return (swiglu(y, block=16),), (swiglu_reference(y),)
+
+
+def _trial_add_rms_norm(device, dtype):
+    g = torch.Generator().manual_seed(0)
+    x, y, w = (torch.randn(s, generator=g).to(device, dtype) for s in ((3, 40), (3, 40), (40,)))
+    return add_rms_norm(x, y, w, 1e-6), add_rms_norm_reference(x, y, w, 1e-6)
+
+
+_TRIALS: dict[str, Callable] = {
+    "rope_kv_write": _trial_rope,
+    "swiglu": _trial_swiglu,
+    "add_rms_norm": _trial_add_rms_norm,
+}
+_FAILED: dict[str, str] = {}  # kernel name -> why its trial failed
+_PASSED: set[tuple[str, str, torch.dtype]] = set()
+
+
+def _serves(t: torch.Tensor) -> bool:
+    on_gpu = t.device.type == "cuda" and t.dtype in (torch.bfloat16, torch.float16)
+    on_cpu = RUN_ON_CPU and t.device.type == "cpu"
+    return HAVE_TRITON and (on_gpu or on_cpu)
+
+
+def _close(got, want, dtype) -> bool:
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    return all(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol) for a, b in zip(got, want))
+
+
+def usable(name: str, t: torch.Tensor) -> bool:
+    """Whether fused kernel ``name`` runs for tensors like ``t``: Triton importable, bf16/fp16 on CUDA
+    (any float on CPU with ``RUN_ON_CPU``), and its one-time trial against the reference ops passed.
+
+    The trial runs eagerly on the first call (the engine's warm-up step precedes every CUDA-graph
+    capture); a kernel not yet tried while a graph is being captured is not used in that graph."""
+    if name in _FAILED or not _serves(t):
+        return False
+    key = (name, t.device.type, t.dtype)
+    if key in _PASSED:
+        return True
+    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    try:
+        got, want = _TRIALS[name](t.device, t.dtype)
+        if not _close(got, want, t.dtype):
+            err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
+            raise ValueError(f"result differs from the reference ops by up to {err:.3g}")
+    except Exception as exc:  # noqa: BLE001 - any failure: keep the reference ops, loudly
+        _FAILED[name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        warnings.warn(
+            f"The fused decode kernel {name} failed its trial; the decoder runs the reference ops instead "
+            f"(slower, same results). Cause: {_FAILED[name]}",
+            stacklevel=2,
+        )
+        return False
+    _PASSED.add(key)
+    return True
