@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from megatron_rl.kernels import batch_invariant as bi
 from megatron_rl.kernels import decode_attention as decode_kernel
+from megatron_rl.kernels import decode_fused
 
 if TYPE_CHECKING:  # the engine needs no megatron-core import at run time
     from megatron_rl.models.args import ModelArgs
@@ -244,6 +245,8 @@ def decode(
     """
     B = tokens.shape[0]
     Tmax = cache.shape[4] if kv_len is None else kv_len
+    if not exact and decode_fused.enabled(w.embed):
+        return _decode_fused(w, spec, cache, tokens, positions, Tmax)
     rep = spec.num_attention_heads // spec.num_query_groups
     batch = torch.arange(B, device=tokens.device)
     cos, sin = rope_cos_sin(positions[:, None], spec.head_dim, spec.rope_theta, w.embed.dtype)
@@ -274,6 +277,55 @@ def decode(
         x = x + _all_reduce(_linear(a, layer["proj"], exact=exact), w)
         x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps, exact), layer, w, exact)
     return logits(rms_norm(x[:, 0], w.final_norm, spec.norm_eps, exact), w, spec, exact)
+
+
+def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: torch.Tensor,
+                  positions: torch.Tensor, Tmax: int) -> torch.Tensor:  # fmt: skip
+    """``decode`` with the fused Triton kernels (``kernels.decode_fused``, ``MEGATRON_RL_FUSED_DECODE=1``),
+    each where its trial passed (else that step's reference ops): RoPE + the KV-cache write in one kernel,
+    each residual add with the RMSNorm after it, SwiGLU on one fc1 GEMM's output. Not the exact path."""
+    B = tokens.shape[0]
+    rep = spec.num_attention_heads // spec.num_query_groups
+    eps = spec.norm_eps
+    cos, sin = rope_cos_sin(positions[:, None], spec.head_dim, spec.rope_theta, w.embed.dtype)
+    cos2, sin2 = cos[:, 0, 0, 0], sin[:, 0, 0, 0]  # [B, D]
+    visible = torch.arange(Tmax, device=tokens.device)[None, :] <= positions[:, None]  # [B, Tmax]
+    mask = torch.zeros(B, 1, 1, Tmax, dtype=w.embed.dtype, device=tokens.device)
+    mask.masked_fill_(~visible[:, None, None, :], float("-inf"))  # [B, 1, 1, Tmax]
+    x = embed(tokens[:, None], w)[:, 0]  # [B, h]
+
+    def add_norm(x, y, weight):
+        if decode_fused.usable("add_rms_norm", x):
+            return decode_fused.add_rms_norm(x, y, weight, eps)
+        x = x + y
+        return x, rms_norm(x, weight, eps)
+
+    h = rms_norm(x, w.layers[0]["ln1"], eps) if w.layers else x
+    for i, layer in enumerate(w.layers):
+        qkv = _qkv(h[:, None], layer, spec)[:, 0]  # [B, Gl, rep+2, D]
+        k_cache, v_cache = cache[i, 0, :B, :, :Tmax], cache[i, 1, :B, :, :Tmax]  # [B, Gl, Tmax, D]
+        if decode_fused.usable("rope_kv_write", qkv):
+            q = decode_fused.rope_kv_write(qkv, cos2, sin2, positions, k_cache, v_cache)  # [B, Gl, rep, D]
+        else:
+            rot = apply_rope(qkv, cos[:, 0], sin[:, 0])
+            batch = torch.arange(B, device=tokens.device)
+            k_cache[batch, :, positions] = rot[:, :, rep]
+            v_cache[batch, :, positions] = qkv[:, :, rep + 1]
+            q = rot[:, :, :rep]
+        a = decode_attention(q, k_cache, v_cache, mask, positions).reshape(B, -1)  # [B, Hl*D]
+        x, h = add_norm(x, _all_reduce(F.linear(a, layer["proj"]), w), layer["ln2"])
+        y = F.linear(h, layer["fc1"])  # [B, 2F/tp]: gate, then up
+        act = decode_fused.swiglu(y) if decode_fused.usable("swiglu", y) else _swiglu_ref(y)
+        nxt = w.layers[i + 1]["ln1"] if i + 1 < len(w.layers) else w.final_norm
+        x, h = add_norm(x, _all_reduce(F.linear(act, layer["fc2"]), w), nxt)
+    if not w.layers:
+        h = rms_norm(x, w.final_norm, eps)
+    return logits(h, w, spec)
+
+
+def _swiglu_ref(y: torch.Tensor) -> torch.Tensor:
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def extend(

@@ -379,3 +379,28 @@ def test_a_planned_kv_cache_that_the_free_device_memory_cannot_hold_gets_fewer_s
     assert "421 slots" in note and "expandable_segments" in note and "rollout.max_num_seqs" in note
     # not even one slot: the plan stands and the allocation raises GenerationOOM naming the keys
     assert fit_free_memory(plan, free=gib, held=0) == (plan, None)
+
+
+def test_engine_with_the_fused_decode_kernels_equals_hf(model, monkeypatch):
+    """The decode step with the fused Triton kernels (``kernels.decode_fused``: RoPE + KV-cache write,
+    add + RMSNorm, SwiGLU; interpreted on CPU, ``MEGATRON_RL_FUSED_DECODE=1`` on the GPU): every kernel
+    runs, greedy equals HF token for token and sampled log-probs equal the HF forward (qk-norm included)."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import decode_fused
+
+    hf, spec, params = model
+    monkeypatch.setattr(decode_fused, "RUN_ON_CPU", True)
+    calls = []
+    for name in ("rope_kv_write", "add_rms_norm", "swiglu"):
+        original = getattr(decode_fused, name)
+        monkeypatch.setattr(decode_fused, name,
+                            lambda *a, _n=name, _f=original, **k: calls.append(_n) or _f(*a, **k))  # fmt: skip
+    prompts = random_prompts(3, seed=6)
+    engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=3))
+    out = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=5))
+    assert set(calls) == {"rope_kv_write", "add_rms_norm", "swiglu"}
+    assert [c.response_ids for c in out] == [hf_greedy(hf, p, 5) for p in prompts]
+    for c in engine.generate(prompts, SamplingParams(temperature=0.9, max_new_tokens=5, seed=1)):
+        assert (
+            torch.tensor(c.logprobs) - hf_logprobs(hf, c.prompt_ids, c.response_ids, 0.9)
+        ).abs().max() < 1e-5
