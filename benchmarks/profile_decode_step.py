@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen2.5-0.5b", help="a name in megatron_rl.models.shapes.SHAPES")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_step.json"))
     a = ap.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     if a.shape == "qwen2.5-0.5b":
         hf = build_hf(24, "cuda")
     else:  # another shape, random bf16 weights
