@@ -146,12 +146,14 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 def rope_kv_write_reference(qkv, cos, sin, positions, k_cache, v_cache) -> torch.Tensor:
-    """What ``rope_kv_write`` replaces: the bmm with ``rope_matrix`` and two indexed cache writes."""
-    from megatron_rl.rollout.decoder import rope_matrix
-
+    """What ``rope_kv_write`` replaces: the decoder's rotation (a bmm with ``decoder.rope_matrix``: both
+    products and their sum in fp32, one rounding) and two indexed cache writes."""
     bsz, _, rows2, dim = qkv.shape
     batch = torch.arange(bsz, device=qkv.device)
-    rot = torch.bmm(qkv.reshape(bsz, -1, dim), rope_matrix(cos, sin)).view(qkv.shape)  # [B, G, rep+2, D]
+    x = qkv.float()
+    rot = (x * cos.float()[:, None, None] + x.roll(dim // 2, dims=-1) * sin.float()[:, None, None]).to(
+        qkv.dtype
+    )
     k_cache[batch, :, positions] = rot[:, :, rows2 - 2]
     v_cache[batch, :, positions] = qkv[:, :, rows2 - 1]
     return rot[:, :, : rows2 - 2]
@@ -172,10 +174,10 @@ def _trial_rope(device, dtype):
     bsz, groups, rep, dim, t = 3, 2, 3, 16, 8
     qkv = torch.randn(bsz, groups, rep + 2, dim, generator=g).to(device, dtype)
     pos = torch.tensor([0, 5, 7], device=device)
-    from megatron_rl.rollout.decoder import rope_cos_sin
-
-    cos, sin = rope_cos_sin(pos[:, None], dim, 1e4, dtype)
-    cos, sin = cos[:, 0, 0, 0], sin[:, 0, 0, 0]  # [B, D]
+    freqs = pos[:, None].float() / 1e4 ** (torch.arange(0, dim, 2, device=device).float() / dim)  # [B, D/2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [B, D], as decoder.rope_cos_sin
+    sign = torch.cat((-torch.ones(dim // 2, device=device), torch.ones(dim // 2, device=device)))
+    cos, sin = angles.cos().to(dtype), (angles.sin() * sign).to(dtype)  # cos, signed sin [B, D]
     caches = [torch.randn(bsz, groups, t, dim, generator=g).to(device, dtype) for _ in range(2)]
     ref_k, ref_v, k, v = caches[0], caches[1], caches[0].clone(), caches[1].clone()
     want = rope_kv_write_reference(qkv, cos, sin, pos, ref_k, ref_v)
@@ -226,6 +228,8 @@ def usable(name: str, t: torch.Tensor) -> bool:
     The trial runs eagerly on the first call (the engine's warm-up step precedes every CUDA-graph
     capture); a kernel not yet tried while a graph is being captured is not used in that graph."""
     if name in _FAILED or not _serves(t):
+        return False
+    if name == "rope_kv_write" and t.shape[-1] & (t.shape[-1] - 1):  # tl.arange over the head dim
         return False
     key = (name, t.device.type, t.dtype)
     if key in _PASSED:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -176,8 +176,10 @@ class RolloutEngine:
         if kept is not None and kept.fits(max_len, slots, w.embed.dtype, self.config.exact_logprobs):
             kept.bind(w)
             return kept
-        del kept  # its memory is free for the new cache
+        kept = None  # its memory is free for the new cache
         spec, cfg, dev = self.spec, self.config, w.embed.device
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()  # ... and back with the driver, where fit_free_memory looks
         groups = spec.num_query_groups // lay.tp_g
         per_token = bytes_per_token(spec.num_layers, groups, spec.head_dim, w.embed.dtype)
         plan = plan_cache(
@@ -189,14 +191,22 @@ class RolloutEngine:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             device=dev,
         )
+        planned = plan.slots
         if dev.type == "cuda":  # the plan counts bytes; the device must also hold them in one piece
             free, _ = torch.cuda.mem_get_info(dev)
             held = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
             plan, note = fit_free_memory(plan, free, held)
             if note:
                 warnings.warn(note, stacklevel=2)
+        if lay.tp_g > 1 and dist.is_initialized():  # a generation group admits and decodes in lockstep
+            fewest = torch.tensor([plan.slots], device=dev)
+            dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=lay.gen_group)
+            plan = replace(plan, slots=int(fewest.item()))
         state = _DecodeState(spec, plan, groups, w.embed.dtype, dev, dev.type == "cuda" and cfg.cuda_graphs,
                              cfg.exact_logprobs)  # fmt: skip
+        state.planned_slots = (
+            planned  # a cache cut to the free memory still "fits" the calls it was planned for
+        )
         state.bind(w)
         return state
 
@@ -287,6 +297,7 @@ class _DecodeState:
         # the Triton decode kernel stops at each sequence's own position: no length buckets needed
         self.reads_live_only = decode_kernel.serves(device, dtype, spec.head_dim)
         self.cache = KVCache(plan, spec.num_layers, local_groups, spec.head_dim, dtype, device)
+        self.planned_slots = plan.slots  # before ``fit_free_memory`` (set by the engine)
         self.tok = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S] token fed at `pos`
         self.pos = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -297,7 +308,7 @@ class _DecodeState:
 
     def fits(self, max_len: int, slots: int, dtype, exact: bool) -> bool:
         plan = self.cache.plan
-        fits = plan.max_len >= max_len and plan.slots >= slots and self.cache.data.dtype == dtype
+        fits = plan.max_len >= max_len and self.planned_slots >= slots and self.cache.data.dtype == dtype
         return fits and self.exact == exact
 
     def bind(self, w: GenWeights) -> None:

@@ -25,7 +25,7 @@ from megatron_rl.rollout.sampling import logprob_temperature
 from megatron_rl.tasks import register_builtin_tasks, secret_digit
 from megatron_rl.tasks.last_digit import prepare_builtin_task
 from megatron_rl.trainer.advantage import build_kl_controller
-from megatron_rl.trainer.memory_model import scored_rows
+from megatron_rl.trainer.memory_model import micro_shape, scored_rows
 from megatron_rl.trainer.workers import CriticWorker, PolicyWorker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -204,6 +204,12 @@ def build_components(cfg: JobConfig, dims: ParallelDims) -> Components:
         for policy in (actor, ref):
             if policy is not None:
                 policy.max_scored = scored_rows(cfg, "actor", prompt_len)
+    for role, worker in (("actor", actor), ("actor", ref), ("critic", critic)):
+        w = getattr(cfg, role)
+        if worker is not None and w.use_dynamic_bsz and w.share_prompts is True:
+            # shared micro-batches: the tokens the plan counts (whole groups within the budget), so that
+            # short responses cannot fit more groups than it sized the activations for
+            worker.max_tokens = micro_shape(cfg, role, prompt_len)[1]
     engine_cfg = EngineConfig.from_config(cfg.rollout)
     reward_model = None
     if cfg.reward.reward_fn == "model":

@@ -156,6 +156,7 @@ class _TrainedModel:
 
     response_logits = False  # policies: the loss gets logits at the response-scoring positions only
     max_scored: int | None = None  # with use_dynamic_bsz: LM-head rows per micro-batch (the memory plan's)
+    max_tokens: int | None = None  # shared prompts: tokens per micro-batch (the plan's, <= the budget)
 
     def _split(self, batch: RolloutBatch) -> tuple[list[RolloutBatch], list[int] | None]:
         """Micro-batches: ``ppo_micro_batch_size_per_gpu`` sequences each, or with ``use_dynamic_bsz``
@@ -167,7 +168,7 @@ class _TrainedModel:
         shared = cfg.share_prompts is True  # auto is resolved by the memory plan (off where it did not run)
         if cfg.use_dynamic_bsz:
             split = split_shared if shared else split_packed if cfg.pack_sequences else split_by_tokens
-            return split(batch, cfg.ppo_max_token_len_per_gpu, self.max_scored)
+            return split(batch, self.max_tokens or cfg.ppo_max_token_len_per_gpu, self.max_scored)
         mbs = split_micro_batches(batch, cfg.ppo_micro_batch_size_per_gpu)
         if shared:
             return [share(trim(mb)) for mb in mbs], None

@@ -70,3 +70,27 @@ def test_the_worker_splits_with_its_plan_bound():
     worker.max_scored = scored_rows(_cfg(), "actor", P_PLAN)
     mbs, _ = worker._split(_short_prompt_batch())
     assert max(len(mb) for mb in mbs) == 10
+
+
+def test_short_responses_fill_no_more_shared_tokens_than_the_plan_counts():
+    """A budget between two multiples of a group (600: 3 groups of 28 + 4 x 32 = 468 tokens): groups of
+    8-token responses (60 tokens) would fit 10 to a micro-batch (600 tokens, under the 384-row bound); the
+    worker splits within the plan's 468 tokens instead (reviewer's OOM scenario, session 8)."""
+    from megatron_rl.trainer.memory_model import micro_shape
+
+    batch = _short_prompt_batch(groups=12, p=P_PLAN)
+    batch.response_lens[:] = 8
+    batch.response_mask[:, 8:] = 0
+    cfg = _cfg(share=True)
+    seqs, tokens = micro_shape(cfg, "actor", P_PLAN)
+    assert (seqs, tokens) == (12, 468)
+
+    def cost(mb):  # the split's count: each group's prompt once plus its responses
+        return len(mb) // N * P_PLAN + len(mb) * 8
+
+    loose, _ = split_shared(batch, BUDGET, scored_rows(cfg, "actor", P_PLAN))
+    assert max(cost(mb) for mb in loose) == 600 > tokens  # the budget alone lets 10 groups in
+    worker = object.__new__(PolicyWorker)
+    worker.cfg, worker.max_scored, worker.max_tokens = cfg.actor, scored_rows(cfg, "actor", P_PLAN), tokens
+    mbs, order = worker._split(batch)
+    assert sorted(order) == list(range(len(batch))) and max(cost(mb) for mb in mbs) <= tokens
