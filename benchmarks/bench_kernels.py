@@ -14,25 +14,13 @@ import os
 
 import torch
 import torch.nn.functional as F
+from _timing import timed_us  # benchmarks/, the script's folder
 from megatron.core.models.common.embeddings import rope_utils
 
 from megatron_rl.algos import vocab_parallel as vp
 from megatron_rl.kernels.compile import compile_rows_dynamic
 from megatron_rl.kernels.rope import compiled_rope, rope_reference
 from megatron_rl.kernels.swiglu import swiglu, swiglu_backward, swiglu_forward
-
-
-def timed_us(fn, n: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return 1e3 * a.elapsed_time(b) / n
 
 
 def fwd_bwd(fn, x, g):

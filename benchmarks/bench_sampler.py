@@ -13,22 +13,10 @@ import argparse
 import json
 
 import torch
+from _timing import timed_us  # benchmarks/, the script's folder
 
 from megatron_rl.kernels import sampler as kernel
 from megatron_rl.rollout.sampling import _FUSED_DRAW, _M32, _draw, mix64
-
-
-def timed_us(fn, n: int = 200) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return 1e3 * a.elapsed_time(b) / n
 
 
 def bench(rows: int, vocab: int, key_sets: int) -> dict:
@@ -49,9 +37,9 @@ def bench(rows: int, vocab: int, key_sets: int) -> dict:
                 logits, mix64(k) & _M32, inv_temp, True, splits=s, block=b, num_warps=w
             )
     out = {"rows": rows, "vocab": vocab, "splits_default": kernel.splits_for(rows)}
-    out["read_logits_us"] = timed_us(lambda: logits.amax(-1))
+    out["read_logits_us"] = timed_us(lambda: logits.amax(-1), n=200, warmup=5)
     for name, fn in ways.items():
-        out[f"{name}_us"] = timed_us(lambda fn=fn: fn(keys))
+        out[f"{name}_us"] = timed_us(lambda fn=fn: fn(keys), n=200, warmup=5)
     key_batches = [torch.randint(-(2**62), 2**62, (rows,), device="cuda") for _ in range(key_sets)]
     want = [_draw(logits, k, ids, inv_temp, True) for k in key_batches]
     greedy_want = _draw(logits, keys, ids, inv_temp, False)
