@@ -176,10 +176,11 @@ class RolloutEngine:
         if kept is not None and kept.fits(max_len, slots, w.embed.dtype, self.config.exact_logprobs):
             kept.bind(w)
             return kept
-        kept = None  # its memory is free for the new cache
         spec, cfg, dev = self.spec, self.config, w.embed.device
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()  # ... and back with the driver, where fit_free_memory looks
+        if kept is not None:  # its memory is free for the new cache, and back with the driver, where
+            kept = None  # fit_free_memory looks (generate emptied the allocator's cache while it was held)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
         groups = spec.num_query_groups // lay.tp_g
         per_token = bytes_per_token(spec.num_layers, groups, spec.head_dim, w.embed.dtype)
         plan = plan_cache(
@@ -204,9 +205,8 @@ class RolloutEngine:
             plan = replace(plan, slots=int(fewest.item()))
         state = _DecodeState(spec, plan, groups, w.embed.dtype, dev, dev.type == "cuda" and cfg.cuda_graphs,
                              cfg.exact_logprobs)  # fmt: skip
-        state.planned_slots = (
-            planned  # a cache cut to the free memory still "fits" the calls it was planned for
-        )
+        # a cache cut to the free memory still "fits" the calls it was planned for
+        state.planned_slots = planned
         state.bind(w)
         return state
 
