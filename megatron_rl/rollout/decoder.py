@@ -227,6 +227,14 @@ def prefill(
     return _last_logits(x, lengths, w, spec, exact)
 
 
+def _decode_mask(positions: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, 1, kv_len] hiding keys past each row's position: one for all layers (a boolean
+    mask would be converted again in every layer)."""
+    visible = torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None]  # [B, kv_len]
+    mask = torch.zeros(positions.shape[0], 1, 1, kv_len, dtype=dtype, device=positions.device)
+    return mask.masked_fill_(~visible[:, None, None, :], float("-inf"))
+
+
 def decode(
     w: GenWeights,
     spec: ModelArgs,
@@ -251,10 +259,7 @@ def decode(
     batch = torch.arange(B, device=tokens.device)
     cos, sin = rope_cos_sin(positions[:, None], spec.head_dim, spec.rope_theta, w.embed.dtype)
     rope = rope_matrix(cos[:, 0, 0, 0], sin[:, 0, 0, 0])  # [B, D, D]
-    visible = torch.arange(Tmax, device=tokens.device)[None, :] <= positions[:, None]  # [B, Tmax]
-    # one additive mask for all layers (a boolean mask would be converted again in every layer)
-    mask = torch.zeros(B, 1, 1, Tmax, dtype=w.embed.dtype, device=tokens.device)
-    mask.masked_fill_(~visible[:, None, None, :], float("-inf"))  # [B, 1, 1, Tmax]
+    mask = _decode_mask(positions, Tmax, w.embed.dtype)  # [B, 1, 1, Tmax]
     x = embed(tokens[:, None], w)  # [B, 1, h]
     for i, layer in enumerate(w.layers):
         qkv = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps, exact), layer, spec, exact)[
@@ -289,9 +294,7 @@ def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: t
     eps = spec.norm_eps
     cos, sin = rope_cos_sin(positions[:, None], spec.head_dim, spec.rope_theta, w.embed.dtype)
     cos2, sin2 = cos[:, 0, 0, 0], sin[:, 0, 0, 0]  # [B, D]
-    visible = torch.arange(Tmax, device=tokens.device)[None, :] <= positions[:, None]  # [B, Tmax]
-    mask = torch.zeros(B, 1, 1, Tmax, dtype=w.embed.dtype, device=tokens.device)
-    mask.masked_fill_(~visible[:, None, None, :], float("-inf"))  # [B, 1, 1, Tmax]
+    mask = _decode_mask(positions, Tmax, w.embed.dtype)  # [B, 1, 1, Tmax]
     x = embed(tokens[:, None], w)[:, 0]  # [B, h]
 
     def add_norm(x, y, weight):
