@@ -59,8 +59,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--key-sets", type=int, default=16)
+    ap.add_argument("--rows", default="64,128,256,512", help="comma-separated batch sizes")
     args = ap.parse_args()
-    results = [bench(rows, args.vocab, args.key_sets) for rows in (64, 512)]
+    results = [bench(rows, args.vocab, args.key_sets) for rows in map(int, args.rows.split(","))]
     for r in results:
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}))
     with open(args.out, "w") as f:

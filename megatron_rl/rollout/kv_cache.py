@@ -94,7 +94,7 @@ def fit_free_memory(plan: CachePlan, free: int, held: int) -> tuple[CachePlan, s
         f"KV cache: {plan.slots} slots ({plan.bytes / 2**30:.1f} GiB) planned, but {free / 2**30:.1f} GiB of "
         f"device memory is free ({held / 2**30:.1f} GiB more is held by PyTorch's caching allocator in partly "
         f"used blocks): using {slots} slots, so the batch decodes in more waves. "
-        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True avoids such fragmentation; actor.optim.grad_offload=true "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the default when that variable is not set) avoids such fragmentation; actor.optim.grad_offload=true "
         "frees the gradient buffers while generating; a lower rollout.max_num_seqs silences this."
     )
     return replace(plan, slots=slots), note

@@ -58,3 +58,18 @@ def test_a_lone_process_group_writes_no_rendezvous_variables():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_expandable_segments_are_the_default_and_a_user_setting_is_kept():
+    from megatron_rl.distributed.runtime import ALLOC_CONF, cuda_allocator_defaults
+
+    env: dict[str, str] = {}
+    assert cuda_allocator_defaults(env) == ALLOC_CONF
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_GRAPH_REGISTER": "0"}
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        env = {key: "expandable_segments:False"}
+        assert cuda_allocator_defaults(env) is None
+        assert env == {key: "expandable_segments:False"}  # the user's choice, and no NCCL key added
+    env = {"NCCL_GRAPH_REGISTER": "1"}
+    cuda_allocator_defaults(env)
+    assert env["NCCL_GRAPH_REGISTER"] == "1" and env["PYTORCH_CUDA_ALLOC_CONF"] == ALLOC_CONF
