@@ -129,7 +129,9 @@ def usable(logits: torch.Tensor) -> bool:
     dev = logits.device.type
     return (
         HAVE_TRITON
-        and ((ON_CUDA and dev == "cuda" and logits.shape[0] >= CUDA_MIN_ROWS) or (RUN_ON_CPU and dev == "cpu"))
+        and (
+            (ON_CUDA and dev == "cuda" and logits.shape[0] >= CUDA_MIN_ROWS) or (RUN_ON_CPU and dev == "cpu")
+        )
         and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and logits.dim() == 2
         and logits.stride(-1) == 1
