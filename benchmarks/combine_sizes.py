@@ -30,20 +30,22 @@ def _trl_command(shape: str, part: dict) -> str:
 def collect(root: Path) -> tuple[list[dict], list[str], dict]:
     """(rows in size order, one line per call, the first call's sizes.json for the header)."""
     parts, apart, calls, first = {}, {}, [], None
-    for n, call in enumerate(sorted(p for p in root.glob("call*") if p.is_dir()), 1):
+    for call in sorted(p for p in root.glob("call*") if p.is_dir()):
         summary = call / "sizes.json"
         if summary.exists():
             d = json.loads(summary.read_text())
             first = first or d
             parts |= d["parts"]
-            calls.append(f"{n}. `{d['command']}` ({call.name}: {', '.join(d['parts'])})")
+            # a TRL run of an earlier call stays as the fallback (marked *) for a later call without one
+            apart |= {s: p["trl"] for s, p in d["parts"].items() if p.get("trl") is not None}
+            calls.append(f"{len(calls) + 1}. `{d['command']}` ({call.name}: {', '.join(d['parts'])})")
             continue
         trl = {s: json.loads((call / f"trl_{_tag(s)}.json").read_text())
                for s in ORDER if (call / f"trl_{_tag(s)}.json").exists()}  # fmt: skip
         apart |= trl
         if trl:
             cmds = ", ".join(f"`{_trl_command(s, p)}`" for s, p in trl.items())
-            calls.append(f"{n}. {cmds} ({call.name}: TRL apart, marked *)")
+            calls.append(f"{len(calls) + 1}. {cmds} ({call.name}: TRL apart, marked *)")
     if first is None:
         raise SystemExit(
             f"no call*/sizes.json under {root}: run benchmarks/run_sizes.sh with OUT there first"
@@ -60,7 +62,7 @@ def main(folder: str) -> None:
     root = Path(folder)
     rows, calls, a = collect(root)
     head = (f"{a['gpu']}, {a['date']}; " + ", ".join(f"{k} {v}" for k, v in a["versions"].items())
-            + f"\n\n{len(calls)} device calls of one session, one H200:\n" + "\n".join(calls))  # fmt: skip
+            + f"\n\n{len(calls)} device calls, one H200:\n" + "\n".join(calls))  # fmt: skip
     text = markdown(rows, head)
     for r in rows:
         if not r["trl_same_call"] and "trl_step_s" in r:

@@ -1,5 +1,9 @@
 """Reading the launch environment from torchrun or slurm variables."""
 
+import warnings
+
+import pytest
+
 from megatron_rl.distributed.runtime import first_slurm_host, read_launch_env
 
 
@@ -68,8 +72,13 @@ def test_expandable_segments_are_the_default_and_a_user_setting_is_kept():
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_GRAPH_REGISTER": "0"}
     for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         env = {key: "expandable_segments:False"}
-        assert cuda_allocator_defaults(env) is None
+        with pytest.warns(UserWarning, match=f"{key}=.*expandable_segments:True.*ppo_max_token_len_per_gpu"):
+            assert cuda_allocator_defaults(env) is None
         assert env == {key: "expandable_segments:False"}  # the user's choice, and no NCCL key added
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256,expandable_segments:True"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cuda_allocator_defaults(env) is None
     env = {"NCCL_GRAPH_REGISTER": "1"}
     cuda_allocator_defaults(env)
     assert env["NCCL_GRAPH_REGISTER"] == "1" and env["PYTORCH_CUDA_ALLOC_CONF"] == ALLOC_CONF
