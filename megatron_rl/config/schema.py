@@ -117,8 +117,9 @@ class RolloutConfig:
         False,
         "Batch-invariant kernels (matmul, RMSNorm, attention, log-softmax) in the engine and in the actor/"
         "reference forward, so rollout log-probs equal the training recompute bit for bit "
-        "(rollout/logprob_mismatch_frac = 0). Needs TP=1 (parallel and rollout); builds the local layers (not TE); "
-        "no packing, LoRA, multi-turn or sliding window (refused at start-up).",
+        "(rollout/logprob_mismatch_frac = 0), also with packed or shared-prompt micro-batches. Needs TP=1 "
+        "(parallel and rollout); builds the local layers (not TE); no LoRA, multi-turn or sliding window "
+        "(refused at start-up).",
     )
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
@@ -324,8 +325,8 @@ class ActorConfig(RecomputeKeys):
         "Packed micro-batches (as pack_sequences) that hold each prompt once for all its sampled responses "
         "(a GRPO group's n): every response attends to the one prompt copy, so a group runs P + nR tokens, not "
         "n(P + R); log-probs and gradients equal the unshared ones. auto = on where torch's varlen_attn passes "
-        "its start-up trial on the GPU and the job is single-turn, without LoRA, sequence parallelism or "
-        "rollout.exact_logprobs, with rollout.n > 1 (the memory plan prints the choice); true / false.",
+        "its start-up trial on the GPU and the job is single-turn, without LoRA or sequence parallelism, with "
+        "rollout.n > 1 (the memory plan prints the choice); true / false.",
     )
     ppo_epochs: int = doc(1, "Passes over each rollout batch.")
     policy_loss: str = doc(

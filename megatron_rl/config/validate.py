@@ -116,17 +116,14 @@ def _check_exact_logprobs(cfg: JobConfig) -> None:
         (par.sequence_parallel, "parallel.sequence_parallel=true"),
         (cfg.actor.lora.enabled, f"actor.lora.rank={cfg.actor.lora.rank}"),
         (cfg.rollout.multi_turn.enable, "rollout.multi_turn.enable=true"),
-        (cfg.actor.pack_sequences, "actor.pack_sequences=true"),
-        (cfg.actor.share_prompts is True, "actor.share_prompts=true"),
     ]
     bad = [name for clash, name in clashes if clash]
     if bad:
         raise ConfigError(
             f"rollout.exact_logprobs=true is incompatible with {', '.join(bad)}: the batch-invariant kernels "
             "run at TP=1 on the local layers (a TP all-reduce sums in an order NCCL picks by message size), "
-            "without LoRA side paths or packed (THD) attention, and a later turn's prefill onto a cached slot is not "
-            "one of them. Use TP=1 without LoRA or packing and single-turn rollouts, or set "
-            "rollout.exact_logprobs=false."
+            "without LoRA side paths, and a later turn's prefill onto a cached slot is not one of them. Use "
+            "TP=1 without LoRA and single-turn rollouts, or set rollout.exact_logprobs=false."
         )
 
 

@@ -186,3 +186,46 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: 
     -> [B, G, rep, D]; the same per-row computation as ``causal_attention``'s row at that position."""
     row_pos = positions[:, None].expand(-1, q.shape[2])  # [B, rep]
     return attention(q, k, v, row_pos, scale)
+
+
+def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, scale: float, kv_index: Tensor | None = None,
+                     cu_k: Tensor | None = None, max_q: int | None = None, max_k: int | None = None) -> Tensor:  # fmt: skip
+    """Packed (THD) layout: q [S, H, D], k / v [S, G, D], query segments ``cu_q`` [N + 1] -> [S, H, D] (rows
+    past the last segment are 0). Segment i's keys are its own rows, or for shared prompts the rows
+    ``kv_index[cu_k[i]:cu_k[i+1]]`` (its prompt's, then its own); its query j sits at key position
+    Lk - Lq + j and attends keys 0..that position. Each segment becomes one row of ``attention`` with its
+    keys gathered in order, so every query runs the same per-row computation as ``causal_attention``'s
+    row at that position in an unpacked sequence (key blocks from the segment's first key). ``max_q`` /
+    ``max_k``: the longest query / key segment if known (else read from the device)."""
+    rows_q, heads, dim = q.shape
+    groups = k.shape[1]
+    rep = heads // groups
+    cu_q = cu_q.long()
+    lq = cu_q[1:] - cu_q[:-1]  # [N]
+    kstart, lk = (cu_q[:-1], lq) if cu_k is None else (cu_k[:-1].long(), (cu_k[1:] - cu_k[:-1]).long())
+    n = lq.numel()
+    max_q = int(lq.max()) if max_q is None else max_q
+    max_k = (max_q if cu_k is None else int(lk.max())) if max_k is None else max_k
+    tq = torch.arange(max_q, device=q.device)
+    tk = torch.arange(max_k, device=q.device)
+    # padding entries repeat a segment's last row: finite values that no live query attends
+    kflat = kstart[:, None] + torch.minimum(tk[None, :], (lk[:, None] - 1).clamp(min=0))  # [N, max_k]
+    krows = kflat if kv_index is None else kv_index[kflat]
+    kd, vd = (
+        t.index_select(0, krows.reshape(-1)).view(n, max_k, groups, dim).transpose(1, 2) for t in (k, v)
+    )
+    tq_live = torch.minimum(tq[None, :], (lq[:, None] - 1).clamp(min=0))  # [N, max_q]
+    qd = q.index_select(0, (cu_q[:-1, None] + tq_live).reshape(-1).clamp(max=max(rows_q - 1, 0)))
+    qd = (
+        qd.view(n, max_q, heads, dim).transpose(1, 2).reshape(n, groups, rep * max_q, dim)
+    )  # row = head * max_q + t
+    pos = (lk - lq)[:, None] + tq_live  # [N, max_q] each query's key position
+    out = attention(qd, kd, vd, pos.repeat(1, rep), scale)  # [N, G, rep * max_q, D]
+    out = out.view(n, heads, max_q, dim).transpose(1, 2).reshape(n * max_q, heads, dim)
+    # back to the packed rows: row s is segment i's query s - cu_q[i]
+    s_idx = torch.arange(rows_q, device=q.device)
+    seg = (torch.searchsorted(cu_q, s_idx, right=True) - 1).clamp(0, n - 1)  # [S]
+    t_in = s_idx - cu_q[seg]
+    inside = t_in < lq[seg]
+    picked = out.index_select(0, seg * max_q + t_in.clamp(max=max_q - 1))  # [S, H, D]
+    return torch.where(inside[:, None, None], picked, torch.zeros((), dtype=q.dtype, device=q.device))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from megatron_rl.kernels import batch_invariant as bi
+from megatron_rl.models.packed_attention import packed_attention, shared_attention
 from megatron_rl.models.spec import RMSNorm, SDPACoreAttention, layer_spec
 
 
@@ -95,18 +96,22 @@ class ExactRMSNorm(RMSNorm):
 
 class ExactCoreAttention(SDPACoreAttention):
     """Causal attention through ``batch_invariant.causal_attention`` (no padding mask, no window: the
-    trainer's micro-batches are right-padded and plain causal)."""
+    trainer's micro-batches are right-padded and plain causal), or for packed rows (``pack_sequences``,
+    ``share_prompts``: a ``SegmentSeqParams``) ``batch_invariant.packed_attention``, whose every query
+    runs the per-row computation of its unpacked sequence; backward through the plain packed kernels."""
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):  # fmt: skip
-        """query [T, B, H, D], key / value [T, B, G, D] -> [T, B, H*D]."""
-        if attention_mask is not None or packed_seq_params is not None or self.window is not None:
+        """query [T, B, H, D], key / value [T, B, G, D] -> [T, B, H*D]; packed: [S, H, D] -> [S, H, D]."""
+        if attention_mask is not None or self.window is not None:
             raise NotImplementedError(
-                "rollout.exact_logprobs runs plain causal attention only (no padding mask, packing or "
-                "sliding window); set rollout.exact_logprobs=false for this model/batch layout"
+                "rollout.exact_logprobs runs plain causal attention only (no padding mask or sliding "
+                "window); set rollout.exact_logprobs=false for this model/batch layout"
             )
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads, T, D]
         scale = self.softmax_scale
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params, scale)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads, T, D]
 
         def exact(q, k, v):
             return bi.causal_attention(q, k, v, scale)
@@ -117,6 +122,20 @@ class ExactCoreAttention(SDPACoreAttention):
         out = _ExactForward.apply(exact, plain, q, k, v)  # [B, H, T, D]
         t_len, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(t_len, b, -1)  # [T, B, H*D]
+
+    @staticmethod
+    def _packed(query, key, value, p, scale):
+        def exact(q, k, v):
+            return bi.packed_attention(q, k, v, p.segments_q, scale, kv_index=p.kv_index, cu_k=p.segments_k,
+                                       max_q=p.max_q, max_k=p.max_k if p.kv_index is not None else p.max_q)  # fmt: skip
+
+        def plain(q, k, v):
+            if p.kv_index is not None:
+                return shared_attention(q, k, v, p.segments_q, p.kv_index, p.segments_k, p.max_q, p.max_k, scale,
+                                        None)  # fmt: skip
+            return packed_attention(q, k, v, p.segments_q, p.max_q, scale, None)
+
+        return _ExactForward.apply(exact, plain, query, key, value)  # [S, H, D]
 
 
 def block_spec(config, qk_norm: bool):

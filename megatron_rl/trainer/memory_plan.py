@@ -46,8 +46,6 @@ def share_prompts_blocker(cfg: JobConfig, role: str) -> str | None:
     sequence parallelism) and where it is faster: on CUDA, through torch's varlen_attn."""
     if cfg.rollout.n < 2:
         return "rollout.n=1: no two responses share a prompt"
-    if cfg.rollout.exact_logprobs:
-        return "rollout.exact_logprobs=true trains on unpacked rows"
     if cfg.rollout.multi_turn.enable:
         return "multi-turn rollouts"
     if getattr(cfg, role).lora.enabled:

@@ -118,3 +118,51 @@ def test_tree_sum_is_a_fixed_pairwise_order():
     x = torch.tensor([[1e8, 1.0, -1e8, 1.0, 0.5]])
     # ((1e8 + 1) + (-1e8 + 1)) + ((0.5 + 0) + 0): each 1e8 + 1 rounds back to 1e8 in fp32
     assert bi.tree_sum(x).item() == 0.5
+
+
+@pytest.mark.parametrize("path,dtype", PATH_DTYPES)
+def test_packed_and_shared_prompt_attention_equal_the_unpacked_rows(monkeypatch, path, dtype):
+    """THD rows (``packed_attention``): one prompt of 70 tokens (a partial second key block) stored once and
+    three responses of 5, 66 and 1 tokens whose keys are the prompt's then their own, and, without
+    ``kv_index``, two whole sequences back to back: every row equals that token's row of the unpacked
+    sequence through ``causal_attention`` (GQA, bit for bit on the reference path)."""
+    _use(monkeypatch, path)
+    torch.manual_seed(1)
+    heads, groups, dim, p_len, r_lens = 4, 2, 16, 70, (5, 66, 1)
+
+    def qkv(n):
+        return torch.randn(n, heads, dim).to(dtype), *(
+            torch.randn(n, groups, dim).to(dtype) for _ in range(2)
+        )
+
+    def unpacked(q, k, v):  # [T, H, D], [T, G, D] x2 -> [T, H, D]
+        return bi.causal_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                   dim**-0.5)[0].transpose(0, 1)  # fmt: skip
+
+    def same(got, want):
+        if path == "reference":
+            assert torch.equal(got, want)
+        else:  # numpy under Triton's interpreter rounds a tile row by its place (see the README)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+    prompt, resps = qkv(p_len), [qkv(r) for r in r_lens]
+    q, k, v = (torch.cat([prompt[i], *(r[i] for r in resps)]) for i in range(3))  # [S, *, D]
+    cu_q = torch.tensor([0, p_len, *(p_len + s for s in torch.tensor(r_lens).cumsum(0).tolist())])
+    kv_index, starts = [torch.arange(p_len)], p_len
+    for r in r_lens:
+        kv_index += [torch.arange(p_len), torch.arange(starts, starts + r)]
+        starts += r
+    kv_index = torch.cat(kv_index)
+    cu_k = torch.tensor(
+        [0, p_len, *(p_len * (i + 2) + s for i, s in enumerate(torch.tensor(r_lens).cumsum(0).tolist()))]
+    )
+    out = bi.packed_attention(q, k, v, cu_q, dim**-0.5, kv_index=kv_index, cu_k=cu_k)
+    for i, r in enumerate(resps):
+        want = unpacked(*(torch.cat([prompt[j], r[j]]) for j in range(3)))  # [P + R, H, D]
+        same(out[:p_len], want[:p_len])
+        same(out[cu_q[i + 1] : cu_q[i + 2]], want[p_len:])
+    a, b = qkv(30), qkv(67)
+    q, k, v = (torch.cat([a[i], b[i]]) for i in range(3))
+    out = bi.packed_attention(q, k, v, torch.tensor([0, 30, 97]), dim**-0.5)
+    same(out[:30], unpacked(*a))
+    same(out[30:], unpacked(*b))

@@ -327,7 +327,10 @@ def test_share_prompts_auto_is_on_only_where_varlen_runs_and_the_job_is_covered(
     fitted = copy.deepcopy(cfg)
     apply_plan(fitted, got["chosen"])
     assert fitted.actor.share_prompts is True and cfg.actor.share_prompts == "auto"  # plan left cfg alone
-    for key, value, why in [("rollout.n", 1, "rollout.n=1"), ("rollout.exact_logprobs", True, "exact_logprobs"),
+    exact = copy.deepcopy(cfg)
+    exact.rollout.exact_logprobs = True  # the batch-invariant attention serves packed and shared rows too
+    assert mp.share_choice(exact, "actor")[0]
+    for key, value, why in [("rollout.n", 1, "rollout.n=1"),
                             ("rollout.multi_turn.enable", True, "multi-turn"), ("actor.lora.rank", 8, "lora"),
                             ("parallel.sequence_parallel", True, "sequence_parallel"),
                             ("model.dtype", "float32", "model.dtype=float32")]:  # fmt: skip
