@@ -293,7 +293,7 @@ def run(a: argparse.Namespace) -> dict:
     if a.lengths == "spread":
         from spread_lengths import install_engine_hook, length_table
 
-        table = length_table(a.steps, a.prompts, a.n, a.response_len)
+        table = length_table(a.steps + bool(a.profile), a.prompts, a.n, a.response_len)
         install_engine_hook(table, a.n, c.tokenizer.eos_token_id)
     elif a.ignore_eos:
         c.tokenizer = NoEosTokenizer(c.tokenizer)
@@ -354,6 +354,8 @@ def run(a: argparse.Namespace) -> dict:
         steps.append(row)
         if dist.get_rank() == 0:
             print(json.dumps(row), flush=True)
+    if a.profile:  # one more step, not timed: where generation's and the update's device time goes
+        profile_phases(c, a.steps, a.profile)
     timed = steps[1:] or steps
     med = {
         "step_s": statistics.median(r["step_s"] for r in timed),
@@ -408,6 +410,44 @@ def run(a: argparse.Namespace) -> dict:
     return result
 
 
+def profile_phases(c, step: int, folder: str, rows: int = 60) -> None:
+    """Run training step ``step`` with ``engine.generate`` and ``actor.update`` each under torch.profiler;
+    write their op tables (top ``rows`` by self device time) to ``folder``/{generate,update}_ops.txt."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_rl.logging import Timer
+    from megatron_rl.trainer.run import train_step
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    originals = {"generate": (c.engine, "generate"), "update": (c.actor, "update")}
+
+    def profiled(name, fn):
+        def run(*args, **kwargs):
+            with profile(activities=acts) as prof:
+                out = fn(*args, **kwargs)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+            if dist.get_rank() == 0:
+                table = prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=90)
+                (Path(folder) / f"{name}_ops.txt").write_text(table)
+            return out
+
+        return run
+
+    kept = {name: getattr(obj, attr) for name, (obj, attr) in originals.items()}
+    for name, (obj, attr) in originals.items():
+        setattr(obj, attr, profiled(name, kept[name]))
+    try:
+        train_step(c, step, Timer())
+    finally:
+        for name, (obj, attr) in originals.items():
+            setattr(obj, attr, kept[name])
+
+
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--algo", choices=["grpo", "ppo"], default="grpo")
@@ -433,6 +473,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--output-dir", default=None, help="trainer output (metrics.jsonl)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_rl_step.json"))
+    p.add_argument("--profile", default=None,
+                   help="after the timed steps, one more under torch.profiler: op tables of generation and the update here")  # fmt: skip
     p.add_argument(
         "override", nargs="*", help="extra Hydra overrides, e.g. rollout.gpu_memory_utilization=0.6"
     )
