@@ -37,13 +37,14 @@ def read_arch(cfg: JobConfig, tp: int = 1) -> tuple[ModelArgs, str]:
     return ModelArgs.from_hf_config(found, tp=tp), str(found)
 
 
-def micro_batches(cfg: JobConfig, dims: ParallelDims, role: str) -> dict[str, int]:
-    """Optimizer steps and micro-batches per training step for actor or critic."""
+def micro_batches(cfg: JobConfig, dims: ParallelDims, role: str, p: int | None = None) -> dict[str, int]:
+    """Optimizer steps and micro-batches per training step for actor or critic, at prompt length ``p``
+    (default ``data.max_prompt_length``; the report passes the one its memory estimate assumes)."""
     w = cfg.actor if role == "actor" else cfg.critic
     n, data = cfg.rollout.n, cfg.data
     minis = max(1, data.train_batch_size // w.ppo_mini_batch_size)
     seqs = w.ppo_mini_batch_size * n // dims.dp
-    per_micro = micro_shape(cfg, role, cfg.data.max_prompt_length)[0]
+    per_micro = micro_shape(cfg, role, cfg.data.max_prompt_length if p is None else p)[0]
     per_mini = math.ceil(seqs / per_micro)
     return {"optimizer_steps": w.ppo_epochs * minis, "micro_batches_per_optimizer_step": per_mini,
             "micro_batches": w.ppo_epochs * minis * per_mini, "sequences_per_micro_batch": per_micro}  # fmt: skip
@@ -116,9 +117,9 @@ def report(cfg: JobConfig, dims: ParallelDims) -> dict:
     apply_plan(cfg, fitted["chosen"])
     out["auto"] = fitted["notes"]
     out["memory"] = estimate(cfg, dims, arch, p)
-    out["batches"] = {"actor": micro_batches(cfg, dims, "actor")}
+    out["batches"] = {"actor": micro_batches(cfg, dims, "actor", p)}
     if cfg.algorithm.adv_estimator == "gae":
-        out["batches"]["critic"] = micro_batches(cfg, dims, "critic")
+        out["batches"]["critic"] = micro_batches(cfg, dims, "critic", p)
     return out
 
 
