@@ -116,7 +116,9 @@ def cuda_allocator_defaults(env: dict | None = None) -> str | None:
     env = os.environ if env is None else env
     for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         if key in env:
-            if "expandable_segments:true" not in env[key].replace(" ", "").lower():
+            if "expandable_segments:true" in env[key].replace(" ", "").lower():
+                env.setdefault("NCCL_GRAPH_REGISTER", "0")  # the same hazard with the user's own setting
+            elif "cudamallocasync" not in env[key].replace(" ", "").lower() and env.get("RANK", "0") == "0":
                 warnings.warn(
                     f"{key}={env[key]!r} leaves out expandable_segments:True: the memory plan's auto token "
                     "budgets and KV-cache slots count bytes, not fragments (on one H200 the Qwen2.5-0.5B "

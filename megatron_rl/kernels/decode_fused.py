@@ -93,8 +93,8 @@ if HAVE_TRITON:
 RUN_ON_CPU = False
 # On by default on CUDA: measured on one H200 (session 9, ``benchmarks/profile_decode_step.py``, batch 512,
 # CUDA graphs) the decode step takes 3.95 -> 3.06 ms at the Qwen2.5-0.5B shape and 10.20 -> 8.97 ms at 3B;
-# MEGATRON_RL_FUSED_DECODE=0 keeps the reference ops (each kernel also runs only after its trial passes).
-ON_CUDA = os.environ.get("MEGATRON_RL_FUSED_DECODE", "1") != "0"
+# MEGATRON_RL_FUSED_DECODE=0 (or false/off/no) keeps the reference ops (each kernel also runs only after its trial passes).
+ON_CUDA = os.environ.get("MEGATRON_RL_FUSED_DECODE", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -170,29 +170,34 @@ def add_rms_norm_reference(x, y, weight, eps):
     return x_new, F.rms_norm(x_new, (x.shape[-1],), weight, eps)
 
 
-def _trial_rope(device, dtype):
+def _trial_rope(t: torch.Tensor):
+    """At ``t``'s groups, heads per group and head dim (qkv [B, G, rep+2, D]): the real launch config."""
     g = torch.Generator().manual_seed(0)
-    bsz, groups, rep, dim, t = 3, 2, 3, 16, 8
-    qkv = torch.randn(bsz, groups, rep + 2, dim, generator=g).to(device, dtype)
+    device, dtype = t.device, t.dtype
+    bsz, (groups, rows2, dim), steps = 3, t.shape[1:], 8
+    qkv = torch.randn(bsz, groups, rows2, dim, generator=g).to(device, dtype)
     pos = torch.tensor([0, 5, 7], device=device)
     freqs = pos[:, None].float() / 1e4 ** (torch.arange(0, dim, 2, device=device).float() / dim)  # [B, D/2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [B, D], as decoder.rope_cos_sin
     sign = torch.cat((-torch.ones(dim // 2, device=device), torch.ones(dim // 2, device=device)))
     cos, sin = angles.cos().to(dtype), (angles.sin() * sign).to(dtype)  # cos, signed sin [B, D]
-    caches = [torch.randn(bsz, groups, t, dim, generator=g).to(device, dtype) for _ in range(2)]
+    caches = [torch.randn(bsz, groups, steps, dim, generator=g).to(device, dtype) for _ in range(2)]
     ref_k, ref_v, k, v = caches[0], caches[1], caches[0].clone(), caches[1].clone()
     want = rope_kv_write_reference(qkv, cos, sin, pos, ref_k, ref_v)
     return (rope_kv_write(qkv, cos, sin, pos, k, v), k, v), (want, ref_k, ref_v)
 
 
-def _trial_swiglu(device, dtype):
-    y = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(0)).to(device, dtype)
-    return (swiglu(y, block=16),), (swiglu_reference(y),)
+def _trial_swiglu(t: torch.Tensor):
+    """At ``t``'s width (y [N, 2F]) and the default block: the real launch config."""
+    y = torch.randn(3, t.shape[-1], generator=torch.Generator().manual_seed(0)).to(t.device, t.dtype)
+    return (swiglu(y),), (swiglu_reference(y),)
 
 
-def _trial_add_rms_norm(device, dtype):
+def _trial_add_rms_norm(t: torch.Tensor):
+    """At ``t``'s hidden size (x [B, h]): the real launch config."""
     g = torch.Generator().manual_seed(0)
-    x, y, w = (torch.randn(s, generator=g).to(device, dtype) for s in ((3, 40), (3, 40), (40,)))
+    h = t.shape[-1]
+    x, y, w = (torch.randn(s, generator=g).to(t.device, t.dtype) for s in ((3, h), (3, h), (h,)))
     return add_rms_norm(x, y, w, 1e-6), add_rms_norm_reference(x, y, w, 1e-6)
 
 
@@ -202,7 +207,7 @@ _TRIALS: dict[str, Callable] = {
     "add_rms_norm": _trial_add_rms_norm,
 }
 _FAILED: dict[str, str] = {}  # kernel name -> why its trial failed
-_PASSED: set[tuple[str, str, torch.dtype]] = set()
+_PASSED: set[tuple] = set()  # (name, device type, dtype, trailing dims): the launch configs that passed
 
 
 def enabled(t: torch.Tensor) -> bool:
@@ -226,19 +231,21 @@ def usable(name: str, t: torch.Tensor) -> bool:
     """Whether fused kernel ``name`` runs for tensors like ``t``: Triton importable, bf16/fp16 on CUDA
     (any float on CPU with ``RUN_ON_CPU``), and its one-time trial against the reference ops passed.
 
-    The trial runs eagerly on the first call (the engine's warm-up step precedes every CUDA-graph
-    capture); a kernel not yet tried while a graph is being captured is not used in that graph."""
+    The trial runs eagerly on the first call for each trailing shape (hidden size, head layout, fc1
+    width: what the kernel's block sizes and warps follow), so every launch configuration the model uses
+    compiles and is checked once (the engine's warm-up step precedes every CUDA-graph capture); a kernel
+    not yet tried while a graph is being captured is not used in that graph."""
     if name in _FAILED or not _serves(t):
         return False
     if name == "rope_kv_write" and t.shape[-1] & (t.shape[-1] - 1):  # tl.arange over the head dim
         return False
-    key = (name, t.device.type, t.dtype)
+    key = (name, t.device.type, t.dtype, tuple(t.shape[1:]))
     if key in _PASSED:
         return True
     if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
     try:
-        got, want = _TRIALS[name](t.device, t.dtype)
+        got, want = _TRIALS[name](t)
         if not _close(got, want, t.dtype):
             err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
             raise ValueError(f"result differs from the reference ops by up to {err:.3g}")

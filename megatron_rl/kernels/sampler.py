@@ -118,20 +118,23 @@ if HAVE_TRITON:
 RUN_ON_CPU = False
 # On CUDA from CUDA_MIN_ROWS rows: measured on one H200 (session 9, ``benchmarks/bench_sampler.py``, bf16
 # logits over 151,936 ids, 0 token mismatches against the eager draw) it takes 310 us at 512 rows against the
-# compiled draw's 495 us, but 195-370 us at 64 rows against 152 us. MEGATRON_RL_TRITON_SAMPLER=0 turns it off.
-ON_CUDA = os.environ.get("MEGATRON_RL_TRITON_SAMPLER", "1") != "0"
+# compiled draw's 495 us, but 195-370 us at 64 rows against 152 us. Layout-invariant sampling takes it at
+# every row count (``usable(..., any_rows=True)``): the kernel rounds as the eager draw does, while inductor
+# may fuse a multiply-add, so one path for every decode bucket keeps a near-tie's token the same.
+# MEGATRON_RL_TRITON_SAMPLER=0 (or false/off/no) turns it off.
+ON_CUDA = os.environ.get("MEGATRON_RL_TRITON_SAMPLER", "1").strip().lower() not in ("0", "false", "off", "no")
 CUDA_MIN_ROWS = 512
 
 
-def usable(logits: torch.Tensor) -> bool:
+def usable(logits: torch.Tensor, any_rows: bool = False) -> bool:
     """Whether the kernel runs for logits [B, V]: Triton importable, bf16/fp16/fp32 on CUDA with ``ON_CUDA``
-    and at least ``CUDA_MIN_ROWS`` rows (or CPU with ``RUN_ON_CPU``), unit stride over the vocab."""
+    and at least ``CUDA_MIN_ROWS`` rows unless ``any_rows`` (or CPU with ``RUN_ON_CPU``), unit stride over
+    the vocab."""
     dev = logits.device.type
+    rows_ok = any_rows or logits.shape[0] >= CUDA_MIN_ROWS
     return (
         HAVE_TRITON
-        and (
-            (ON_CUDA and dev == "cuda" and logits.shape[0] >= CUDA_MIN_ROWS) or (RUN_ON_CPU and dev == "cpu")
-        )
+        and ((ON_CUDA and dev == "cuda" and rows_ok) or (RUN_ON_CPU and dev == "cpu"))
         and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and logits.dim() == 2
         and logits.stride(-1) == 1

@@ -286,7 +286,7 @@ def decode(
 
 def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: torch.Tensor,
                   positions: torch.Tensor, Tmax: int) -> torch.Tensor:  # fmt: skip
-    """``decode`` with the fused Triton kernels (``kernels.decode_fused``, ``MEGATRON_RL_FUSED_DECODE=1``),
+    """``decode`` with the fused Triton kernels (``kernels.decode_fused``, on by default on CUDA, ``MEGATRON_RL_FUSED_DECODE=0`` off),
     each where its trial passed (else that step's reference ops): RoPE + the KV-cache write in one kernel,
     each residual add with the RMSNorm after it, SwiGLU on one fc1 GEMM's output. Not the exact path."""
     B = tokens.shape[0]

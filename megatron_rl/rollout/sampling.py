@@ -188,10 +188,13 @@ _KERNEL = "the Triton sampler"
 _KERNEL_FALLBACK = "The Triton sampler failed its trial; the compiled (or eager) sampler serves instead."
 
 
-def _drawer(logits: torch.Tensor):
+def _drawer(logits: torch.Tensor, layout_invariant: bool = False):
     """The fastest draw that serves ``logits``: the Triton kernel, the compiled ``_draw``, or None (eager
-    ``sample`` then ``token_logprobs``)."""
-    if sampler_kernel.usable(logits) and trial_once(_KERNEL, lambda: _kernel_trial(logits), _KERNEL_FALLBACK):
+    ``sample`` then ``token_logprobs``). ``layout_invariant`` (per-row keys given): the Triton kernel at
+    every batch size where it serves, so the path does not change with the decode bucket."""
+    if sampler_kernel.usable(logits, any_rows=layout_invariant) and trial_once(
+        _KERNEL, lambda: _kernel_trial(logits), _KERNEL_FALLBACK
+    ):
         return _kernel_draw
     return _FUSED_DRAW if _fused_ok(logits) else None
 
@@ -248,7 +251,7 @@ def sample_with_logprobs(
     its noise is ``counter_log_exponential`` of ``row_keys``, or of keys drawn from ``generator`` (one
     int64 per row and step). Otherwise ``sample`` then ``token_logprobs``."""
     temperature = params.temperature
-    draw = None if params.top_k > 0 or params.top_p < 1.0 else _drawer(logits)
+    draw = None if params.top_k > 0 or params.top_p < 1.0 else _drawer(logits, row_keys is not None)
     if draw is None:
         logits = logits.float()
         tokens = sample(logits, params, generator, row_keys)

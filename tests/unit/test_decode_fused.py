@@ -45,4 +45,6 @@ def test_a_broken_kernel_falls_back_with_a_warning(monkeypatch):
     x = torch.zeros(2, 4)
     with pytest.warns(UserWarning, match="swiglu.*broken"):
         assert not fused.usable("swiglu", x)
-    assert fused.usable("add_rms_norm", x) and fused.usable("rope_kv_write", x)
+    qkv = torch.zeros(2, 2, 5, 16)  # [B, G, rep + 2, D]: each trial runs at the caller's trailing dims
+    assert fused.usable("add_rms_norm", x) and fused.usable("rope_kv_write", qkv)
+    assert ("add_rms_norm", "cpu", x.dtype, (4,)) in fused._PASSED

@@ -147,6 +147,33 @@ def test_packed_and_shared_prompt_micro_batches_recompute_the_rollout_logprobs_e
     model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize(
+    "dtype,layout",
+    [(torch.bfloat16, {"share_prompts": True, "use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 400}),
+     (torch.float32, {"pack_sequences": True, "share_prompts": False, "ppo_micro_batch_size_per_gpu": 3})],
+    ids=["bf16-shared-dynamic", "fp32-packed-fixed"],
+)  # fmt: skip
+def test_exact_packed_rows_across_key_blocks(setup, dtype, layout):
+    """Prompts of 66-100 tokens and responses up to 80 (key segments over two 64-key blocks), n=3: shared
+    prompts split by a token budget (bf16) and packed fixed micro-batches (fp32) recompute the engine's
+    exact log-probs bit for bit."""
+    _, args, models = setup
+    model = models[True, dtype]
+    prompts = [(p * 4)[: max(len(p), 70)] for p in random_prompts(4, seed=11, max_len=100)]
+    assert min(map(len, prompts)) > 64
+    cfg = EngineConfig(max_num_seqs=3, max_prefill_tokens=400, exact_logprobs=True)
+    sp = SamplingParams(temperature=T, n=3, max_new_tokens=80, seed=5, stop_token_ids=(100,))
+    batch = build_batch(
+        RolloutEngine(model, args, cfg).generate(prompts, sp), [None] * 4, 0, 80, 0, torch.device("cpu")
+    )
+    mask = batch.response_mask.bool()
+    worker = PolicyWorker(
+        model, ActorConfig(**layout), T, args.vocab_size, 1, 80, trainable=False, exact=True
+    )
+    assert all(mb.packed is not None for mb in worker._split(batch)[0])
+    assert torch.equal(worker.log_probs(batch)[mask], batch.rollout_log_probs[mask])
+
+
 def test_exact_logits_are_as_close_to_transformers_as_the_default(setup):
     """A normal forward: bf16 logits of the exact model vs transformers in fp32 (mean |error| over every
     position and vocab entry), no worse than the default bf16 model's; fp32 within 1e-5."""

@@ -79,6 +79,12 @@ def test_expandable_segments_are_the_default_and_a_user_setting_is_kept():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cuda_allocator_defaults(env) is None
+    assert env["NCCL_GRAPH_REGISTER"] == "0"  # expandable segments the user set need it as much
+    with warnings.catch_warnings():  # only rank 0 says it
+        warnings.simplefilter("error")
+        assert (
+            cuda_allocator_defaults({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256", "RANK": "3"}) is None
+        )
     env = {"NCCL_GRAPH_REGISTER": "1"}
     cuda_allocator_defaults(env)
     assert env["NCCL_GRAPH_REGISTER"] == "1" and env["PYTORCH_CUDA_ALLOC_CONF"] == ALLOC_CONF

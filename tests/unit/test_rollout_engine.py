@@ -383,7 +383,7 @@ def test_a_planned_kv_cache_that_the_free_device_memory_cannot_hold_gets_fewer_s
 
 def test_engine_with_the_fused_decode_kernels_equals_hf(model, monkeypatch):
     """The decode step with the fused Triton kernels (``kernels.decode_fused``: RoPE + KV-cache write,
-    add + RMSNorm, SwiGLU; interpreted on CPU, ``MEGATRON_RL_FUSED_DECODE=1`` on the GPU): every kernel
+    add + RMSNorm, SwiGLU; interpreted on CPU, on by default on the GPU): every kernel
     runs, greedy equals HF token for token and sampled log-probs equal the HF forward (qk-norm included)."""
     pytest.importorskip("triton", reason="triton is in the dev extras")
     from megatron_rl.kernels import decode_fused
