@@ -117,8 +117,9 @@ class RolloutConfig:
         False,
         "Batch-invariant kernels (matmul, RMSNorm, attention, log-softmax) in the engine and in the actor/"
         "reference forward, so rollout log-probs equal the training recompute bit for bit "
-        "(rollout/logprob_mismatch_frac = 0), also with packed or shared-prompt micro-batches. Needs TP=1 "
-        "(parallel and rollout); builds the local layers (not TE); no LoRA, multi-turn or sliding window "
+        "(rollout/logprob_mismatch_frac = 0), also with packed or shared-prompt micro-batches. Any TP with "
+        "the rollout TP equal to the training TP (TP partial sums and vocab shards added in rank order); "
+        "builds the local layers (not TE); no sequence parallelism, LoRA, multi-turn or sliding window "
         "(refused at start-up).",
     )
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

@@ -103,16 +103,17 @@ def _check_rollout(cfg: JobConfig, training: bool) -> None:
 
 
 def _check_exact_logprobs(cfg: JobConfig) -> None:
-    """rollout.exact_logprobs: its kernels are wired for one TP rank and plain causal attention."""
+    """rollout.exact_logprobs: its kernels run the engine's TP shards as the trainer's (same TP size), without
+    sequence parallelism, on plain causal attention."""
     if not cfg.rollout.exact_logprobs:
         return
     par, tp_g = cfg.parallel, cfg.rollout.tensor_model_parallel_size
+    tp = par.tensor_model_parallel_size
     clashes = [
         (
-            par.tensor_model_parallel_size > 1,
-            f"parallel.tensor_model_parallel_size={par.tensor_model_parallel_size}",
+            tp_g not in (None, tp),
+            f"rollout.tensor_model_parallel_size={tp_g} != parallel.tensor_model_parallel_size={tp}",
         ),
-        (tp_g not in (None, 1), f"rollout.tensor_model_parallel_size={tp_g}"),
         (par.sequence_parallel, "parallel.sequence_parallel=true"),
         (cfg.actor.lora.enabled, f"actor.lora.rank={cfg.actor.lora.rank}"),
         (cfg.rollout.multi_turn.enable, "rollout.multi_turn.enable=true"),
@@ -120,10 +121,13 @@ def _check_exact_logprobs(cfg: JobConfig) -> None:
     bad = [name for clash, name in clashes if clash]
     if bad:
         raise ConfigError(
-            f"rollout.exact_logprobs=true is incompatible with {', '.join(bad)}: the batch-invariant kernels "
-            "run at TP=1 on the local layers (a TP all-reduce sums in an order NCCL picks by message size), "
-            "without LoRA side paths, and a later turn's prefill onto a cached slot is not one of them. Use "
-            "TP=1 without LoRA and single-turn rollouts, or set rollout.exact_logprobs=false."
+            f"rollout.exact_logprobs=true is incompatible with {', '.join(bad)}: the engine must hold the "
+            "trainer's TP shards (the partial sums and vocab shards are combined in rank order on both "
+            "sides), sequence parallelism's reduce-scatter and LoRA side paths have no batch-invariant form, "
+            "and a later turn's prefill onto a cached slot is not batch-invariant. Leave "
+            "rollout.tensor_model_parallel_size unset (or equal to the training TP) with "
+            "parallel.sequence_parallel=false, no LoRA and single-turn rollouts, or set "
+            "rollout.exact_logprobs=false."
         )
 
 

@@ -19,10 +19,12 @@ What is reduced how (both paths):
   rounding.
 - ``rms_norm``: fp32 sum of squares over the row, ``x * rstd * w`` in fp32, one rounding.
 - ``token_logprobs``: exact max over the row, then the sum of ``exp(z - max)`` in fixed blocks of
-  ``VOCAB_BLOCK`` columns from column 0. Across TP vocab shards the max may be all-reduced (max is exact in
-  any order) but the sums may not (NCCL's order changes with the message size): they would have to be
-  all-gathered and added in rank order, with the engine splitting its gathered vocab at the same shard
-  boundaries. Only TP=1 is wired (there is no all-reduce); config validation refuses TP>1.
+  ``VOCAB_BLOCK`` columns from column 0. Over TP vocab shards (``shard``): the max of the shard maxes
+  (exact in any order), each shard's sum of ``exp(z - max)`` in its own blocks, the shard sums added in
+  rank order in fp32 (``combine_exp_sums``), then the log. The engine splits its gathered row at the
+  training shard boundaries; the trainer computes the same pieces on its local shard and exchanges them
+  (``kernels.batch_invariant_tp``), never through an all-reduce sum (NCCL's order follows the message size).
+- ``ordered_sum``: TP partial outputs of a row-parallel linear added in rank order in fp32, one rounding.
 - ``attention``: row r of (batch b, KV group g) attends keys ``0..row_pos[b, r]`` in blocks of
   ``KEY_BLOCK`` from key 0 with one online-softmax update per block. A block wholly past a row's
   position leaves that row's state unchanged bit for bit (its weights are exactly 0 and its rescale
@@ -91,15 +93,20 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def log_softmax_stats_reference(z: Tensor) -> tuple[Tensor, Tensor]:
     """z [N, V] fp32 (-inf where excluded) -> row max [N] and log of the sum of exp(z - max) [N]."""
-    n, v = z.shape
     zmax = z.amax(dim=-1)  # [N] exact in any order
+    return zmax, exp_sum_reference(z, zmax).double().log().float()
+
+
+def exp_sum_reference(z: Tensor, zmax: Tensor) -> Tensor:
+    """z [N, V] fp32, zmax [N] -> the sum of exp(z - zmax) [N] fp32 in blocks of ``VOCAB_BLOCK`` columns."""
+    n, v = z.shape
     blocks = -(-v // VOCAB_BLOCK)
     z = torch.nn.functional.pad(z, (0, blocks * VOCAB_BLOCK - v), value=float("-inf"))
     e = _exp(z - zmax[:, None]).view(n, blocks, VOCAB_BLOCK)  # [N, nb, VB]
     lanes = torch.zeros(n, VOCAB_BLOCK, dtype=torch.float32, device=z.device)
     for b in range(blocks):  # each lane sums its column of every block, in block order
         lanes = lanes + e[:, b]
-    return zmax, tree_sum(lanes).double().log().float()
+    return tree_sum(lanes)
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, row_pos: Tensor, scale: float) -> Tensor:
@@ -150,17 +157,60 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return out.view(x.shape)
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float, valid: int | None = None) -> Tensor:
+def token_logprobs(
+    logits: Tensor, tokens: Tensor, temperature: float, valid: int | None = None, shard: int | None = None
+) -> Tensor:
     """logits [N, V], tokens [N] -> ``log_softmax(logits / temperature)[token]`` [N] fp32 over the first
-    ``valid`` columns (default all; the rest is vocab padding), batch-invariant."""
+    ``valid`` columns (default all; the rest is vocab padding), batch-invariant. ``shard``: the width of a
+    TP vocab shard (V/tp of the padded vocab): the row is reduced as the trainer reduces its shards
+    (``shard_max``, ``shard_exp_sum``, ``combine_exp_sums``), so a gathered row and the shards agree."""
     valid = logits.shape[-1] if valid is None else valid
-    if use_triton(logits):
+    if shard is not None and shard < valid:
+        chunks = [logits[:, s : min(s + shard, valid)] for s in range(0, valid, shard)]  # [N, <=shard] each
+        zmax = torch.stack([shard_max(c, temperature, c.shape[-1]) for c in chunks]).amax(0)  # [N]
+        sums = torch.stack([shard_exp_sum(c, temperature, c.shape[-1], zmax) for c in chunks])  # [P, N]
+        lse = combine_exp_sums(sums)
+    elif use_triton(logits):
         zmax, lse = tri.log_softmax_stats(logits, temperature, valid, VOCAB_BLOCK)
     else:
         z = logits[:, :valid].float() / temperature
         zmax, lse = log_softmax_stats_reference(z)
     picked = logits.gather(-1, tokens[:, None])[:, 0].float() / temperature
     return picked - zmax - lse
+
+
+def shard_max(logits: Tensor, temperature: float, valid: int) -> Tensor:
+    """logits [N, Vs] -> the max of the first ``valid`` columns divided by ``temperature`` [N] fp32 (-inf
+    when ``valid`` is 0: a shard of vocab padding only)."""
+    if valid == 0:
+        return torch.full(logits.shape[:1], float("-inf"), dtype=torch.float32, device=logits.device)
+    if use_triton(logits):
+        return tri.shard_max(logits, temperature, valid, VOCAB_BLOCK)
+    return (logits[:, :valid].float() / temperature).amax(dim=-1)
+
+
+def shard_exp_sum(logits: Tensor, temperature: float, valid: int, zmax: Tensor) -> Tensor:
+    """logits [N, Vs], zmax [N] (the whole row's max) -> the sum of ``exp(z / temperature - zmax)`` over the
+    first ``valid`` columns [N] fp32, in blocks of ``VOCAB_BLOCK`` columns from this shard's column 0."""
+    if valid == 0:
+        return torch.zeros(logits.shape[:1], dtype=torch.float32, device=logits.device)
+    if use_triton(logits):
+        return tri.shard_exp_sum(logits, temperature, valid, zmax, VOCAB_BLOCK)
+    return exp_sum_reference(logits[:, :valid].float() / temperature, zmax)
+
+
+def combine_exp_sums(sums: Tensor) -> Tensor:
+    """sums [P, N] fp32, one row per vocab shard in rank order -> log of their sum [N], added in rank order."""
+    return ordered_sum(list(sums), torch.float32).double().log().float()
+
+
+def ordered_sum(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """Equal-shape partials in rank order -> their elementwise sum in ``dtype``: fp32 adds 0, 1, ..., P-1,
+    one rounding (each element depends on its own partials alone, whatever the row count)."""
+    acc = parts[0].float()
+    for part in parts[1:]:
+        acc = acc + part.float()
+    return acc.to(dtype)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, row_pos: Tensor, scale: float) -> Tensor:

@@ -88,6 +88,29 @@ if HAVE_TRITON:
         tl.store(lse_ptr + row, tl.log(tl.sum(lanes, 0)))
 
     @triton.jit
+    def _shard_max_kernel(x_ptr, max_ptr, V, sx, temp, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = x_ptr + row * sx
+        cols = tl.arange(0, BLOCK)
+        run_max = tl.full([BLOCK], float("-inf"), tl.float32)
+        for start in range(0, V, BLOCK):
+            z = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+            run_max = tl.maximum(run_max, z / temp)
+        tl.store(max_ptr + row, tl.max(run_max, 0))
+
+    @triton.jit
+    def _exp_sum_kernel(x_ptr, max_ptr, sum_ptr, V, sx, temp, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = x_ptr + row * sx
+        cols = tl.arange(0, BLOCK)
+        zmax = tl.load(max_ptr + row)
+        lanes = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, V, BLOCK):  # each lane adds its column of every block, in block order
+            z = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+            lanes += tl.exp(z / temp - zmax)
+        tl.store(sum_ptr + row, tl.sum(lanes, 0))
+
+    @triton.jit
     def _attention_kernel(
         q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, scale, R,
         sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, sp_b,
@@ -158,6 +181,25 @@ def log_softmax_stats(logits: Tensor, temperature: float, valid: int, block: int
     _lse_kernel[(n,)](logits, zmax, lse, valid, logits.stride(0), float(temperature), BLOCK=block,
                       num_warps=LSE_WARPS)  # fmt: skip
     return zmax, lse
+
+
+def shard_max(logits: Tensor, temperature: float, valid: int, block: int) -> Tensor:
+    """logits [N, Vs] (unit stride in Vs) -> max of the first ``valid`` columns / ``temperature`` [N] fp32."""
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    zmax = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    _shard_max_kernel[(logits.shape[0],)](logits, zmax, valid, logits.stride(0), float(temperature),
+                                          BLOCK=block, num_warps=LSE_WARPS)  # fmt: skip
+    return zmax
+
+
+def shard_exp_sum(logits: Tensor, temperature: float, valid: int, zmax: Tensor, block: int) -> Tensor:
+    """logits [N, Vs], zmax [N] fp32 -> sum of exp(z / temperature - zmax) over the first ``valid`` columns
+    [N] fp32, in blocks of ``block`` columns."""
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    _exp_sum_kernel[(logits.shape[0],)](logits, zmax.float().contiguous(), out, valid, logits.stride(0),
+                                        float(temperature), BLOCK=block, num_warps=LSE_WARPS)  # fmt: skip
+    return out
 
 
 def attention(

@@ -4,8 +4,11 @@ mode, so a token's training log-prob and its rollout log-prob are the same bits.
 
 Only the forward values must match the engine; backward uses the plain torch ops (a gradient carries no
 log-prob). Swapped in through our ModuleSpec (``block_spec``: the local spec with these layers) and, for
-the LM head GPTModel builds itself, ``exact_head``; megatron-core's code is untouched. TP=1 only (config
-validation refuses more): the linears' ``_forward_impl`` skips megatron-core's TP communication.
+the LM head GPTModel builds itself, ``exact_head``; megatron-core's code is untouched. At TP>1 (no sequence
+parallelism: validation refuses it) a column-parallel linear keeps megatron-core's communication (identity
+forward, input-gradient all-reduce), and a row-parallel linear sums its partial outputs with
+``batch_invariant_tp.ordered_all_reduce`` (rank order, as the decoder does) instead of megatron-core's
+all-reduce.
 """
 
 from __future__ import annotations
@@ -14,9 +17,14 @@ import types
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tensor_model_parallel_region,
+)
 
 from megatron_rl.kernels import batch_invariant as bi
+from megatron_rl.kernels.batch_invariant_tp import OrderedAllReduce, group_size
 from megatron_rl.models.packed_attention import packed_attention, shared_attention
 from megatron_rl.models.spec import RMSNorm, SDPACoreAttention, layer_spec
 
@@ -43,8 +51,11 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return _ExactLinear.apply(x, weight, bias)
 
 
-def _exact_forward_impl(self, input, weight, bias=None, **_tp_comm):
-    """megatron-core's linear ``_forward_impl`` contract at TP=1 (its communication flags are no-ops)."""
+def _exact_forward_impl(self, input, weight, bias=None, allreduce_dgrad=False, tp_group=None, **_tp_comm):
+    """megatron-core's linear ``_forward_impl`` contract without sequence parallelism: ``allreduce_dgrad``
+    (a column-parallel linear at TP>1) all-reduces the input's gradient, as megatron-core's own does."""
+    if allreduce_dgrad:
+        input = copy_to_tensor_model_parallel_region(input, group=tp_group)
     return exact_linear(input, weight, bias)
 
 
@@ -53,7 +64,21 @@ class ExactColumnParallelLinear(ColumnParallelLinear):
 
 
 class ExactRowParallelLinear(RowParallelLinear):
-    _forward_impl = _exact_forward_impl
+    """x [T, B, in/tp] -> ([T, B, out], bias): the exact matmul of this rank's input shard, the partials
+    summed in rank order (``OrderedAllReduce``), then megatron-core's bias handling."""
+
+    def forward(self, input_):
+        if not self.input_is_parallel or self.sequence_parallel or self.explicit_expert_comm:
+            raise NotImplementedError(
+                "rollout.exact_logprobs: row-parallel linears take a parallel input without sequence "
+                "parallelism or expert communication; set parallel.sequence_parallel=false"
+            )
+        out = exact_linear(input_, self.weight)
+        if group_size(self.tp_group) > 1:
+            out = OrderedAllReduce.apply(out, self.tp_group)
+        if self.skip_bias_add:
+            return out, self.bias
+        return (out + self.bias if self.bias is not None else out), None
 
 
 def exact_head(model) -> None:

@@ -9,7 +9,7 @@ run (``kernels.batch_invariant``) and the trainer's unfused RoPE and SwiGLU ops,
 Tensor-parallel pieces (``tp`` is the generation TP size, ``group`` its process group):
 - vocab-parallel embedding: rows outside this rank's vocab range are masked, partial sums all-reduced;
 - qkv / fc1 column-parallel: this rank holds G/tp whole query groups and F/tp of the MLP;
-- proj / fc2 row-parallel: partial outputs all-reduced;
+- proj / fc2 row-parallel: partial outputs all-reduced (``exact``: added in rank order);
 - output layer vocab-parallel: logits all-gathered, padded vocab columns dropped.
 """
 
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from megatron_rl.kernels import batch_invariant as bi
 from megatron_rl.kernels import decode_attention as decode_kernel
 from megatron_rl.kernels import decode_fused
+from megatron_rl.kernels.batch_invariant_tp import ordered_all_reduce
 
 if TYPE_CHECKING:  # the engine needs no megatron-core import at run time
     from megatron_rl.models.args import ModelArgs
@@ -60,8 +61,12 @@ class GenWeights:
         return sum(t.numel() * t.element_size() for t in self.owned)
 
 
-def _all_reduce(x: torch.Tensor, w: GenWeights) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, w: GenWeights, exact: bool = False) -> torch.Tensor:
+    """Sum a row-parallel partial over the generation TP group; ``exact``: in rank order in fp32
+    (``batch_invariant_tp.ordered_all_reduce``, as the trainer's exact row-parallel linears sum)."""
     if w.tp > 1:
+        if exact:
+            return ordered_all_reduce(x, w.group)
         dist.all_reduce(x, group=w.group)
     return x
 
@@ -149,7 +154,7 @@ def _qkv(x: torch.Tensor, layer: dict, spec: ModelArgs, exact: bool = False) -> 
 def _mlp(x: torch.Tensor, layer: dict, w: GenWeights, exact: bool = False) -> torch.Tensor:
     if exact:  # megatron-core's unfused GLU on one fc1 output: silu(gate) * up, each op rounded
         gate, up = bi.matmul(x, layer["fc1"]).chunk(2, dim=-1)  # [B, T, F/tp] each
-        return _all_reduce(bi.matmul(F.silu(gate) * up, layer["fc2"]), w)
+        return _all_reduce(bi.matmul(F.silu(gate) * up, layer["fc2"]), w, exact=True)
     # gate and up as two matmuls on the weight's (contiguous) row halves: contiguous outputs keep the
     # SwiGLU elementwise kernels vectorised (a chunk of one output is strided)
     gate_w, up_w = layer["fc1"].chunk(2, dim=0)  # [F/tp, h] each
@@ -183,7 +188,7 @@ def _prefill_layers(
         q = qk[:, :, :, :rep].reshape(B, T, -1, spec.head_dim).transpose(1, 2)  # [B, Hl, T, D]
         a = attend(i, q, qk[:, :, :, rep], qkv[:, :, :, rep + 1])  # [B, Hl, T, D]
         a = a.transpose(1, 2).reshape(B, T, -1)  # [B, T, Hl*D]
-        x = x + _all_reduce(_linear(a, layer["proj"], exact=exact), w)
+        x = x + _all_reduce(_linear(a, layer["proj"], exact=exact), w, exact)
         x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps, exact), layer, w, exact)
     return x
 
@@ -279,7 +284,7 @@ def decode(
         else:
             a = decode_attention(q, k_cache, v_cache, mask, positions)  # [B, Gl, rep, D]
         a = a.reshape(B, 1, -1)  # [B, 1, Hl*D]
-        x = x + _all_reduce(_linear(a, layer["proj"], exact=exact), w)
+        x = x + _all_reduce(_linear(a, layer["proj"], exact=exact), w, exact)
         x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps, exact), layer, w, exact)
     return logits(rms_norm(x[:, 0], w.final_norm, spec.norm_eps, exact), w, spec, exact)
 

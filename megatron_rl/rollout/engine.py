@@ -412,8 +412,11 @@ class _Runner:
 
         tokens, lps = sample_with_logprobs(logits, self.params, self.gen, row_keys, share)
         p = self.params
-        if self.state.exact:  # the trainer's exact recompute calls this same log-softmax
-            lps = batch_invariant.token_logprobs(logits, tokens, logprob_temperature(p.temperature))
+        if self.state.exact:  # the trainer's exact recompute: the same log-softmax, split at its vocab shards
+            shard = self.w.output.shape[0] if self.w.tp > 1 else None  # V/tp (generation TP = training TP)
+            lps = batch_invariant.token_logprobs(
+                logits, tokens, logprob_temperature(p.temperature), shard=shard
+            )
         if self.out_tlp is not None:  # at the column _record writes next
             tlp = truncated_token_logprobs(logits, tokens, p.temperature, p.top_k, p.top_p, self.state.exact)
             self.out_tlp[rows, self.count[rows]] = tlp

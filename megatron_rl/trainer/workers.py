@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megatron_rl.algos import (
     all_reduce_metrics,
@@ -26,7 +27,7 @@ from megatron_rl.algos import (
 )
 from megatron_rl.algos.rollout_correction import rollout_gap_metrics
 from megatron_rl.config.schema import ActorConfig, CriticConfig
-from megatron_rl.kernels import batch_invariant as bi
+from megatron_rl.kernels.batch_invariant_tp import vocab_parallel_token_logprobs
 from megatron_rl.logging.metric_names import (
     PERF_CRITIC_UPDATE_PAD_FRAC,
     PERF_CRITIC_UPDATE_SHARED_FRAC,
@@ -50,9 +51,9 @@ def response_log_probs(
 
     Vocab rows past the true vocabulary (padding to a multiple of 128*TP) are excluded, as the engine
     excludes them when sampling; the fused kernel works in fp32 chunks and keeps no fp32 [B, R, V/tp]
-    tensor for backward. ``exact`` (``rollout.exact_logprobs``, TP=1): the values are the engine's
-    batch-invariant log-softmax (``kernels.batch_invariant.token_logprobs``), the gradient the fused
-    kernel's."""
+    tensor for backward. ``exact`` (``rollout.exact_logprobs``): the values are the engine's
+    batch-invariant log-softmax (``kernels.batch_invariant_tp.vocab_parallel_token_logprobs``: at TP>1 the
+    shards' pieces combined in rank order), the gradient the fused kernel's."""
     lp, ent = vocab_parallel_log_probs_and_entropy(
         logits, mb.responses, tp_group=ps.get_tensor_model_parallel_group(), temperature=temperature,
         vocab_size=vocab_size,
@@ -60,9 +61,10 @@ def response_log_probs(
     if exact:
         b, r, v = logits.shape
         with torch.no_grad():
-            flat = bi.token_logprobs(
-                logits.reshape(b * r, v), mb.responses.reshape(-1), temperature, vocab_size
-            )
+            flat = vocab_parallel_token_logprobs(
+                logits.reshape(b * r, v), mb.responses.reshape(-1), temperature, vocab_size,
+                ps.get_tensor_model_parallel_group(),
+            )  # fmt: skip
         lp = _ValueOf.apply(lp, flat.view(b, r).to(lp.dtype))
     return lp, (ent if with_entropy else None)
 
@@ -311,10 +313,13 @@ class PolicyWorker(_TrainedModel):
 
     def truncated_gap(self, logits: torch.Tensor, mb: RolloutBatch) -> dict:
         """The rollout gap of the sampled tokens' log-probs under the top-k/top-p renormalised distribution,
-        recomputed from logits [B, R, V] (TP=1: the whole vocabulary) by the engine's own function. Only on
-        the on-policy update's forward, whose weights are the rollout's."""
+        recomputed from logits [B, R, V/tp] by the engine's own function on the whole row (the TP shards
+        all-gathered, as the engine gathers them). Only on the on-policy update's forward, whose weights are
+        the rollout's."""
         b, r, _ = logits.shape
         with torch.no_grad():
+            if ps.get_tensor_model_parallel_world_size() > 1:
+                logits = gather_from_tensor_model_parallel_region(logits)  # [B, R, Vp]
             flat = logits[..., : self.vocab_size].reshape(b * r, -1)  # [B*R, V]
             lp = truncated_token_logprobs(flat, mb.responses.reshape(-1), self.temperature, *self.truncation,
                                           exact=self.exact).view(b, r)  # fmt: skip

@@ -166,3 +166,46 @@ def test_packed_and_shared_prompt_attention_equal_the_unpacked_rows(monkeypatch,
     out = bi.packed_attention(q, k, v, torch.tensor([0, 30, 97]), dim**-0.5)
     same(out[:30], unpacked(*a))
     same(out[30:], unpacked(*b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ordered_sum_adds_tp_partials_in_rank_order_whatever_the_row_count(dtype):
+    """Row-parallel partials [P] x [M, N]: the fp32 sum in rank order rounded once to the dtype, each row
+    the same bits whether reduced alone or among others. What it rules out gives other bits: in fp32
+    another order, in bf16 a rounding after every add (a bf16 all-reduce)."""
+    torch.manual_seed(0)
+    parts = [(torch.randn(9, 40) * 10 ** torch.randn(9, 40)).to(dtype) for _ in range(4)]
+    got = bi.ordered_sum(parts, dtype)
+    want = (((parts[0].float() + parts[1].float()) + parts[2].float()) + parts[3].float()).to(dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    for rows in (slice(0, 1), slice(3, 7), slice(8, 9)):
+        assert torch.equal(bi.ordered_sum([p[rows] for p in parts], dtype), got[rows])
+    if dtype == torch.float32:
+        other = ((parts[3] + parts[1]) + parts[2]) + parts[0]
+    else:
+        other = ((parts[0] + parts[1]) + parts[2]) + parts[3]
+    assert not torch.equal(other, got)
+
+
+def test_log_softmax_split_at_tp_shards_equals_the_shards_combined(path):
+    """``token_logprobs(row, shard=W)`` (the engine's gathered row) == the trainer's per-shard pieces:
+    the max of the shard maxes, each shard's exp-sum in its own blocks, the sums added in rank order;
+    the padded vocab's last shards hold 64 real columns and none. Batch-invariant and close to float64."""
+    torch.manual_seed(0)
+    width, tp, vocab = 600, 4, 1864  # padded vocab 2400: shard 3 is padding only, shard 2 part padding
+    padded = torch.randn(16, width * tp) * 4
+    tokens = torch.randint(0, vocab, (16,))
+    got = bi.token_logprobs(padded[:, :vocab], tokens, 0.7, shard=width)
+    shards = [padded[:, r * width : (r + 1) * width] for r in range(tp)]
+    valid = [min(max(vocab - r * width, 0), width) for r in range(tp)]
+    zmax = torch.stack([bi.shard_max(s, 0.7, v) for s, v in zip(shards, valid)]).amax(0)
+    sums = torch.stack([bi.shard_exp_sum(s, 0.7, v, zmax) for s, v in zip(shards, valid)])  # [tp, N]
+    picked = padded.gather(-1, tokens[:, None])[:, 0] / 0.7
+    assert torch.equal(got, picked - zmax - bi.combine_exp_sums(sums))
+    # the split matters: the whole row's blocks sum the same exps in another order
+    whole = bi.shard_exp_sum(padded[:, :vocab], 0.7, vocab, zmax)
+    assert not torch.equal(bi.ordered_sum(list(sums), torch.float32), whole)
+    want = torch.log_softmax(padded[:, :vocab].double() / 0.7, -1).gather(-1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    _each_batch(lambda x: bi.token_logprobs(x[:, :vocab], x[:, -1].long(), 0.7, shard=width),
+                torch.cat((padded, tokens[:, None].float()), 1), [1, 16])  # fmt: skip

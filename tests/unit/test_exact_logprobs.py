@@ -1,7 +1,8 @@
-"""``rollout.exact_logprobs`` end to end in one process (TP=1, CPU, torch reference kernels): the engine's
-continuous-batched rollout log-probs equal the trainer's recompute bit for bit (forward-only and the
-update's forward with backward), the mismatch metric reads 0 with the mode on and not with it off, and the
-exact model's logits are as close to transformers as the default model's."""
+"""``rollout.exact_logprobs`` end to end in one process (TP=1, CPU, torch reference kernels; TP=2 and TP=4
+under torchrun: ``tests/distributed/test_exact_logprobs_dist.py``): the engine's continuous-batched rollout
+log-probs equal the trainer's recompute bit for bit (forward-only and the update's forward with backward),
+the mismatch metric reads 0 with the mode on and not with it off, and the exact model's logits are as close
+to transformers as the default model's."""
 
 from __future__ import annotations
 
@@ -191,16 +192,28 @@ def test_exact_logits_are_as_close_to_transformers_as_the_default(setup):
         assert err(True, torch.bfloat16) <= 1.1 * err(False, torch.bfloat16)
 
 
-def test_exact_logprobs_refuses_tensor_parallelism_naming_the_keys():
+def test_exact_logprobs_takes_any_tp_with_the_rollout_tp_equal_to_the_training_tp():
+    """TP>1 is allowed when the engine holds the trainer's shards (rollout TP unset or equal); a different
+    rollout TP and sequence parallelism are refused, naming the keys (the TP=2 and TP=4 proof:
+    ``tests/distributed/test_exact_logprobs_dist.py``)."""
     from megatron_rl.config import ConfigError, JobConfig, validate_job
 
     cfg = JobConfig()
     cfg.rollout.exact_logprobs = True
     assert validate_job(cfg, world_size=1, num_layers=2).tp == 1
     cfg.parallel.tensor_model_parallel_size = 2
+    assert validate_job(cfg, world_size=2, num_layers=2).tp == 2
+    cfg.rollout.tensor_model_parallel_size = 2
+    assert validate_job(cfg, world_size=2, num_layers=2).tp == 2
+    cfg.rollout.tensor_model_parallel_size = 1
     with pytest.raises(
-        ConfigError, match=r"rollout\.exact_logprobs=true is incompatible with parallel\.tensor_"
+        ConfigError,
+        match=r"incompatible with rollout\.tensor_model_parallel_size=1 != parallel\.tensor_model_parallel_size=2",
     ):
+        validate_job(cfg, world_size=2, num_layers=2)
+    cfg.rollout.tensor_model_parallel_size = None
+    cfg.parallel.sequence_parallel = True
+    with pytest.raises(ConfigError, match=r"incompatible with parallel\.sequence_parallel=true"):
         validate_job(cfg, world_size=2, num_layers=2)
 
 
