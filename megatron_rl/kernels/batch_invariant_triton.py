@@ -71,44 +71,44 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * so + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
-    def _lse_kernel(x_ptr, max_ptr, lse_ptr, V, sx, temp, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # row * sx passes 2**31 for a training batch's logits
-        base = x_ptr + row * sx
+    def _row_max(base, V, temp, BLOCK: tl.constexpr):
+        """max over the row's first V columns of z / temp, in BLOCK-wide lanes (exact in any order)."""
         cols = tl.arange(0, BLOCK)
         run_max = tl.full([BLOCK], float("-inf"), tl.float32)
         for start in range(0, V, BLOCK):
             z = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
             run_max = tl.maximum(run_max, z / temp)
-        zmax = tl.max(run_max, 0)
+        return tl.max(run_max, 0)
+
+    @triton.jit
+    def _row_exp_sum(base, V, temp, zmax, BLOCK: tl.constexpr):
+        """sum of exp(z / temp - zmax) over the row's first V columns: each lane adds its column of every
+        block in block order, then the lanes are summed."""
+        cols = tl.arange(0, BLOCK)
         lanes = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, V, BLOCK):  # each lane adds its column of every block, in block order
+        for start in range(0, V, BLOCK):
             z = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
             lanes += tl.exp(z / temp - zmax)
+        return tl.sum(lanes, 0)
+
+    @triton.jit
+    def _lse_kernel(x_ptr, max_ptr, lse_ptr, V, sx, temp, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # row * sx passes 2**31 for a training batch's logits
+        base = x_ptr + row * sx
+        zmax = _row_max(base, V, temp, BLOCK)
         tl.store(max_ptr + row, zmax)
-        tl.store(lse_ptr + row, tl.log(tl.sum(lanes, 0)))
+        tl.store(lse_ptr + row, tl.log(_row_exp_sum(base, V, temp, zmax, BLOCK)))
 
     @triton.jit
     def _shard_max_kernel(x_ptr, max_ptr, V, sx, temp, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        base = x_ptr + row * sx
-        cols = tl.arange(0, BLOCK)
-        run_max = tl.full([BLOCK], float("-inf"), tl.float32)
-        for start in range(0, V, BLOCK):
-            z = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
-            run_max = tl.maximum(run_max, z / temp)
-        tl.store(max_ptr + row, tl.max(run_max, 0))
+        tl.store(max_ptr + row, _row_max(x_ptr + row * sx, V, temp, BLOCK))
 
     @triton.jit
     def _exp_sum_kernel(x_ptr, max_ptr, sum_ptr, V, sx, temp, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        base = x_ptr + row * sx
-        cols = tl.arange(0, BLOCK)
         zmax = tl.load(max_ptr + row)
-        lanes = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, V, BLOCK):  # each lane adds its column of every block, in block order
-            z = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
-            lanes += tl.exp(z / temp - zmax)
-        tl.store(sum_ptr + row, tl.sum(lanes, 0))
+        tl.store(sum_ptr + row, _row_exp_sum(x_ptr + row * sx, V, temp, zmax, BLOCK))
 
     @triton.jit
     def _attention_kernel(

@@ -66,6 +66,15 @@ def _worker(model, args, exact, **layout):
     )
 
 
+def _check_and_clear_grads(model) -> None:
+    """Every parameter got a finite gradient, some non-zero; then they are cleared for the next test."""
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads) and any(
+        g.abs().sum() > 0 for g in grads
+    )
+    model.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("exact", [True, False])
 def test_rollout_logprobs_equal_the_training_recompute_exactly(setup, exact):
     """Forward-only recompute in micro-batches of 2, then (exact) the update's forward of the whole batch in
@@ -98,11 +107,7 @@ def test_rollout_logprobs_equal_the_training_recompute_exactly(setup, exact):
     # renormalised over the kept tokens: strictly above the full-softmax log-prob where anything was cut
     assert (batch.rollout_truncated_log_probs[mask] >= batch.rollout_log_probs[mask]).all()
     assert (batch.rollout_truncated_log_probs[mask] > batch.rollout_log_probs[mask]).any()
-    grads = [p.grad for p in model.parameters()]
-    assert all(g is not None and torch.isfinite(g).all() for g in grads) and any(
-        g.abs().sum() > 0 for g in grads
-    )
-    model.zero_grad(set_to_none=True)
+    _check_and_clear_grads(model)
 
 
 @pytest.mark.parametrize(
@@ -141,11 +146,7 @@ def test_packed_and_shared_prompt_micro_batches_recompute_the_rollout_logprobs_e
         assert torch.equal(out["lp"][m], want[m])
         start += len(mb)
     assert start == len(batch)
-    grads = [p.grad for p in model.parameters()]
-    assert all(g is not None and torch.isfinite(g).all() for g in grads) and any(
-        g.abs().sum() > 0 for g in grads
-    )
-    model.zero_grad(set_to_none=True)
+    _check_and_clear_grads(model)
 
 
 @pytest.mark.parametrize(
