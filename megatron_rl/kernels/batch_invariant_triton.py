@@ -147,17 +147,24 @@ if HAVE_TRITON:
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=live_r[:, None])
 
 
-def matmul(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
-    """x [M, K], w [N, K], bias [N] or None -> [M, N] in x's dtype."""
+def matmul(
+    x: Tensor, w: Tensor, bias: Tensor | None, config: tuple[int, int, int, int, int] | None = None
+) -> Tensor:
+    """x [M, K], w [N, K], bias [N] or None -> [M, N] in x's dtype. ``config`` (BM, BN, BK, warps, stages)
+    replaces the fixed tile (``benchmarks/bench_exact_matmul.py`` compares them; any one config used for
+    every M is batch-invariant, two configs need not agree with each other)."""
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bm, bk, stages = BM, BK, MM_STAGES
     bn, warps = _column_tile(n)
-    grid = (triton.cdiv(m, BM), triton.cdiv(n, bn))
+    if config is not None:
+        bm, bn, bk, warps, stages = config
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _matmul_kernel[grid](
         x, w, w if bias is None else bias, out, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         out.stride(0), out.stride(1), HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        BM=BM, BN=bn, BK=BK, num_warps=warps, num_stages=MM_STAGES,
+        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 

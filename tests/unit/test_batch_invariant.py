@@ -209,3 +209,27 @@ def test_log_softmax_split_at_tp_shards_equals_the_shards_combined(path):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     _each_batch(lambda x: bi.token_logprobs(x[:, :vocab], x[:, -1].long(), 0.7, shard=width),
                 torch.cat((padded, tokens[:, None].float()), 1), [1, 5])  # fmt: skip
+
+
+@TRITON
+def test_matmul_with_another_tile_config_is_batch_invariant_too(monkeypatch):
+    """``tri.matmul(..., config)`` (what benchmarks/bench_exact_matmul.py sweeps on the GPU, where it
+    checks each tile's bit-exact batch invariance): another tile computes the same product (close to
+    float64; under Triton's interpreter numpy rounds a tile row by its place, so rows are compared to
+    1e-5 here); the bench's layer shapes."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from bench_exact_matmul import linear_shapes
+
+    _use(monkeypatch, "triton")
+    torch.manual_seed(0)
+    pool, w = torch.randn(40, 72), torch.randn(24, 72)  # K=72: a partial K block
+    cfg = (16, 16, 32, 4, 1)
+    full = bi.tri.matmul(pool, w, None, cfg)
+    torch.testing.assert_close(bi.tri.matmul(pool[5:22], w, None, cfg), full[5:22], rtol=0, atol=1e-5)
+    want = pool.double() @ w.double().t()
+    torch.testing.assert_close(bi.tri.matmul(pool, w, None, cfg).double(), want, rtol=1e-5, atol=1e-4)
+    assert linear_shapes("qwen2.5-0.5b") == {"qkv": (1152, 896), "proj": (896, 896), "fc1": (9728, 896),
+                                              "fc2": (896, 4864), "lm_head": (151936, 896)}  # fmt: skip
