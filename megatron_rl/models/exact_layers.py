@@ -25,7 +25,7 @@ from megatron.core.tensor_parallel import (
 
 from megatron_rl.kernels import batch_invariant as bi
 from megatron_rl.kernels.batch_invariant_tp import OrderedAllReduce, group_size
-from megatron_rl.models.packed_attention import packed_attention, shared_attention
+from megatron_rl.models.packed_attention import segment_params_attention
 from megatron_rl.models.spec import RMSNorm, SDPACoreAttention, layer_spec
 
 
@@ -155,10 +155,7 @@ class ExactCoreAttention(SDPACoreAttention):
                                        max_q=p.max_q, max_k=p.max_k if p.kv_index is not None else p.max_q)  # fmt: skip
 
         def plain(q, k, v):
-            if p.kv_index is not None:
-                return shared_attention(q, k, v, p.segments_q, p.kv_index, p.segments_k, p.max_q, p.max_k, scale,
-                                        None)  # fmt: skip
-            return packed_attention(q, k, v, p.segments_q, p.max_q, scale, None)
+            return segment_params_attention(q, k, v, p, scale, None)
 
         return _ExactForward.apply(exact, plain, query, key, value)  # [S, H, D]
 

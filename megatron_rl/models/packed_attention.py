@@ -189,6 +189,16 @@ def shared_attention(q, k, v, cu_q, kv_index, cu_k, max_q: int, max_k: int, scal
     return varlen_attention(q, ks, vs, cu_q, max_q, scale, cu_k=cu_k, max_k=max_k)
 
 
+def segment_params_attention(q, k, v, p: SegmentSeqParams, scale: float, window: int | None):
+    """q [S, H, D], k/v [S, G, D] of a packed row described by ``p`` -> [S, H, D]: ``shared_attention``
+    where ``p`` has shared-prompt key segments, else ``packed_attention``."""
+    if p.kv_index is not None:
+        return shared_attention(
+            q, k, v, p.segments_q, p.kv_index, p.segments_k, p.max_q, p.max_k, scale, window
+        )
+    return packed_attention(q, k, v, p.segments_q, p.max_q, scale, window)
+
+
 def varlen_status() -> dict[str, bool]:
     """Where ``varlen_attn`` was tried so far and whether it is used there ("cuda:0 torch.bfloat16": True,
     "... shared" for shared-prompt key segments)."""

@@ -18,7 +18,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_rl.config.schema import LoRAConfig
 from megatron_rl.kernels.swiglu import SwiGLU
 from megatron_rl.models.lora import apply_to_layer_spec
-from megatron_rl.models.packed_attention import packed_attention, shared_attention
+from megatron_rl.models.packed_attention import segment_params_attention
 
 try:  # guarded: TE is a GPU-only extra
     import transformer_engine  # noqa: F401
@@ -65,11 +65,10 @@ class SDPACoreAttention(MegatronModule):
         Packed sequences (``packed_seq_params``, THD): query [S, H/tp, D], key/value [S, G/tp, D] ->
         [S, H/tp, D], causal inside each sequence (``models.packed_attention``)."""
         if packed_seq_params is not None:
-            p = packed_seq_params  # a SegmentSeqParams (rollout.packing.PackedLayout.seq_params)
-            if p.kv_index is not None:  # shared prompts: key segments of their own
-                return shared_attention(query, key, value, p.segments_q, p.kv_index, p.segments_k, p.max_q,
-                                        p.max_k, self.softmax_scale, self.window)  # fmt: skip
-            return packed_attention(query, key, value, p.segments_q, p.max_q, self.softmax_scale, self.window)
+            # a SegmentSeqParams (rollout.packing.PackedLayout.seq_params); shared prompts: own key segments
+            return segment_params_attention(
+                query, key, value, packed_seq_params, self.softmax_scale, self.window
+            )
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads, T, D]
         mask = self._keep_mask(attention_mask, q.shape[2], q.device)
         out = F.scaled_dot_product_attention(
