@@ -1,8 +1,11 @@
 """Issue 18's cost: the batch-invariant matmul (``kernels.batch_invariant_triton.matmul``) at the linear
 layers' shapes, decode rows (M = 512, the GRPO rollout's batch) and a training micro-batch (M = 16384), for
-its default tile and a sweep of others, against cuBLAS (``F.linear``) in the same run. Each configuration
-is checked for batch invariance on the device: rows 0..63 of the M = 512 and M = 16384 results (same inputs)
-and a single row at M = 1 must be the same bits; a configuration that fails is marked and never a candidate.
+its default tile and a sweep of others, and the fixed-shape cuBLAS path (``batch_invariant.fixed_rows_matmul``:
+calls of exactly 512 rows), against plain cuBLAS (``F.linear``) in the same run. Each candidate is checked
+for batch invariance on the device: rows 0..63 of the M = 512 and M = 16384 results (same inputs), a
+single row at M = 1 and rows 37.. at shifted positions must be the same bits; one that fails is marked and
+never a candidate. Times are per call replayed from a CUDA graph (``--timing graph``, as in the engine's
+captured decode step; ``events`` times eager launches, which at decode rows mostly measures the launch).
 
     python3 benchmarks/bench_exact_matmul.py --shape qwen2.5-0.5b --out $OUT/exact_matmul_0.5b.json   (CUDA)
 """
@@ -15,8 +18,9 @@ import json
 
 import torch
 import torch.nn.functional as F
-from _timing import timed_us  # benchmarks/, the script's folder
+from _timing import graphed_us, timed_us  # benchmarks/, the script's folder
 
+from megatron_rl.kernels import batch_invariant as bi
 from megatron_rl.kernels import batch_invariant_triton as tri
 from megatron_rl.models.shapes import SHAPES
 
@@ -42,20 +46,32 @@ def configs() -> list[tuple[int, int, int, int, int] | None]:
     return [None] + [c for c in sweep if not (c[0] == 128 and c[1] == 256 and c[3] == 4)]
 
 
-def invariant(w: torch.Tensor, x: torch.Tensor, config) -> bool:
-    """Rows of a 512-row and a 16384-row product (and one row alone) are the same bits."""
-    small = tri.matmul(x[:512], w, None, config)
-    big = tri.matmul(x, w, None, config)
-    one = tri.matmul(x[:1], w, None, config)
-    return bool(torch.equal(small[:64], big[:64]) and torch.equal(one[0], big[0]))
+def candidate(config):
+    """config -> fn(x, w): a Triton tile (None: the default) or "fixed_rows" (cuBLAS in 512-row calls)."""
+    if config == "fixed_rows":
+        return lambda x, w: bi.fixed_rows_matmul(x, w)
+    return lambda x, w: tri.matmul(x, w, None, config)
+
+
+def invariant(w: torch.Tensor, x: torch.Tensor, fn) -> bool:
+    """Rows of a 512-row and a 16384-row product, one row alone and rows at shifted positions are the
+    same bits."""
+    small, big, one = fn(x[:512], w), fn(x, w), fn(x[:1], w)
+    shifted = fn(x[37:1337], w)
+    return bool(torch.equal(small[:64], big[:64]) and torch.equal(one[0], big[0])
+                and torch.equal(shifted, big[37:1337]))  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     ap.add_argument("--rows", default="512,16384", help="M values to time")
+    ap.add_argument("--timing", choices=["graph", "events"], default="graph")
+    ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
+                    help="time the Triton tile sweep too (else the default tile, fixed_rows and cuBLAS)")  # fmt: skip
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    timer = graphed_us if a.timing == "graph" else timed_us
     torch.manual_seed(0)
     dev, bf = "cuda", torch.bfloat16
     rows = [int(r) for r in a.rows.split(",")]
@@ -66,15 +82,14 @@ def main() -> None:
         res = {
             "N": n,
             "K": k,
-            "cublas_us": {m: timed_us(lambda m=m, x=x, w=w: F.linear(x[:m], w)) for m in rows},
+            "cublas_us": {m: timer(lambda m=m, x=x, w=w: F.linear(x[:m], w)) for m in rows},
             "configs": [],
         }
-        for cfg in configs():
+        for cfg in ["fixed_rows"] + (configs() if a.sweep else [None]):
+            fn = candidate(cfg)
             try:
-                ok = invariant(w, x, cfg)
-                us = {
-                    m: timed_us(lambda m=m, x=x, w=w, cfg=cfg: tri.matmul(x[:m], w, None, cfg)) for m in rows
-                }
+                ok = invariant(w, x, fn)
+                us = {m: timer(lambda m=m, x=x, w=w, fn=fn: fn(x[:m], w)) for m in rows}
             except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is reported
                 res["configs"].append(
                     {"config": cfg, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
@@ -85,7 +100,7 @@ def main() -> None:
         res["best"] = {m: min(ok, key=lambda c: c["us"][m])["config"] for m in rows} if ok else None
         out["layers"][name] = res
         print(json.dumps({name: {"cublas_us": res["cublas_us"], "best": res["best"],
-                                 "default_us": res["configs"][0].get("us")}}), flush=True)  # fmt: skip
+                                 "fixed_rows": res["configs"][0], "default_us": res["configs"][1].get("us")}}), flush=True)  # fmt: skip
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
 

@@ -33,6 +33,9 @@ What is reduced how (both paths):
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -44,6 +47,14 @@ VOCAB_BLOCK = 1024  # vocab columns per block of the log-softmax sum
 
 # Tests run the Triton paths on CPU under the interpreter (TRITON_INTERPRET=1 before triton's import).
 RUN_ON_CPU = False
+# The matmul on CUDA: "fixed_rows" (default: cuBLAS in calls of GEMM_ROWS rows, for each weight only after
+# ``fixed_rows_invariant`` passed on it) or "triton" (the fixed-tile Triton kernel). Measured on one H200
+# (session 10, benchmarks/bench_exact_matmul.py, CUDA-graph replays, Qwen2.5-0.5B layers): at 512 decode
+# rows fixed_rows equals plain cuBLAS (qkv 4.4 us, fc1 17.8, fc2 11.9, LM head 199) where the Triton tile
+# took 6.9 / 23.5 / 27.7 / 299 us; over a 16384-row training micro-batch the two are about equal in sum.
+EXACT_GEMM = os.environ.get("MEGATRON_RL_EXACT_GEMM", "fixed_rows").strip().lower()
+FIXED_ROWS_ON_CPU = False  # tests: the fixed-rows path on the CPU's BLAS (its trial runs there too)
+_FIXED_ROWS: dict[tuple, bool] = {}  # (device type, dtype, weight shape and strides, bias?) -> trial passed
 
 
 def use_triton(x: Tensor) -> bool:
@@ -142,11 +153,88 @@ def _key_block(t: Tensor, start: int) -> Tensor:
 # ------------------------------------------------------------------------------------------------ the ops
 
 
+GEMM_ROWS = 512  # rows of every library GEMM call on the fixed-shape path (``fixed_rows_matmul``)
+
+
+def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: int = GEMM_ROWS) -> Tensor:
+    """x [M, K] @ w [N, K]^T (+ bias [N]) -> [M, N] as ceil(M / rows) library GEMM calls (cuBLAS on CUDA) of
+    exactly ``rows`` rows each, the last zero-padded.
+
+    A GEMM library picks its kernel (tile, split-K) from the problem's shape, strides and alignment; with
+    M, N, K and the layout fixed every call runs the same kernel, whose per-element reduction over K does
+    not depend on the other rows. So a row's result is the same bits whatever M the caller had and
+    wherever the row sits, provided the kernel treats all tile positions alike: ``fixed_rows_usable``
+    checks that on the device once per weight shape before this path serves (it is an observed property
+    of the library's kernels, not a documented one)."""
+    m, k = x.shape
+    pad = (-m) % rows
+    xp = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x.contiguous()
+    out = torch.empty(m + pad, w.shape[0], dtype=x.dtype, device=x.device)
+    wt = w.t()
+    for i in range(0, m + pad, rows):
+        if bias is None:
+            torch.mm(xp[i : i + rows], wt, out=out[i : i + rows])
+        else:
+            torch.addmm(bias, xp[i : i + rows], wt, out=out[i : i + rows])
+    return out[:m]
+
+
+def fixed_rows_invariant(w: Tensor, bias: Tensor | None = None, rows: int = GEMM_ROWS, seed: int = 0) -> bool:
+    """Whether ``fixed_rows_matmul`` with weight ``w`` gives each row the same bits at every position of a
+    call and in calls of different M (random inputs in ``w``'s dtype): 1 row, a part of one call, and
+    rows spread over several calls at shifted positions."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(2 * rows + 37, w.shape[1], generator=g).to(w.device, w.dtype)
+    big = fixed_rows_matmul(x, w, bias, rows)
+    checks = [(fixed_rows_matmul(x[:1], w, bias, rows), big[:1]),
+              (fixed_rows_matmul(x[5 : 5 + rows // 3], w, bias, rows), big[5 : 5 + rows // 3]),
+              (fixed_rows_matmul(x[rows - 3 :], w, bias, rows), big[rows - 3 :])]  # fmt: skip
+    return all(torch.equal(a, b) for a, b in checks)
+
+
+def fixed_rows_serves(w: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether ``matmul`` takes the fixed-shape library path for weight ``w``: on CUDA with
+    ``EXACT_GEMM == "fixed_rows"`` (on CPU only with ``FIXED_ROWS_ON_CPU``), and ``fixed_rows_invariant``
+    passed for this weight's shape, strides and dtype. The trial runs on the first call; the engine's eager
+    warm-up step precedes every CUDA-graph capture, and a weight not yet tried while a graph is captured
+    is an error (taking the other path there would break the equality with the trainer)."""
+    if w.device.type == "cuda":
+        if EXACT_GEMM != "fixed_rows":
+            return False
+    elif not FIXED_ROWS_ON_CPU:
+        return False
+    key = (w.device.type, w.dtype, tuple(w.shape), tuple(w.stride()), bias is not None)
+    if key not in _FIXED_ROWS:
+        if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"rollout.exact_logprobs: the fixed-rows matmul's trial for a weight of shape {tuple(w.shape)} "
+                "did not run before CUDA-graph capture; run one eager step first (the engine does), or set "
+                "MEGATRON_RL_EXACT_GEMM=triton"
+            )
+        with torch.no_grad():
+            ok = fixed_rows_invariant(w, bias)
+        if not ok:
+            warnings.warn(
+                f"rollout.exact_logprobs: cuBLAS in {GEMM_ROWS}-row calls was not batch-invariant for a weight "
+                f"of shape {tuple(w.shape)} ({w.dtype}); that layer uses the Triton matmul (slower, same "
+                "equality)",
+                stacklevel=2,
+            )
+        _FIXED_ROWS[key] = ok
+    return _FIXED_ROWS[key]
+
+
 def matmul(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [..., K] @ w [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, batch-invariant."""
+    """x [..., K] @ w [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, batch-invariant: the fixed-shape
+    library path where it serves (``fixed_rows_serves``), else Triton, else the CPU reference."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-    out = tri.matmul(x2, w, bias) if use_triton(x) else matmul_reference(x2, w, bias)
+    if fixed_rows_serves(w, bias):
+        out = fixed_rows_matmul(x2, w, bias)
+    elif use_triton(x):
+        out = tri.matmul(x2, w, bias)
+    else:
+        out = matmul_reference(x2, w, bias)
     return out.view(*lead, w.shape[0])
 
 

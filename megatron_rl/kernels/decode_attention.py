@@ -88,7 +88,8 @@ def usable(q: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                     scale: float | None = None, block: int = 64, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
+                     scale: float | None = None, block: int = 64, num_warps: int = 4,
+                     num_stages: int | None = None) -> torch.Tensor:  # fmt: skip
     """q [B, G, rep, D] (a group's query heads), k / v [B, G, T, D] (unit stride in D), positions [B]:
     sequence b attends to keys 0..positions[b] (< T) -> [B, G, rep, D] in q's dtype."""
     bsz, groups, rep, dim = q.shape
@@ -99,5 +100,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         groups=groups, rep=rep, rows=rows, dim=dim, block=block, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     return out

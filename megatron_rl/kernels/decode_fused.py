@@ -36,10 +36,21 @@ except ImportError:  # CPU-only installs without triton: the reference ops serve
 if HAVE_TRITON:
 
     @triton.jit
+    def _round_to(x, dt: tl.constexpr):
+        """fp32 x rounded to dtype ``dt`` to nearest, ties to even (as torch's casts), kept in fp32. bf16 by
+        its bits: Triton's interpreter truncates a bf16 cast, the GPU rounds, and both sides must agree."""
+        if dt == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        else:
+            return x.to(dt).to(tl.float32)
+
+    @triton.jit
     def _rope_kv_kernel(
         qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr,
         s_b, s_g, s_r, s_d, sc_b, sc_d, sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t,
-        groups: tl.constexpr, rep: tl.constexpr, rows: tl.constexpr, dim: tl.constexpr,
+        groups: tl.constexpr, rep: tl.constexpr, rows: tl.constexpr, dim: tl.constexpr, exact: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         b = pid // groups
@@ -53,7 +64,13 @@ if HAVE_TRITON:
         xr = tl.load(base + rolled[None, :] * s_d, mask=live, other=0.0).to(tl.float32)
         cos = tl.load(cos_ptr + b * sc_b + d * sc_d).to(tl.float32)
         sin = tl.load(sin_ptr + b * sc_b + d * sc_d).to(tl.float32)
-        rot = (x.to(tl.float32) * cos[None, :] + xr * sin[None, :]).to(q_ptr.dtype.element_ty)
+        if exact:  # each product and the sum rounded, as the eager ``x * cos + x.roll(D/2) * sin``
+            dt: tl.constexpr = q_ptr.dtype.element_ty
+            p_cos = _round_to(x.to(tl.float32) * cos[None, :], dt)
+            p_sin = _round_to(xr * sin[None, :], dt)
+            rot = _round_to(p_cos + p_sin, dt).to(dt)
+        else:
+            rot = (x.to(tl.float32) * cos[None, :] + xr * sin[None, :]).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + b * sq_b + g * sq_g + r[:, None] * sq_r + d[None, :], rot, mask=r[:, None] < rep)
         pos = tl.load(pos_ptr + b)
         k_at = k_ptr + b * sk_b + g * sk_g + pos * sk_t + d[None, :] + r[:, None] * 0
@@ -98,14 +115,15 @@ ON_CUDA = os.environ.get("MEGATRON_RL_FUSED_DECODE", "1").strip().lower() not in
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, exact: bool = False) -> torch.Tensor:  # fmt: skip
     """One decode step's RoPE and KV-cache write.
 
     qkv [B, G, rep+2, D] (per group rep query heads, then k, then v; any strides), cos / signed sin [B, D]
     (``decoder.rope_cos_sin``; unit stride not needed), positions [B], k_cache / v_cache [B, G, T, D]
     (unit stride in D). Writes rotated k and raw v at each row's position; returns rotated q
     [B, G, rep, D] (contiguous, qkv's dtype). Products and the sum in fp32, one rounding (as the bmm with
-    ``decoder.rope_matrix``)."""
+    ``decoder.rope_matrix``); ``exact`` (``rollout.exact_logprobs``): each product and the sum rounded to
+    qkv's dtype, the same bits as the eager ``decoder.apply_rope`` the trainer's exact path computes."""
     bsz, groups, rows2, dim = qkv.shape
     rep = rows2 - 2
     q = torch.empty(bsz, groups, rep, dim, dtype=qkv.dtype, device=qkv.device)
@@ -114,7 +132,8 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
         qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3), cos.stride(0), cos.stride(1),
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        groups=groups, rep=rep, rows=triton.next_power_of_2(rows2), dim=dim, num_warps=1 if dim <= 64 else 2,
+        groups=groups, rep=rep, rows=triton.next_power_of_2(rows2), dim=dim, exact=exact,
+        num_warps=1 if dim <= 64 else 2,
     )  # fmt: skip
     return q
 
@@ -160,6 +179,17 @@ def rope_kv_write_reference(qkv, cos, sin, positions, k_cache, v_cache) -> torch
     return rot[:, :, : rows2 - 2]
 
 
+def rope_kv_write_exact_reference(qkv, cos, sin, positions, k_cache, v_cache) -> torch.Tensor:
+    """What ``rope_kv_write(..., exact=True)`` replaces: the exact decode path's eager rotation (each op
+    rounded to qkv's dtype) and two indexed cache writes."""
+    bsz, _, rows2, dim = qkv.shape
+    batch = torch.arange(bsz, device=qkv.device)
+    rot = qkv * cos[:, None, None] + qkv.roll(dim // 2, dims=-1) * sin[:, None, None]
+    k_cache[batch, :, positions] = rot[:, :, rows2 - 2]
+    v_cache[batch, :, positions] = qkv[:, :, rows2 - 1]
+    return rot[:, :, : rows2 - 2]
+
+
 def swiglu_reference(y: torch.Tensor) -> torch.Tensor:
     gate, up = y.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(y.dtype)
@@ -170,7 +200,7 @@ def add_rms_norm_reference(x, y, weight, eps):
     return x_new, F.rms_norm(x_new, (x.shape[-1],), weight, eps)
 
 
-def _trial_rope(t: torch.Tensor):
+def _trial_rope(t: torch.Tensor, exact: bool = False):
     """At ``t``'s groups, heads per group and head dim (qkv [B, G, rep+2, D]): the real launch config."""
     g = torch.Generator().manual_seed(0)
     device, dtype = t.device, t.dtype
@@ -183,8 +213,9 @@ def _trial_rope(t: torch.Tensor):
     cos, sin = angles.cos().to(dtype), (angles.sin() * sign).to(dtype)  # cos, signed sin [B, D]
     caches = [torch.randn(bsz, groups, steps, dim, generator=g).to(device, dtype) for _ in range(2)]
     ref_k, ref_v, k, v = caches[0], caches[1], caches[0].clone(), caches[1].clone()
-    want = rope_kv_write_reference(qkv, cos, sin, pos, ref_k, ref_v)
-    return (rope_kv_write(qkv, cos, sin, pos, k, v), k, v), (want, ref_k, ref_v)
+    reference = rope_kv_write_exact_reference if exact else rope_kv_write_reference
+    want = reference(qkv, cos, sin, pos, ref_k, ref_v)
+    return (rope_kv_write(qkv, cos, sin, pos, k, v, exact=exact), k, v), (want, ref_k, ref_v)
 
 
 def _trial_swiglu(t: torch.Tensor):
@@ -203,6 +234,7 @@ def _trial_add_rms_norm(t: torch.Tensor):
 
 _TRIALS: dict[str, Callable] = {
     "rope_kv_write": _trial_rope,
+    "rope_kv_write_exact": lambda t: _trial_rope(t, exact=True),  # must equal its reference bit for bit
     "swiglu": _trial_swiglu,
     "add_rms_norm": _trial_add_rms_norm,
 }
@@ -237,7 +269,7 @@ def usable(name: str, t: torch.Tensor) -> bool:
     not yet tried while a graph is being captured is not used in that graph."""
     if name in _FAILED or not _serves(t):
         return False
-    if name == "rope_kv_write" and t.shape[-1] & (t.shape[-1] - 1):  # tl.arange over the head dim
+    if name.startswith("rope_kv_write") and t.shape[-1] & (t.shape[-1] - 1):  # tl.arange over the head dim
         return False
     key = (name, t.device.type, t.dtype, tuple(t.shape[1:]))
     if key in _PASSED:
@@ -246,6 +278,8 @@ def usable(name: str, t: torch.Tensor) -> bool:
         return False
     try:
         got, want = _TRIALS[name](t)
+        if name.endswith("_exact") and not all(torch.equal(a, b) for a, b in zip(got, want)):
+            raise ValueError("result is not the same bits as the reference ops")
         if not _close(got, want, t.dtype):
             err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
             raise ValueError(f"result differs from the reference ops by up to {err:.3g}")

@@ -270,15 +270,19 @@ def decode(
         qkv = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps, exact), layer, spec, exact)[
             :, 0
         ]  # [B, Gl, rep+2, D]
-        if exact:  # the trainer's elementwise RoPE (a matmul would round differently)
-            rot = apply_rope(qkv, cos[:, 0], sin[:, 0])  # [B, Gl, rep+2, D]
-        else:  # all rows rotated in one matmul; the rotated v row is not used
-            rot = torch.bmm(qkv.reshape(B, -1, spec.head_dim), rope).view(qkv.shape)  # [B, Gl, rep+2, D]
         k_cache, v_cache = cache[i, 0, :B, :, :Tmax], cache[i, 1, :B, :, :Tmax]  # [B, Gl, Tmax, D]
-        k_cache[batch, :, positions] = rot[:, :, rep]
-        v_cache[batch, :, positions] = qkv[:, :, rep + 1]
-        # the rep query heads of a group share its K/V: they are the query-length axis (no K/V copy)
-        q = rot[:, :, :rep]  # [B, Gl, rep, D]
+        if exact and decode_fused.usable("rope_kv_write_exact", qkv):  # the eager rounding, one kernel
+            q = decode_fused.rope_kv_write(qkv, cos[:, 0, 0, 0], sin[:, 0, 0, 0], positions, k_cache, v_cache,
+                                           exact=True)  # fmt: skip
+        else:
+            if exact:  # the trainer's elementwise RoPE (a matmul would round differently)
+                rot = apply_rope(qkv, cos[:, 0], sin[:, 0])  # [B, Gl, rep+2, D]
+            else:  # all rows rotated in one matmul; the rotated v row is not used
+                rot = torch.bmm(qkv.reshape(B, -1, spec.head_dim), rope).view(qkv.shape)  # [B, Gl, rep+2, D]
+            k_cache[batch, :, positions] = rot[:, :, rep]
+            v_cache[batch, :, positions] = qkv[:, :, rep + 1]
+            # the rep query heads of a group share its K/V: they are the query-length axis (no K/V copy)
+            q = rot[:, :, :rep]  # [B, Gl, rep, D]
         if exact:
             a = bi.decode_attention(q, k_cache, v_cache, positions, spec.head_dim**-0.5)
         else:

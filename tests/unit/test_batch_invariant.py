@@ -233,3 +233,22 @@ def test_matmul_with_another_tile_config_is_batch_invariant_too(monkeypatch):
     torch.testing.assert_close(bi.tri.matmul(pool, w, None, cfg).double(), want, rtol=1e-5, atol=1e-4)
     assert linear_shapes("qwen2.5-0.5b") == {"qkv": (1152, 896), "proj": (896, 896), "fc1": (9728, 896),
                                               "fc2": (896, 4864), "lm_head": (151936, 896)}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fixed_rows_matmul_rows_do_not_depend_on_the_call(dtype, bias):
+    """Library GEMM calls of one fixed row count: any row is the same bits alone, inside a part-filled
+    call and at a shifted position across calls (the trial passes), and the product is the matmul."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 24, generator=g).to(dtype)
+    b = torch.randn(40, generator=g).to(dtype) if bias else None
+    x = torch.randn(300, 24, generator=g).to(dtype)
+    assert bi.fixed_rows_invariant(w, b, rows=64)
+    full = bi.fixed_rows_matmul(x, w, b, rows=64)
+    assert full.shape == (300, 40) and full.dtype == dtype
+    assert torch.equal(bi.fixed_rows_matmul(x[130:131], w, b, rows=64)[0], full[130])
+    assert torch.equal(bi.fixed_rows_matmul(x[3:200], w, b, rows=64), full[3:200])
+    want = x.float() @ w.float().t() + (b.float() if bias else 0)
+    tol = 1e-5 if dtype == torch.float32 else 0.1
+    assert torch.allclose(full.float(), want, atol=tol, rtol=tol)

@@ -29,6 +29,28 @@ def test_rope_kv_write_equals_bmm_and_index_writes_on_strided_cache_views(rep, d
     assert torch.allclose(cache, ref, atol=1e-5)  # written positions equal, the rest untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_exact_rope_kv_write_is_the_eager_rotation_bit_for_bit(dtype):
+    """``exact=True`` (rollout.exact_logprobs): each product and the sum rounded as the eager ops round,
+    so rotated q, the cache's k and v are the same bits as ``decoder.apply_rope`` and the indexed writes;
+    the one-rounding kernel is not (the reason the exact path needs its own)."""
+    g = torch.Generator().manual_seed(2)
+    bsz, groups, rep, dim, t = 4, 2, 7, 64, 9
+    qkv = (3 * torch.randn(bsz, groups, rep + 2, dim, generator=g)).to(dtype)
+    pos = torch.tensor([0, 8, 3, 5])
+    cos, sin = rope_cos_sin(pos[:, None], dim, 1e6, dtype)
+    cos, sin = cos[:, 0, 0, 0], sin[:, 0, 0, 0]
+    cache = torch.randn(2, bsz, groups, t, dim, generator=g).to(dtype)
+    ref, plain = cache.clone(), cache.clone()
+    q = fused.rope_kv_write(qkv, cos, sin, pos, cache[0], cache[1], exact=True)
+    want = fused.rope_kv_write_exact_reference(qkv, cos, sin, pos, ref[0], ref[1])
+    assert torch.equal(q, want) and torch.equal(cache, ref)
+    if dtype == torch.bfloat16:
+        one_rounding = fused.rope_kv_write(qkv, cos, sin, pos, plain[0], plain[1])
+        assert not torch.equal(one_rounding, want)
+    assert fused.usable("rope_kv_write_exact", qkv)
+
+
 def test_swiglu_and_add_rms_norm_equal_reference():
     g = torch.Generator().manual_seed(0)
     y = torch.randn(5, 2 * 100, generator=g)

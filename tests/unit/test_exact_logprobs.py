@@ -19,6 +19,7 @@ from rollout_common import random_prompts, spec_of, tiny_hf  # noqa: E402
 from megatron_rl.algos.rollout_correction import rollout_gap_metrics  # noqa: E402
 from megatron_rl.config.schema import ActorConfig  # noqa: E402
 from megatron_rl.distributed.runtime import destroy_distributed, init_distributed  # noqa: E402
+from megatron_rl.kernels import batch_invariant as bi  # noqa: E402
 from megatron_rl.models.builder import build_model  # noqa: E402
 from megatron_rl.models.pipeline import run_micro_batches  # noqa: E402
 from megatron_rl.models.weights import load_hf_weights  # noqa: E402
@@ -108,6 +109,67 @@ def test_rollout_logprobs_equal_the_training_recompute_exactly(setup, exact):
     assert (batch.rollout_truncated_log_probs[mask] >= batch.rollout_log_probs[mask]).all()
     assert (batch.rollout_truncated_log_probs[mask] > batch.rollout_log_probs[mask]).any()
     _check_and_clear_grads(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fixed_rows_library_gemm_keeps_rollout_and_training_logprobs_equal(setup, dtype, monkeypatch):
+    """The CUDA default for the exact matmul (the BLAS in calls of a fixed row count, each weight after
+    its invariance trial), here on the CPU's BLAS: it serves every linear layer and the LM head, and the
+    rollout's log-probs still equal the recompute and the update's forward bit for bit."""
+    _, args, models = setup
+    monkeypatch.setattr(bi, "FIXED_ROWS_ON_CPU", True)
+    monkeypatch.setattr(bi, "_FIXED_ROWS", {})
+    model = models[True, dtype]
+    batch = _rollout(model, args, True)
+    mask = batch.response_mask.bool()
+    recomputed = _worker(model, args, True).log_probs(batch)
+    served = bi._FIXED_ROWS
+    assert len(served) >= 5 and all(served.values()), served  # qkv, proj, fc1, fc2, LM head
+    assert torch.equal(batch.rollout_log_probs[mask], recomputed[mask])
+    model.train()
+
+    def loss_fn(mb, logits):
+        lp, _ = response_log_probs(logits, mb, T, args.vocab_size, with_entropy=False, exact=True)
+        return (lp * mb.response_mask).sum(), {"lp": lp.detach()}
+
+    out = run_micro_batches(model, [batch], loss_fn, forward_only=False, response_logits=True)[0]
+    model.eval()
+    assert torch.equal(out["lp"][mask], batch.rollout_log_probs[mask])
+    _check_and_clear_grads(model)
+
+
+def test_the_fused_exact_rope_kernel_keeps_rollout_and_training_logprobs_equal(setup, monkeypatch):
+    """The exact decode step with its fused RoPE + KV-write kernel (on by default on CUDA; interpreted
+    here, bf16): the kernel runs and the rollout's log-probs still equal the trainer's recompute."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import decode_fused
+
+    _, args, models = setup
+    monkeypatch.setattr(decode_fused, "RUN_ON_CPU", True)
+    calls = []
+    original = decode_fused.rope_kv_write
+    monkeypatch.setattr(
+        decode_fused, "rope_kv_write", lambda *a, **k: calls.append(k.get("exact")) or original(*a, **k)
+    )
+    model = models[True, torch.bfloat16]
+    batch = _rollout(model, args, True)
+    mask = batch.response_mask.bool()
+    assert calls and all(calls)  # the exact variant, every decode step
+    assert torch.equal(batch.rollout_log_probs[mask], _worker(model, args, True).log_probs(batch)[mask])
+
+
+def test_a_fixed_rows_trial_that_fails_keeps_that_weight_on_the_other_path(monkeypatch):
+    """A weight whose trial fails is reported once and served by the Triton / reference matmul, whose
+    result is then what ``matmul`` returns (the same for every row count)."""
+    monkeypatch.setattr(bi, "FIXED_ROWS_ON_CPU", True)
+    monkeypatch.setattr(bi, "_FIXED_ROWS", {})
+    monkeypatch.setattr(bi, "fixed_rows_invariant", lambda w, bias=None: False)
+    w, x = torch.randn(24, 16), torch.randn(7, 16)
+    with pytest.warns(UserWarning, match="was not batch-invariant for a weight of shape"):
+        got = bi.matmul(x, w)
+    assert torch.equal(got, bi.matmul_reference(x, w))
+    assert list(bi._FIXED_ROWS.values()) == [False]
+    assert torch.equal(bi.matmul(x[2:3], w)[0], got[2])
 
 
 @pytest.mark.parametrize(
