@@ -163,20 +163,30 @@ def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: in
     A GEMM library picks its kernel (tile, split-K) from the problem's shape, strides and alignment; with
     M, N, K and the layout fixed every call runs the same kernel, whose per-element reduction over K does
     not depend on the other rows. So a row's result is the same bits whatever M the caller had and
-    wherever the row sits, provided the kernel treats all tile positions alike: ``fixed_rows_usable``
-    checks that on the device once per weight shape before this path serves (it is an observed property
+    wherever the row sits, provided the kernel treats all tile positions alike: ``fixed_rows_serves``
+    has ``fixed_rows_invariant`` check that on the device once per weight before it serves (an observed property
     of the library's kernels, not a documented one)."""
-    m, k = x.shape
-    pad = (-m) % rows
-    xp = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x.contiguous()
-    out = torch.empty(m + pad, w.shape[0], dtype=x.dtype, device=x.device)
+    m = x.shape[0]
+    x = x.contiguous()
+    if x.data_ptr() % 16:  # every call's operands 16-byte aligned, as in the trial
+        x = x.clone()
+    out = torch.empty(m, w.shape[0], dtype=x.dtype, device=x.device)
     wt = w.t()
-    for i in range(0, m + pad, rows):
+
+    def gemm(a: Tensor, into: Tensor) -> None:
         if bias is None:
-            torch.mm(xp[i : i + rows], wt, out=out[i : i + rows])
+            torch.mm(a, wt, out=into)
         else:
-            torch.addmm(bias, xp[i : i + rows], wt, out=out[i : i + rows])
-    return out[:m]
+            torch.addmm(bias, a, wt, out=into)
+
+    full = m - m % rows
+    for i in range(0, full, rows):
+        gemm(x[i : i + rows], out[i : i + rows])
+    if full < m:  # the tail zero-padded to a whole call
+        tail = torch.empty(rows, w.shape[0], dtype=x.dtype, device=x.device)
+        gemm(torch.nn.functional.pad(x[full:], (0, 0, 0, rows - (m - full))), tail)
+        out[full:] = tail[: m - full]
+    return out
 
 
 def fixed_rows_invariant(w: Tensor, bias: Tensor | None = None, rows: int = GEMM_ROWS, seed: int = 0) -> bool:
