@@ -141,3 +141,13 @@ def test_shared_micro_batches_hold_the_sequences_the_memory_model_counts():
         assert run == p + n * r <= 10 * per
     mbs, _ = split_shared(batch, 20 * per)  # two groups each: 2 x 272 tokens <= 680
     assert [len(mb) for mb in mbs] == [16, 16]
+
+
+def test_ranges_concatenates_aranges_with_empty_ones():
+    from megatron_rl.rollout.shared_prompts import ranges
+
+    starts, lens = [5, 0, 9, 2, 7], [3, 0, 1, 4, 0]
+    want = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+    got = ranges(starts, lens)
+    assert got.dtype == torch.long and torch.equal(got, want)
+    assert ranges([3], [0]).numel() == 0
