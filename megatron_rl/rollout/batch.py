@@ -9,6 +9,8 @@ rank); ``score_pos`` maps response token j of row i to the position whose logits
 
 from __future__ import annotations
 
+import array
+import itertools
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -81,6 +83,18 @@ RESPONSE_FRAME = tuple(
 )
 
 
+def right_padded(seqs: list[list], width: int, dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
+    """[len(seqs), width] whose row i is seqs[i] then ``fill``: one tensor conversion for all rows (one per
+    row cost ~0.1 s for a GRPO step's 512 x 768 tokens)."""
+    lens = torch.tensor([len(q) for q in seqs], dtype=torch.long)
+    out = torch.full((len(seqs), width), fill, dtype=dtype)
+    if int(lens.sum()):  # through array.array: ~7x faster than torch.tensor on a Python list
+        code = {torch.long: "q", torch.float32: "f"}[dtype]
+        flat = torch.frombuffer(array.array(code, itertools.chain.from_iterable(seqs)), dtype=dtype)
+        out[torch.arange(width)[None, :] < lens[:, None]] = flat
+    return out
+
+
 def build_batch(
     completions: list[Completion],
     rows: list[PromptRow],
@@ -97,29 +111,20 @@ def build_batch(
     prompt_lens = torch.tensor([len(c.prompt_ids) for c in completions])
     response_lens = torch.tensor([len(c.response_ids) for c in completions])
     t = int((prompt_lens + response_lens).max())
-    input_ids = torch.full((b, t), pad_id, dtype=torch.long)
-    responses = torch.zeros(b, r, dtype=torch.long)
-    rollout_lp = torch.zeros(b, r, dtype=torch.float32)
-    sampled = torch.ones(b, r)  # [B, R] 0 where a multi-turn response holds appended (not sampled) ids
-    for i, c in enumerate(completions):
-        if c.response_mask:
-            sampled[i, : len(c.response_mask)] = torch.tensor(c.response_mask, dtype=torch.float32)
-        seq = c.prompt_ids + c.response_ids
-        input_ids[i, : len(seq)] = torch.tensor(seq)
-        responses[i, : len(c.response_ids)] = torch.tensor(c.response_ids, dtype=torch.long)
-        rollout_lp[i, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    input_ids = right_padded([c.prompt_ids + c.response_ids for c in completions], t, torch.long, pad_id)
+    responses = right_padded([c.response_ids for c in completions], r, torch.long)
+    rollout_lp = right_padded([c.logprobs for c in completions], r, torch.float32)
+    # [B, R] 0 where a multi-turn response holds appended (not sampled) ids
+    multi = any(c.response_mask for c in completions)
+    sampled = torch.ones(b, r)
+    if multi:
+        sampled = right_padded([c.response_mask or [1] * r for c in completions], r, torch.float32, 1.0)
     j = torch.arange(r)
     response_mask = (j[None, :] < response_lens[:, None]).float() * sampled  # [B, R]
     score_pos = (prompt_lens[:, None] - 1 + j[None, :]).clamp(max=t - 1)  # [B, R]
-    multi = any(c.response_mask for c in completions)
     truncated = None
     if completions and all(c.truncated_logprobs or not c.response_ids for c in completions):
-        truncated = torch.zeros(b, r, dtype=torch.float32)
-        for i, c in enumerate(completions):
-            truncated[i, : len(c.truncated_logprobs)] = torch.tensor(
-                c.truncated_logprobs, dtype=torch.float32
-            )
-        truncated = truncated.to(device)
+        truncated = right_padded([c.truncated_logprobs for c in completions], r, torch.float32).to(device)
     return RolloutBatch(
         turns=torch.tensor([c.turns for c in completions], device=device) if multi else None,
         tool_reward=torch.tensor([c.tool_reward for c in completions], device=device) if multi else None,

@@ -1,0 +1,43 @@
+"""``build_batch``: the engine's completions (uneven prompt and response lengths, multi-turn masks,
+truncated log-probs) become right-padded tensors holding exactly each completion's lists."""
+
+import random
+
+import torch
+
+from megatron_rl.rollout.batch import build_batch, right_padded
+from megatron_rl.rollout.engine import Completion
+
+
+def _completions(multi: bool) -> list[Completion]:
+    rng = random.Random(0)
+    out = []
+    for i in range(7):
+        p, r = rng.randint(1, 9), rng.choice([0, 1, 5, 8])
+        c = Completion(i // 2, i % 2, [rng.randint(1, 99) for _ in range(p)], [rng.randint(1, 99) for _ in range(r)],
+                       [rng.random() for _ in range(r)], "stop", truncated_logprobs=[rng.random() for _ in range(r)])  # fmt: skip
+        if multi and r:
+            c.response_mask = [rng.randint(0, 1) for _ in range(r)]
+        out.append(c)
+    return out
+
+
+def test_right_padded_rows_and_fill():
+    got = right_padded([[3, 4], [], [5]], 4, torch.long, -1)
+    assert torch.equal(got, torch.tensor([[3, 4, -1, -1], [-1, -1, -1, -1], [5, -1, -1, -1]]))
+    assert torch.equal(right_padded([[], []], 2, torch.float32), torch.zeros(2, 2))
+
+
+def test_build_batch_holds_each_completions_lists():
+    for multi in (False, True):
+        comps = _completions(multi)
+        b = build_batch(comps, [None] * 4, 10, 8, 0, torch.device("cpu"))
+        for i, c in enumerate(comps):
+            seq, n = c.prompt_ids + c.response_ids, len(c.response_ids)
+            assert b.input_ids[i, : len(seq)].tolist() == seq and not b.input_ids[i, len(seq) :].any()
+            assert b.responses[i, :n].tolist() == c.response_ids and not b.responses[i, n:].any()
+            assert torch.equal(b.rollout_log_probs[i, :n], torch.tensor(c.logprobs, dtype=torch.float32))
+            assert torch.equal(b.rollout_truncated_log_probs[i, :n], torch.tensor(c.truncated_logprobs))
+            mask = c.response_mask if multi and n else [1] * n
+            assert b.response_mask[i].tolist() == mask + [0] * (8 - n)
+        assert b.group_index.tolist() == [10 + c.prompt_index for c in comps]
