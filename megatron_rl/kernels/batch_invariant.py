@@ -209,6 +209,11 @@ def fixed_rows_serves(w: Tensor, bias: Tensor | None = None) -> bool:
     warm-up step precedes every CUDA-graph capture, and a weight not yet tried while a graph is captured
     is an error (taking the other path there would break the equality with the trainer)."""
     if w.device.type == "cuda":
+        if EXACT_GEMM not in ("fixed_rows", "triton"):
+            raise ValueError(
+                f"MEGATRON_RL_EXACT_GEMM={EXACT_GEMM!r}: use fixed_rows (cuBLAS in fixed-size calls, the default) "
+                "or triton (the fixed-tile Triton matmul)"
+            )
         if EXACT_GEMM != "fixed_rows":
             return False
     elif not FIXED_ROWS_ON_CPU:
