@@ -302,3 +302,13 @@ def test_exact_logprobs_refuses_lora_and_multi_turn_naming_the_key(key, value):
     setattr(obj, name, value)
     with pytest.raises(ConfigError, match="incompatible with " + re.escape(key) + "="):
         validate_job(cfg, world_size=1, num_layers=2)
+
+
+def test_an_unknown_exact_gemm_choice_is_refused_at_start_up(monkeypatch):
+    from megatron_rl.config import ConfigError, JobConfig, validate_job
+
+    cfg = JobConfig()
+    cfg.rollout.exact_logprobs = True
+    monkeypatch.setenv("MEGATRON_RL_EXACT_GEMM", "cublas")
+    with pytest.raises(ConfigError, match="MEGATRON_RL_EXACT_GEMM='cublas'.*fixed_rows.*triton"):
+        validate_job(cfg, world_size=1, num_layers=2)
