@@ -3,6 +3,9 @@ collectively across DP ranks."""
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 from megatron.core import parallel_state as ps
 
@@ -36,10 +39,46 @@ def build_kl_controller(cfg: AlgorithmConfig):
     return FixedKLController(k.kl_coef)
 
 
+_DECODE_CHUNK = 64  # sequences per thread of the parallel decode
+_DECODE_POOL: ThreadPoolExecutor | None = None
+_FAST_DECODE: dict[int, bool] = {}  # id(Rust tokenizer) -> its decode_batch gave batch_decode's strings
+
+
+def _rust_tokenizer(tokenizer):
+    """The fast tokenizer's Rust ``tokenizers.Tokenizer`` where its decode adds nothing after the Rust one
+    (no clean-up of tokenization spaces), else None."""
+    rust = getattr(tokenizer, "_tokenizer", None)
+    if not getattr(tokenizer, "is_fast", False) or not hasattr(rust, "decode_batch"):
+        return None
+    return None if getattr(tokenizer, "clean_up_tokenization_spaces", True) else rust
+
+
+def batch_decode(tokenizer, seqs: list[list[int]]) -> list[str]:
+    """``tokenizer.batch_decode(seqs, skip_special_tokens=True)``, in threads where it can be: the Rust
+    ``decode_batch`` releases the GIL, transformers' per-sequence decode does not (512 x 512 tokens: 0.20 s
+    in one thread, 0.05 s in four on two cores). The first call per tokenizer checks that the two agree on
+    the batch's first sequences; where they do not, transformers' decode serves from then on."""
+    global _DECODE_POOL
+    rust = _rust_tokenizer(tokenizer)
+    if rust is not None and id(rust) not in _FAST_DECODE:
+        head = seqs[:8]
+        want = tokenizer.batch_decode(head, skip_special_tokens=True)
+        _FAST_DECODE[id(rust)] = rust.decode_batch(head, skip_special_tokens=True) == want
+    if rust is None or not _FAST_DECODE[id(rust)]:
+        return tokenizer.batch_decode(seqs, skip_special_tokens=True)
+    if len(seqs) <= _DECODE_CHUNK:
+        return rust.decode_batch(seqs, skip_special_tokens=True)
+    if _DECODE_POOL is None:
+        _DECODE_POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="detokenize")
+    chunks = [seqs[i : i + _DECODE_CHUNK] for i in range(0, len(seqs), _DECODE_CHUNK)]
+    parts = _DECODE_POOL.map(lambda c: rust.decode_batch(c, skip_special_tokens=True), chunks)
+    return [text for part in parts for text in part]
+
+
 def decode_responses(batch: RolloutBatch, tokenizer) -> list[str]:
     lens = batch.response_lens.tolist()
     ids = batch.responses.tolist()
-    return tokenizer.batch_decode([row[:n] for row, n in zip(ids, lens)], skip_special_tokens=True)
+    return batch_decode(tokenizer, [row[:n] for row, n in zip(ids, lens)])
 
 
 def score_responses(batch: RolloutBatch, reward_fn, tokenizer, reward_model=None) -> dict[str, torch.Tensor]:

@@ -1,0 +1,44 @@
+"""``advantage.batch_decode``: the Rust tokenizer's ``decode_batch`` in threads gives transformers'
+``batch_decode`` strings; a tokenizer whose decode post-processes (clean-up of spaces) or disagrees on the
+first call keeps transformers' decode."""
+
+import random
+
+from megatron_rl.data.tiny_tokenizer import build_char_tokenizer
+from megatron_rl.trainer import advantage
+
+
+def _seqs(tok, n=300, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(len(tok)) for _ in range(rng.randint(0, 40))] for _ in range(n)]
+
+
+def test_threaded_rust_decode_equals_batch_decode(monkeypatch):
+    tok = build_char_tokenizer()
+    tok.clean_up_tokenization_spaces = False
+    monkeypatch.setattr(advantage, "_FAST_DECODE", {})
+    calls = []
+    rust = tok._tokenizer
+    monkeypatch.setattr(tok, "_tokenizer", type("Spy", (), {
+        "decode_batch": lambda self, c, **k: calls.append(len(c)) or rust.decode_batch(c, **k),
+        "__getattr__": lambda self, name: getattr(rust, name)})())  # fmt: skip
+    seqs = _seqs(tok)  # special ids included: skipped on both paths
+    assert advantage.batch_decode(tok, seqs) == tok.batch_decode(seqs, skip_special_tokens=True)
+    assert calls[0] == 8 and len(calls) > 2  # the agreement check, then chunks of 64 in threads
+
+
+def test_clean_up_or_disagreement_keeps_transformers_decode(monkeypatch):
+    tok = build_char_tokenizer()
+    seqs = _seqs(tok, 100, seed=1)
+    tok.clean_up_tokenization_spaces = True
+    assert advantage._rust_tokenizer(tok) is None
+    assert advantage.batch_decode(tok, seqs) == tok.batch_decode(seqs, skip_special_tokens=True)
+    tok.clean_up_tokenization_spaces = False
+    monkeypatch.setattr(advantage, "_FAST_DECODE", {})
+    rust = tok._tokenizer
+    liar = type("Liar", (), {"decode_batch": lambda self, c, **k: ["?"] * len(c),
+                             "__getattr__": lambda self, name: getattr(rust, name)})()  # fmt: skip
+    monkeypatch.setattr(tok, "_tokenizer", liar)
+    want = tok.batch_decode(seqs, skip_special_tokens=True)
+    assert advantage.batch_decode(tok, seqs) == want and advantage._FAST_DECODE == {id(liar): False}
+    assert advantage.batch_decode(tok, seqs) == want  # and from then on
