@@ -5,7 +5,6 @@ Every error names the config key(s) at fault and a value that would work.
 
 from __future__ import annotations
 
-import os
 import warnings
 
 from megatron_rl import algos
@@ -108,12 +107,12 @@ def _check_exact_logprobs(cfg: JobConfig) -> None:
     sequence parallelism, on plain causal attention."""
     if not cfg.rollout.exact_logprobs:
         return
-    gemm = os.environ.get("MEGATRON_RL_EXACT_GEMM", "fixed_rows").strip().lower()
-    if gemm not in ("fixed_rows", "triton"):
-        raise ConfigError(
-            f"MEGATRON_RL_EXACT_GEMM={gemm!r} (rollout.exact_logprobs=true): use fixed_rows (cuBLAS in "
-            "fixed-size calls, the default) or triton (the fixed-tile Triton matmul), or unset it."
-        )
+    from megatron_rl.kernels.batch_invariant import exact_gemm_choice
+
+    try:
+        exact_gemm_choice()
+    except ValueError as err:
+        raise ConfigError(f"rollout.exact_logprobs=true: {err}.") from None
     par, tp_g = cfg.parallel, cfg.rollout.tensor_model_parallel_size
     tp = par.tensor_model_parallel_size
     clashes = [

@@ -52,6 +52,21 @@ RUN_ON_CPU = False
 # (session 10, benchmarks/bench_exact_matmul.py, CUDA-graph replays, Qwen2.5-0.5B layers): at 512 decode
 # rows fixed_rows equals plain cuBLAS (qkv 4.4 us, fc1 17.8, fc2 11.9, LM head 199) where the Triton tile
 # took 6.9 / 23.5 / 27.7 / 299 us; over a 16384-row training micro-batch the two are about equal in sum.
+EXACT_GEMM_CHOICES = ("fixed_rows", "triton")
+
+
+def exact_gemm_choice(value: str | None = None) -> str:
+    """``MEGATRON_RL_EXACT_GEMM`` (or ``value``) normalised; an unknown value raises ``ValueError`` naming
+    the choices (validation turns it into a start-up error)."""
+    got = (os.environ.get("MEGATRON_RL_EXACT_GEMM", "fixed_rows") if value is None else value).strip().lower()
+    if got not in EXACT_GEMM_CHOICES:
+        raise ValueError(
+            f"MEGATRON_RL_EXACT_GEMM={got!r}: use fixed_rows (cuBLAS in fixed-size calls, the default) or "
+            "triton (the fixed-tile Triton matmul), or unset it"
+        )
+    return got
+
+
 EXACT_GEMM = os.environ.get("MEGATRON_RL_EXACT_GEMM", "fixed_rows").strip().lower()
 FIXED_ROWS_ON_CPU = False  # tests: the fixed-rows path on the CPU's BLAS (its trial runs there too)
 _FIXED_ROWS: dict[tuple, bool] = {}  # (device type, dtype, weight shape and strides, bias?) -> trial passed
@@ -209,12 +224,7 @@ def fixed_rows_serves(w: Tensor, bias: Tensor | None = None) -> bool:
     warm-up step precedes every CUDA-graph capture, and a weight not yet tried while a graph is captured
     is an error (taking the other path there would break the equality with the trainer)."""
     if w.device.type == "cuda":
-        if EXACT_GEMM not in ("fixed_rows", "triton"):
-            raise ValueError(
-                f"MEGATRON_RL_EXACT_GEMM={EXACT_GEMM!r}: use fixed_rows (cuBLAS in fixed-size calls, the default) "
-                "or triton (the fixed-tile Triton matmul)"
-            )
-        if EXACT_GEMM != "fixed_rows":
+        if exact_gemm_choice(EXACT_GEMM) != "fixed_rows":
             return False
     elif not FIXED_ROWS_ON_CPU:
         return False

@@ -165,26 +165,21 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
 # --- references (the ops each kernel replaces) and the one-time trial -------------------------------
 
 
-def rope_kv_write_reference(qkv, cos, sin, positions, k_cache, v_cache) -> torch.Tensor:
+def rope_kv_write_reference(qkv, cos, sin, positions, k_cache, v_cache, exact: bool = False) -> torch.Tensor:
     """What ``rope_kv_write`` replaces: the decoder's rotation (a bmm with ``decoder.rope_matrix``: both
-    products and their sum in fp32, one rounding) and two indexed cache writes."""
+    products and their sum in fp32, one rounding; ``exact``: the exact path's eager ``decoder.apply_rope``,
+    each op rounded to qkv's dtype) and two indexed cache writes."""
     bsz, _, rows2, dim = qkv.shape
     batch = torch.arange(bsz, device=qkv.device)
-    x = qkv.float()
-    rot = (x * cos.float()[:, None, None] + x.roll(dim // 2, dims=-1) * sin.float()[:, None, None]).to(
-        qkv.dtype
-    )
-    k_cache[batch, :, positions] = rot[:, :, rows2 - 2]
-    v_cache[batch, :, positions] = qkv[:, :, rows2 - 1]
-    return rot[:, :, : rows2 - 2]
+    if exact:
+        from megatron_rl.rollout.decoder import apply_rope  # the decoder imports this module
 
-
-def rope_kv_write_exact_reference(qkv, cos, sin, positions, k_cache, v_cache) -> torch.Tensor:
-    """What ``rope_kv_write(..., exact=True)`` replaces: the exact decode path's eager rotation (each op
-    rounded to qkv's dtype) and two indexed cache writes."""
-    bsz, _, rows2, dim = qkv.shape
-    batch = torch.arange(bsz, device=qkv.device)
-    rot = qkv * cos[:, None, None] + qkv.roll(dim // 2, dims=-1) * sin[:, None, None]
+        rot = apply_rope(qkv, cos[:, None, None], sin[:, None, None])
+    else:
+        x = qkv.float()
+        rot = (x * cos.float()[:, None, None] + x.roll(dim // 2, dims=-1) * sin.float()[:, None, None]).to(
+            qkv.dtype
+        )
     k_cache[batch, :, positions] = rot[:, :, rows2 - 2]
     v_cache[batch, :, positions] = qkv[:, :, rows2 - 1]
     return rot[:, :, : rows2 - 2]
@@ -213,8 +208,7 @@ def _trial_rope(t: torch.Tensor, exact: bool = False):
     cos, sin = angles.cos().to(dtype), (angles.sin() * sign).to(dtype)  # cos, signed sin [B, D]
     caches = [torch.randn(bsz, groups, steps, dim, generator=g).to(device, dtype) for _ in range(2)]
     ref_k, ref_v, k, v = caches[0], caches[1], caches[0].clone(), caches[1].clone()
-    reference = rope_kv_write_exact_reference if exact else rope_kv_write_reference
-    want = reference(qkv, cos, sin, pos, ref_k, ref_v)
+    want = rope_kv_write_reference(qkv, cos, sin, pos, ref_k, ref_v, exact=exact)
     return (rope_kv_write(qkv, cos, sin, pos, k, v, exact=exact), k, v), (want, ref_k, ref_v)
 
 

@@ -116,9 +116,11 @@ def build_batch(
     rollout_lp = right_padded([c.logprobs for c in completions], r, torch.float32)
     # [B, R] 0 where a multi-turn response holds appended (not sampled) ids
     multi = any(c.response_mask for c in completions)
-    sampled = torch.ones(b, r)
-    if multi:
-        sampled = right_padded([c.response_mask or [1] * r for c in completions], r, torch.float32, 1.0)
+    sampled = (
+        right_padded([c.response_mask or [1] * r for c in completions], r, torch.float32, 1.0)
+        if multi
+        else torch.ones(b, r)
+    )
     j = torch.arange(r)
     response_mask = (j[None, :] < response_lens[:, None]).float() * sampled  # [B, R]
     score_pos = (prompt_lens[:, None] - 1 + j[None, :]).clamp(max=t - 1)  # [B, R]

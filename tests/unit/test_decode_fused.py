@@ -43,7 +43,7 @@ def test_the_exact_rope_kv_write_is_the_eager_rotation_bit_for_bit(dtype):
     cache = torch.randn(2, bsz, groups, t, dim, generator=g).to(dtype)
     ref, plain = cache.clone(), cache.clone()
     q = fused.rope_kv_write(qkv, cos, sin, pos, cache[0], cache[1], exact=True)
-    want = fused.rope_kv_write_exact_reference(qkv, cos, sin, pos, ref[0], ref[1])
+    want = fused.rope_kv_write_reference(qkv, cos, sin, pos, ref[0], ref[1], exact=True)
     assert torch.equal(q, want) and torch.equal(cache, ref)
     if dtype == torch.bfloat16:
         one_rounding = fused.rope_kv_write(qkv, cos, sin, pos, plain[0], plain[1])
