@@ -24,6 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.kernels.rope import apply_rope
+
 try:
     import triton
     import triton.language as tl
@@ -119,11 +121,11 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
     """One decode step's RoPE and KV-cache write.
 
     qkv [B, G, rep+2, D] (per group rep query heads, then k, then v; any strides), cos / signed sin [B, D]
-    (``decoder.rope_cos_sin``; unit stride not needed), positions [B], k_cache / v_cache [B, G, T, D]
+    (``kernels.rope.rope_cos_sin``; unit stride not needed), positions [B], k_cache / v_cache [B, G, T, D]
     (unit stride in D). Writes rotated k and raw v at each row's position; returns rotated q
     [B, G, rep, D] (contiguous, qkv's dtype). Products and the sum in fp32, one rounding (as the bmm with
-    ``decoder.rope_matrix``); ``exact`` (``rollout.exact_logprobs``): each product and the sum rounded to
-    qkv's dtype, the same bits as the eager ``decoder.apply_rope`` the trainer's exact path computes."""
+    ``kernels.rope.rope_matrix``); ``exact`` (``rollout.exact_logprobs``): each product and the sum rounded to
+    qkv's dtype, the same bits as the eager ``kernels.rope.apply_rope`` the trainer's exact path computes."""
     bsz, groups, rows2, dim = qkv.shape
     rep = rows2 - 2
     q = torch.empty(bsz, groups, rep, dim, dtype=qkv.dtype, device=qkv.device)
@@ -166,14 +168,12 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 def rope_kv_write_reference(qkv, cos, sin, positions, k_cache, v_cache, exact: bool = False) -> torch.Tensor:
-    """What ``rope_kv_write`` replaces: the decoder's rotation (a bmm with ``decoder.rope_matrix``: both
-    products and their sum in fp32, one rounding; ``exact``: the exact path's eager ``decoder.apply_rope``,
+    """What ``rope_kv_write`` replaces: the decoder's rotation (a bmm with ``kernels.rope.rope_matrix``: both
+    products and their sum in fp32, one rounding; ``exact``: the exact path's eager ``kernels.rope.apply_rope``,
     each op rounded to qkv's dtype) and two indexed cache writes."""
     bsz, _, rows2, dim = qkv.shape
     batch = torch.arange(bsz, device=qkv.device)
     if exact:
-        from megatron_rl.rollout.decoder import apply_rope  # the decoder imports this module
-
         rot = apply_rope(qkv, cos[:, None, None], sin[:, None, None])
     else:
         x = qkv.float()
@@ -203,7 +203,7 @@ def _trial_rope(t: torch.Tensor, exact: bool = False):
     qkv = torch.randn(bsz, groups, rows2, dim, generator=g).to(device, dtype)
     pos = torch.tensor([0, 5, 7], device=device)
     freqs = pos[:, None].float() / 1e4 ** (torch.arange(0, dim, 2, device=device).float() / dim)  # [B, D/2]
-    angles = torch.cat((freqs, freqs), dim=-1)  # [B, D], as decoder.rope_cos_sin
+    angles = torch.cat((freqs, freqs), dim=-1)  # [B, D], as kernels.rope.rope_cos_sin
     sign = torch.cat((-torch.ones(dim // 2, device=device), torch.ones(dim // 2, device=device)))
     cos, sin = angles.cos().to(dtype), (angles.sin() * sign).to(dtype)  # cos, signed sin [B, D]
     caches = [torch.randn(bsz, groups, steps, dim, generator=g).to(device, dtype) for _ in range(2)]

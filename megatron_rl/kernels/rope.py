@@ -62,3 +62,37 @@ def fused_apply_rotary_pos_emb_thd(
 
         return rope_utils._apply_rotary_pos_emb_bshd(t[:, None], per_row[:, None]).squeeze(1)
     return _ROWS(t, per_row)
+
+
+# --- the inference engine's eager RoPE (rollout.decoder; the exact path's reference in kernels.decode_fused) ---
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions [B, T] -> cos, signed sin [B, T, 1, 1, D] (HF convention: freqs repeated, not
+    interleaved). The sin's first half is negated so that rotate-half is a plain ``roll`` (``apply_rope``)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
+    )
+    freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+    sin = emb.sin()
+    sin[..., : head_dim // 2].neg_()
+    return emb.cos().to(dtype)[:, :, None, None], sin.to(dtype)[:, :, None, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, ..., D]; cos / signed sin broadcastable to x (``rope_cos_sin``).
+
+    ``roll(x, D/2) * signed_sin`` equals HF's ``rotate_half(x) * sin`` bit for bit ((-a) * b == a * (-b)).
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """cos / signed sin [B, D] -> R [B, D, D] with ``x @ R == apply_rope(x, cos, sin)`` for x [B, n, D].
+
+    The decode step rotates all heads of a token with one batched matmul (one kernel instead of four
+    broadcasting elementwise ones): out[j] = x[j] cos[j] + x[(j + D/2) % D] sin[j].
+    """
+    rot = torch.diag_embed(sin)  # [B, D, D]
+    return torch.diag_embed(cos) + rot.roll(cos.shape[-1] // 2, dims=-2)

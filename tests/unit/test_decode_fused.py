@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is in the dev extras")
 from megatron_rl.kernels import decode_fused as fused  # noqa: E402
-from megatron_rl.rollout.decoder import rope_cos_sin  # noqa: E402
+from megatron_rl.kernels.rope import rope_cos_sin  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
