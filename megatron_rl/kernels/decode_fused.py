@@ -40,11 +40,13 @@ if HAVE_TRITON:
     @triton.jit
     def _round_to(x, dt: tl.constexpr):
         """fp32 x rounded to dtype ``dt`` to nearest, ties to even (as torch's casts), kept in fp32. bf16 by
-        its bits: Triton's interpreter truncates a bf16 cast, the GPU rounds, and both sides must agree."""
+        its bits: Triton's interpreter truncates a bf16 cast, the GPU rounds, and both sides must agree. A NaN
+        stays itself (adding to its bits could carry into the sign and exponent: -0.0 or inf); a finite value
+        past bf16's largest rounds to inf, as the cast does."""
         if dt == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            return bits.to(tl.float32, bitcast=True)
+            return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
         else:
             return x.to(dt).to(tl.float32)
 

@@ -51,6 +51,51 @@ def test_the_exact_rope_kv_write_is_the_eager_rotation_bit_for_bit(dtype):
     assert fused.usable("rope_kv_write_exact", qkv)
 
 
+def test_the_exact_rope_rounding_keeps_nan_and_inf_as_the_eager_ops_do():
+    """NaN, inf and values past bf16's range through the exact kernel: the same NaN positions and the same
+    bits elsewhere as the eager ``apply_rope`` (overflow to inf included)."""
+    bsz, groups, rep, dim = 2, 1, 1, 16
+    qkv = torch.ones(bsz, groups, rep + 2, dim, dtype=torch.bfloat16)
+    qkv[0, 0, 0, :4] = float("nan")
+    qkv[0, 0, 0, 4] = float("inf")
+    qkv[1, 0, 0, :] = torch.finfo(torch.bfloat16).max
+    qkv[1, 0, 1, 3] = -float("nan")
+    pos = torch.tensor([1, 2])
+    cos, sin = rope_cos_sin(pos[:, None], dim, 1e6, torch.bfloat16)
+    cos, sin = cos[:, 0, 0, 0], sin[:, 0, 0, 0]
+    cache = torch.zeros(2, bsz, groups, 4, dim, dtype=torch.bfloat16)
+    ref = cache.clone()
+    q = fused.rope_kv_write(qkv, cos, sin, pos, cache[0], cache[1], exact=True)
+    want = fused.rope_kv_write_reference(qkv, cos, sin, pos, ref[0], ref[1], exact=True)
+    assert torch.isnan(want).any() and torch.isinf(want).any()
+    assert torch.equal(torch.isnan(q), torch.isnan(want))
+    finite = ~torch.isnan(want)
+    assert torch.equal(q[finite], want[finite])  # inf, -inf and the finite values the same bits
+    assert torch.equal(torch.isnan(cache), torch.isnan(ref)) and torch.equal(cache.nan_to_num(), ref.nan_to_num())
+
+
+def test_bf16_rounding_by_bits_keeps_every_nan_a_nan():
+    """``_round_to`` adds to the bits: a NaN whose low mantissa bits are all set would carry into the sign
+    (-0.0) or wrap to 0 without its guard. Rounded values equal torch's cast; NaNs of any payload stay NaN."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def round_kernel(x_ptr, out_ptr, n: tl.constexpr):
+        i = tl.arange(0, n)
+        tl.store(out_ptr + i, fused._round_to(tl.load(x_ptr + i), tl.bfloat16))
+
+    nan_bits = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, 0x7F80FFFF], dtype=torch.int32)  # -1: 0xFFFFFFFF; 32 in all
+    g = torch.Generator().manual_seed(0)
+    finite = torch.cat([torch.randn(24, generator=g) * 10.0 ** torch.randint(-30, 30, (24,), generator=g),
+                        torch.tensor([3.4e38, -3.4e38, 1.0 + 2**-8, 1.0 + 3 * 2**-8])])  # fmt: skip
+    x = torch.cat([nan_bits.view(torch.float32), finite])
+    out = torch.empty_like(x)
+    round_kernel[(1,)](x, out, n=x.numel())
+    assert torch.isnan(out[:4]).all()
+    assert torch.equal(out[4:], finite.to(torch.bfloat16).float())  # ties to even, overflow to inf
+
+
 def test_swiglu_and_add_rms_norm_equal_reference():
     g = torch.Generator().manual_seed(0)
     y = torch.randn(5, 2 * 100, generator=g)
