@@ -69,7 +69,7 @@ def exact_gemm_choice(value: str | None = None) -> str:
 
 EXACT_GEMM = os.environ.get("MEGATRON_RL_EXACT_GEMM", "fixed_rows").strip().lower()
 FIXED_ROWS_ON_CPU = False  # tests: the fixed-rows path on the CPU's BLAS (its trial runs there too)
-_FIXED_ROWS: dict[tuple, bool] = {}  # (device type, dtype, weight shape and strides, bias?) -> trial passed
+_FIXED_ROWS: dict[tuple, bool] = {}  # (device type, dtype, weight shape, strides, alignment, bias?) -> passed
 
 
 def use_triton(x: Tensor) -> bool:
@@ -217,10 +217,18 @@ def fixed_rows_invariant(w: Tensor, bias: Tensor | None = None, rows: int = GEMM
     return all(torch.equal(a, b) for a, b in checks)
 
 
+def _alignment(t: Tensor) -> int:
+    """The largest power of two (up to 256 bytes) dividing ``t``'s address: a library may pick its kernel
+    by operand alignment, so a weight copied into another buffer (the engine's gathered stages at PP>1, a
+    view into a flat one) is tried again unless its alignment class is one already tried."""
+    ptr = t.data_ptr()
+    return 256 if ptr % 256 == 0 else ptr & -ptr
+
+
 def fixed_rows_serves(w: Tensor, bias: Tensor | None = None) -> bool:
     """Whether ``matmul`` takes the fixed-shape library path for weight ``w``: on CUDA with
     ``EXACT_GEMM == "fixed_rows"`` (on CPU only with ``FIXED_ROWS_ON_CPU``), and ``fixed_rows_invariant``
-    passed for this weight's shape, strides and dtype. The trial runs on the first call; the engine's eager
+    passed for this weight's shape, strides, address alignment and dtype. The trial runs on the first call; the engine's eager
     warm-up step precedes every CUDA-graph capture, and a weight not yet tried while a graph is captured
     is an error (taking the other path there would break the equality with the trainer)."""
     if w.device.type == "cuda":
@@ -228,7 +236,8 @@ def fixed_rows_serves(w: Tensor, bias: Tensor | None = None) -> bool:
             return False
     elif not FIXED_ROWS_ON_CPU:
         return False
-    key = (w.device.type, w.dtype, tuple(w.shape), tuple(w.stride()), bias is not None)
+    key = (w.device.type, w.dtype, tuple(w.shape), tuple(w.stride()), _alignment(w),
+           None if bias is None else _alignment(bias))  # fmt: skip
     if key not in _FIXED_ROWS:
         if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(

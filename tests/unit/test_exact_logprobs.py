@@ -172,6 +172,27 @@ def test_a_fixed_rows_trial_that_fails_keeps_that_weight_on_the_other_path(monke
     assert torch.equal(bi.matmul(x[2:3], w)[0], got[2])
 
 
+def test_a_weight_at_another_alignment_gets_its_own_fixed_rows_trial(monkeypatch):
+    """The trial's result is keyed by the weight's address alignment as well as its shape and strides: the
+    same weight copied to an address 2 bytes past a 256-byte boundary is tried again, an aligned copy not."""
+    monkeypatch.setattr(bi, "FIXED_ROWS_ON_CPU", True)
+    monkeypatch.setattr(bi, "_FIXED_ROWS", {})
+    tried = []
+    monkeypatch.setattr(bi, "fixed_rows_invariant", lambda w, bias=None: tried.append(w.data_ptr()) or True)
+    w = torch.randn(24, 16, dtype=torch.bfloat16)
+
+    def at(offset):  # a copy of w at ``offset`` elements past a 256-byte boundary
+        flat = torch.empty(w.numel() + 256, dtype=torch.bfloat16)
+        start = (-flat.data_ptr() % 256) // 2 + offset
+        return flat[start : start + w.numel()].view(24, 16).copy_(w)
+
+    aligned, aligned_too, odd = at(0), at(0), at(1)
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    for weight in (aligned, aligned_too, odd, odd):
+        bi.matmul(x, weight)
+    assert tried == [aligned.data_ptr(), odd.data_ptr()]
+
+
 @pytest.mark.parametrize(
     "layout",
     [{"share_prompts": True}, {"pack_sequences": True, "share_prompts": False}],
