@@ -4,6 +4,7 @@ collectively across DP ranks."""
 from __future__ import annotations
 
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -40,8 +41,11 @@ def build_kl_controller(cfg: AlgorithmConfig):
 
 
 _DECODE_CHUNK = 64  # sequences per thread of the parallel decode
+_DECODE_CHECK = 32  # sequences, spread over the first batch with any tokens, of the agreement check
 _DECODE_POOL: ThreadPoolExecutor | None = None
-_FAST_DECODE: dict[int, bool] = {}  # id(Rust tokenizer) -> its decode_batch gave batch_decode's strings
+# Rust tokenizer -> whether its decode_batch gave batch_decode's strings (weak: a freed tokenizer's verdict
+# cannot pass to a new one at the same address)
+_FAST_DECODE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _rust_tokenizer(tokenizer):
@@ -57,14 +61,18 @@ def batch_decode(tokenizer, seqs: list[list[int]]) -> list[str]:
     """``tokenizer.batch_decode(seqs, skip_special_tokens=True)``, in threads where it can be: the Rust
     ``decode_batch`` releases the GIL, transformers' per-sequence decode does not (512 x 512 tokens: 0.20 s
     in one thread, 0.05 s in four on two cores). The first call per tokenizer checks that the two agree on
-    the batch's first sequences; where they do not, transformers' decode serves from then on."""
+    up to 32 non-empty sequences spread over the batch; where they do not, transformers' decode serves from
+    then on. A batch of only empty responses is decoded by transformers and settles nothing."""
     global _DECODE_POOL
     rust = _rust_tokenizer(tokenizer)
-    if rust is not None and id(rust) not in _FAST_DECODE:
-        head = seqs[:8]
-        want = tokenizer.batch_decode(head, skip_special_tokens=True)
-        _FAST_DECODE[id(rust)] = rust.decode_batch(head, skip_special_tokens=True) == want
-    if rust is None or not _FAST_DECODE[id(rust)]:
+    if rust is not None and rust not in _FAST_DECODE:
+        filled = [s for s in seqs if len(s)]
+        sample = filled[:: max(1, len(filled) // _DECODE_CHECK)][:_DECODE_CHECK]
+        if not sample:  # nothing to compare yet: this batch is decoded by transformers, the check waits
+            return tokenizer.batch_decode(seqs, skip_special_tokens=True)
+        want = tokenizer.batch_decode(sample, skip_special_tokens=True)
+        _FAST_DECODE[rust] = rust.decode_batch(sample, skip_special_tokens=True) == want
+    if rust is None or not _FAST_DECODE[rust]:
         return tokenizer.batch_decode(seqs, skip_special_tokens=True)
     if len(seqs) <= _DECODE_CHUNK:
         return rust.decode_batch(seqs, skip_special_tokens=True)

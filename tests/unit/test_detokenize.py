@@ -3,6 +3,7 @@
 first call keeps transformers' decode."""
 
 import random
+import weakref
 
 from megatron_rl.data.tiny_tokenizer import build_char_tokenizer
 from megatron_rl.trainer import advantage
@@ -16,7 +17,7 @@ def _seqs(tok, n=300, seed=0):
 def test_threaded_rust_decode_equals_batch_decode(monkeypatch):
     tok = build_char_tokenizer()
     tok.clean_up_tokenization_spaces = False
-    monkeypatch.setattr(advantage, "_FAST_DECODE", {})
+    monkeypatch.setattr(advantage, "_FAST_DECODE", weakref.WeakKeyDictionary())
     calls = []
     rust = tok._tokenizer
     monkeypatch.setattr(tok, "_tokenizer", type("Spy", (), {
@@ -24,7 +25,7 @@ def test_threaded_rust_decode_equals_batch_decode(monkeypatch):
         "__getattr__": lambda self, name: getattr(rust, name)})())  # fmt: skip
     seqs = _seqs(tok)  # special ids included: skipped on both paths
     assert advantage.batch_decode(tok, seqs) == tok.batch_decode(seqs, skip_special_tokens=True)
-    assert calls[0] == 8 and len(calls) > 2  # the agreement check, then chunks of 64 in threads
+    assert calls[0] == 32 and len(calls) > 2  # the agreement check, then chunks of 64 in threads
 
 
 def test_clean_up_or_disagreement_keeps_transformers_decode(monkeypatch):
@@ -34,11 +35,27 @@ def test_clean_up_or_disagreement_keeps_transformers_decode(monkeypatch):
     assert advantage._rust_tokenizer(tok) is None
     assert advantage.batch_decode(tok, seqs) == tok.batch_decode(seqs, skip_special_tokens=True)
     tok.clean_up_tokenization_spaces = False
-    monkeypatch.setattr(advantage, "_FAST_DECODE", {})
+    monkeypatch.setattr(advantage, "_FAST_DECODE", weakref.WeakKeyDictionary())
     rust = tok._tokenizer
     liar = type("Liar", (), {"decode_batch": lambda self, c, **k: ["?"] * len(c),
                              "__getattr__": lambda self, name: getattr(rust, name)})()  # fmt: skip
     monkeypatch.setattr(tok, "_tokenizer", liar)
     want = tok.batch_decode(seqs, skip_special_tokens=True)
-    assert advantage.batch_decode(tok, seqs) == want and advantage._FAST_DECODE == {id(liar): False}
+    assert advantage.batch_decode(tok, seqs) == want and dict(advantage._FAST_DECODE) == {liar: False}
     assert advantage.batch_decode(tok, seqs) == want  # and from then on
+
+
+def test_the_agreement_check_spreads_over_the_batch_and_waits_for_tokens(monkeypatch):
+    """A decode that differs only past the batch's first sequences is caught (the check samples the whole
+    batch), and a first batch of empty responses settles nothing."""
+    tok = build_char_tokenizer()
+    tok.clean_up_tokenization_spaces = False
+    monkeypatch.setattr(advantage, "_FAST_DECODE", weakref.WeakKeyDictionary())
+    rust = tok._tokenizer
+    late = type("Late", (), {"decode_batch": lambda self, c, **k: [t + ("?" if len(ids) > 30 else "") for t, ids in zip(rust.decode_batch(c, **k), c)],
+                             "__getattr__": lambda self, name: getattr(rust, name)})()  # fmt: skip
+    monkeypatch.setattr(tok, "_tokenizer", late)
+    assert advantage.batch_decode(tok, [[]] * 100) == [""] * 100 and len(advantage._FAST_DECODE) == 0
+    seqs = [[5] * 3] * 40 + _seqs(tok, 200, seed=2)  # the first 40 agree, longer ones later do not
+    assert advantage.batch_decode(tok, seqs) == tok.batch_decode(seqs, skip_special_tokens=True)
+    assert dict(advantage._FAST_DECODE) == {late: False}
