@@ -191,6 +191,13 @@ class OptimConfig:
         "megatron: megatron-core DistributedDataParallel (fp32 grad buffers) + get_megatron_optimizer "
         "(TE/apex FusedAdam, else torch AdamW; fused on GPU); same loss, LR schedule and clipping.",
     )
+    gradient_accumulation_fusion: Any = doc(
+        "auto",
+        "Linear layers' weight-gradient GEMMs accumulate straight into the fp32 main grad (megatron-core's "
+        "gradient_accumulation_fusion, apex's kernel replaced by torch's addmm with an fp32 output): no bf16 "
+        "weight gradient per micro-batch, no separate add. auto = on for bf16/fp16 weights on CUDA where "
+        "that addmm passes its start-up trial; true = on (CPU: fp32 products, for tests); false = off.",
+    )
     use_distributed_optimizer: bool = doc(
         False,
         "backend=megatron only: shard fp32 main params and Adam moments over DP (grads reduce-scattered, "

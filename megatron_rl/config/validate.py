@@ -212,6 +212,9 @@ def _check_optim_values(optim, role: str) -> None:
 def _check_optim(cfg: JobConfig, role: str) -> None:
     optim = _get(cfg, f"{role}.optim")
     _check_optim_values(optim, role)
+    fusion = optim.gradient_accumulation_fusion
+    if fusion != "auto" and not isinstance(fusion, bool):
+        raise ConfigError(f"{role}.optim.gradient_accumulation_fusion={fusion!r}: use true, false or auto.")
     if optim.use_distributed_optimizer and optim.backend != "megatron":
         raise ConfigError(
             f"{role}.optim.use_distributed_optimizer=true needs {role}.optim.backend=megatron (the local "

@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel import (
 )
 
 from megatron_rl.kernels import batch_invariant as bi
+from megatron_rl.kernels import wgrad_fusion
 from megatron_rl.kernels.batch_invariant_tp import OrderedAllReduce, group_size
 from megatron_rl.models.packed_attention import segment_params_attention
 from megatron_rl.models.spec import RMSNorm, SDPACoreAttention, layer_spec
@@ -31,9 +32,10 @@ from megatron_rl.models.spec import RMSNorm, SDPACoreAttention, layer_spec
 
 class _ExactLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, fuse):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        ctx.main_grad = getattr(weight, "main_grad", None) if fuse else None  # as megatron-core's forward
         return bi.matmul(x, weight, bias)
 
     @staticmethod
@@ -41,22 +43,29 @@ class _ExactLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])  # [M, N]
         gx = (g2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        gw = g2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        gw = None
+        if ctx.needs_input_grad[1]:
+            if ctx.main_grad is not None:  # optim.gradient_accumulation_fusion: into main_grad directly
+                gw = wgrad_fusion.accumulate(weight, ctx.main_grad, x, grad)
+            else:
+                gw = g2.t() @ x.reshape(-1, x.shape[-1])
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb
+        return gx, gw, gb, None
 
 
-def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K], weight [N, K] -> [..., N]: batch-invariant forward, differentiable."""
-    return _ExactLinear.apply(x, weight, bias)
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fuse: bool = False):
+    """x [..., K], weight [N, K] -> [..., N]: batch-invariant forward, differentiable; ``fuse``: the weight
+    gradient accumulates into ``weight.main_grad`` (``kernels.wgrad_fusion``) where it has one."""
+    return _ExactLinear.apply(x, weight, bias, fuse)
 
 
-def _exact_forward_impl(self, input, weight, bias=None, allreduce_dgrad=False, tp_group=None, **_tp_comm):
+def _exact_forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+                        tp_group=None, **_tp_comm):  # fmt: skip
     """megatron-core's linear ``_forward_impl`` contract without sequence parallelism: ``allreduce_dgrad``
     (a column-parallel linear at TP>1) all-reduces the input's gradient, as megatron-core's own does."""
     if allreduce_dgrad:
         input = copy_to_tensor_model_parallel_region(input, group=tp_group)
-    return exact_linear(input, weight, bias)
+    return exact_linear(input, weight, bias, gradient_accumulation_fusion)
 
 
 class ExactColumnParallelLinear(ColumnParallelLinear):
@@ -73,7 +82,7 @@ class ExactRowParallelLinear(RowParallelLinear):
                 "rollout.exact_logprobs: row-parallel linears take a parallel input without sequence "
                 "parallelism or expert communication; set parallel.sequence_parallel=false"
             )
-        out = exact_linear(input_, self.weight)
+        out = exact_linear(input_, self.weight, fuse=self.gradient_accumulation_fusion)
         if group_size(self.tp_group) > 1:
             out = OrderedAllReduce.apply(out, self.tp_group)
         if self.skip_bias_add:

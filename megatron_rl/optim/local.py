@@ -3,7 +3,10 @@
 - Gradients accumulate over micro-batches in an fp32 ``main_grad`` per parameter, as megatron-core's DDP
   buffers do: a post-accumulate-grad hook adds each micro-batch's (bf16) ``.grad`` into it and frees the
   ``.grad``. Summing dozens of micro-batches in bf16 would lose precision (issue 19). ``main_grad`` is
-  freed after each step, so between updates (generation) no gradient memory is held.
+  freed after each step, so between updates (generation) no gradient memory is held. With
+  ``gradient_accumulation_fusion`` the linear layers' weight-gradient GEMMs accumulate into it directly
+  (``kernels.wgrad_fusion``; each fused weight's ``main_grad`` is allocated at its layer's first forward
+  with gradients on), and the hook adds only the other parameters' gradients.
 - Reduction over DP/TP/the tied-embedding group and the global-norm clip: ``distributed.grads``.
 - AdamW updates fp32 main params (bf16 updates of lr ~1e-6 would vanish), then copies them into the
   weights; with fp32 weights the main params are the weights themselves. Fused kernel on GPU.
@@ -22,6 +25,7 @@ from megatron.core.dist_checkpointing.optimizer import (
 
 from megatron_rl.config.schema import OptimConfig
 from megatron_rl.distributed.grads import clip_grad_norm, reduce_gradients
+from megatron_rl.kernels import wgrad_fusion
 from megatron_rl.optim.base import Optimizer, OptimizerKind, ensure_adam_state
 from megatron_rl.optim.schedule import build_scheduler
 
@@ -29,7 +33,11 @@ ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _accumulate_main_grad(p: torch.nn.Parameter) -> None:
-    """Post-accumulate-grad hook: add this backward's ``p.grad`` into the fp32 ``p.main_grad``."""
+    """Post-accumulate-grad hook: add this backward's ``p.grad`` into the fp32 ``p.main_grad``. A fused
+    weight (``gradient_accumulation_fusion``) is already in ``main_grad``: autograd got None, the hook
+    still runs."""
+    if p.grad is None:
+        return
     if p.main_grad is None:
         p.main_grad = p.grad.float()  # a copy for bf16; the grad tensor itself for fp32 params
     else:
@@ -58,6 +66,9 @@ class LocalOptimizer(Optimizer):
         for p in self.params:
             p.main_grad = None
             p.register_post_accumulate_grad_hook(_accumulate_main_grad)
+        self.fused = wgrad_fusion.resolve(cfg.gradient_accumulation_fusion, model)
+        if self.fused:  # the linears' weight gradients go straight into main_grad (kernels.wgrad_fusion)
+            wgrad_fusion.allocate_on_forward(wgrad_fusion.enable(model))
 
     def step(self) -> dict[str, torch.Tensor]:
         reduce_gradients(self.model)

@@ -9,6 +9,8 @@
   ``calculate_per_token_loss`` (then its gradient scaling factor is 1.0); we set that flag on the
   trained model's config before wrapping. The schedule only reads it for 3-tuple loss functions (ours
   return 2-tuples) and for MoE/MTP auxiliary losses (unused), so nothing else changes.
+- ``optim.gradient_accumulation_fusion``: megatron-core's own fused path (the weight-gradient GEMM adds into
+  the fp32 buffer, a dummy gradient goes to the DDP hook), with ``kernels.wgrad_fusion`` in apex's place.
 - ``get_megatron_optimizer`` builds Float16OptimizerWithFloat16Params (bf16; fp32 main params),
   FP32Optimizer (fp32) or DistributedOptimizer (``optim.use_distributed_optimizer``); its inner Adam is
   TE/apex FusedAdam when importable, else torch AdamW, which we switch to ``fused=True`` on GPU.
@@ -52,6 +54,7 @@ from megatron.core.optimizer import clip_grads as mcore_clip_grads
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
 from megatron_rl.config.schema import OptimConfig
+from megatron_rl.kernels import wgrad_fusion
 from megatron_rl.models import unwrap
 from megatron_rl.optim import hybrid
 from megatron_rl.optim.base import Optimizer, OptimizerKind, ensure_adam_state
@@ -125,6 +128,9 @@ class MegatronOptimizer(Optimizer):
             use_distributed_optimizer=self.kind.use_distributed_optimizer,
         )
         self.ddp = DistributedDataParallel(config, ddp_config, core)
+        self.fused = wgrad_fusion.resolve(cfg.gradient_accumulation_fusion, core)
+        if self.fused:  # weight-gradient GEMMs accumulate into the DDP's fp32 buffers (kernels.wgrad_fusion)
+            wgrad_fusion.enable(core)
         self.config = mcore_optimizer_config(cfg, torch.bfloat16 in dtypes)
         self.opt = get_megatron_optimizer(self.config, [self.ddp], config_overrides={})
         if cfg.optimizer_cpu_offload:
