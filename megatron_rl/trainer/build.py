@@ -128,6 +128,10 @@ def _build_models(cfg: JobConfig, args: ModelArgs, model_dir: str, total_steps: 
             args, "critic", dtype, critic_dir, sp, cfg.critic.recompute_kwargs(), cfg.critic.lora
         )
         critic = CriticWorker(critic_model, cfg.critic, total_steps, r)
+    fused = {name: w.opt.fused for name, w in (("actor", actor), ("critic", critic)) if w is not None}
+    if torch.distributed.get_rank() == 0:  # optim.gradient_accumulation_fusion as resolved (auto: CUDA only)
+        print("gradient accumulation fusion: " + ", ".join(f"{k} {'on' if v else 'off'}" for k, v in fused.items()),
+              flush=True)  # fmt: skip
     return actor, ref, critic
 
 

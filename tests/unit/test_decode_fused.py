@@ -71,7 +71,9 @@ def test_the_exact_rope_rounding_keeps_nan_and_inf_as_the_eager_ops_do():
     assert torch.equal(torch.isnan(q), torch.isnan(want))
     finite = ~torch.isnan(want)
     assert torch.equal(q[finite], want[finite])  # inf, -inf and the finite values the same bits
-    assert torch.equal(torch.isnan(cache), torch.isnan(ref)) and torch.equal(cache.nan_to_num(), ref.nan_to_num())
+    assert torch.equal(torch.isnan(cache), torch.isnan(ref)) and torch.equal(
+        cache.nan_to_num(), ref.nan_to_num()
+    )
 
 
 def test_bf16_rounding_by_bits_keeps_every_nan_a_nan():
@@ -85,7 +87,9 @@ def test_bf16_rounding_by_bits_keeps_every_nan_a_nan():
         i = tl.arange(0, n)
         tl.store(out_ptr + i, fused._round_to(tl.load(x_ptr + i), tl.bfloat16))
 
-    nan_bits = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, 0x7F80FFFF], dtype=torch.int32)  # -1: 0xFFFFFFFF; 32 in all
+    nan_bits = torch.tensor(
+        [0x7FFFFFFF, -1, 0x7FC00000, 0x7F80FFFF], dtype=torch.int32
+    )  # -1: 0xFFFFFFFF; 32 in all
     g = torch.Generator().manual_seed(0)
     finite = torch.cat([torch.randn(24, generator=g) * 10.0 ** torch.randint(-30, 30, (24,), generator=g),
                         torch.tensor([3.4e38, -3.4e38, 1.0 + 2**-8, 1.0 + 3 * 2**-8])])  # fmt: skip
