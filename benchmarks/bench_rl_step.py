@@ -355,7 +355,7 @@ def run(a: argparse.Namespace) -> dict:
         if dist.get_rank() == 0:
             print(json.dumps(row), flush=True)
     if a.profile:  # one more step, not timed: where generation's and the update's device time goes
-        profile_phases(c, a.steps, a.profile)
+        profile_phases(c, a.steps, a.profile, update_seqs=a.profile_update_seqs)
     timed = steps[1:] or steps
     med = {
         "step_s": statistics.median(r["step_s"] for r in timed),
@@ -410,9 +410,12 @@ def run(a: argparse.Namespace) -> dict:
     return result
 
 
-def profile_phases(c, step: int, folder: str, rows: int = 60) -> None:
+def profile_phases(c, step: int, folder: str, rows: int = 60, update_seqs: int | None = None) -> None:
     """Run training step ``step`` with ``engine.generate`` and ``actor.update`` each under torch.profiler;
-    write their op tables (top ``rows`` by self device time) to ``folder``/{generate,update}_ops.txt."""
+    write their op tables (top ``rows`` by self device time) to ``folder``/{generate,update}_ops.txt.
+    ``update_seqs``: the profiled update runs on the batch's first that many sequences only (whole groups,
+    one mini-batch), so that a long update's trace stays small enough to tabulate; its wall time goes
+    into ``folder``/update_slice.json beside the table."""
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
@@ -427,13 +430,22 @@ def profile_phases(c, step: int, folder: str, rows: int = 60) -> None:
 
     def profiled(name, fn):
         def run(*args, **kwargs):
+            if name == "update" and update_seqs is not None:
+                batch, mini = args
+                seqs = min(update_seqs, len(batch))
+                args = (batch.select(range(seqs)), min(mini, seqs))
             with profile(activities=acts) as prof:
+                t0 = time.perf_counter()
                 out = fn(*args, **kwargs)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
             if dist.get_rank() == 0:
                 table = prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=90)
                 (Path(folder) / f"{name}_ops.txt").write_text(table)
+                if name == "update" and update_seqs is not None:
+                    slice_info = {"sequences": len(args[0]), "of": len(batch), "wall_s_under_profiler": wall}
+                    (Path(folder) / "update_slice.json").write_text(json.dumps(slice_info))
             return out
 
         return run
@@ -473,6 +485,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--output-dir", default=None, help="trainer output (metrics.jsonl)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_rl_step.json"))
+    p.add_argument("--profile-update-seqs", type=int, default=None,
+                   help="with --profile: profile the update of the first N sequences only (whole groups)")  # fmt: skip
     p.add_argument("--profile", default=None,
                    help="after the timed steps, one more under torch.profiler: op tables of generation and the update here")  # fmt: skip
     p.add_argument(
