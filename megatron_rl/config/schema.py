@@ -104,6 +104,13 @@ class RolloutConfig:
     )
     max_prefill_tokens: int = doc(16384, "Padded prompt tokens per prefill batch (bounds prefill memory).")
     cuda_graphs: bool = doc(True, "Capture the decode step in CUDA graphs (GPU only).")
+    prompt_kv_sharing: bool = doc(
+        True,
+        "Decode attention reads the keys/values of a prompt's n samples (admitted together) from one slot's "
+        "copy, the group's lead, while it lives: the GPU reads each prompt from HBM once per step and the "
+        "others hit the L2 cache. Every slot keeps its own copy, so results are the same bits either way. "
+        "Triton decode kernel only (not with rollout.exact_logprobs).",
+    )
     keep_cache: bool = doc(
         False, "Keep the KV cache and CUDA graphs between steps: near-zero switch time, memory stays taken."
     )

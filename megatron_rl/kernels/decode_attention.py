@@ -29,14 +29,18 @@ if HAVE_TRITON:
 
     @triton.jit
     def _decode_attention_kernel(
-        q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, scale,
+        q_ptr, k_ptr, v_ptr, pos_ptr, lead_ptr, plen_ptr, out_ptr, scale,
         sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r,
         groups: tl.constexpr, rep: tl.constexpr, rows: tl.constexpr, dim: tl.constexpr, block: tl.constexpr,
+        shared: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         b = pid // groups
         g = pid % groups
         n_kv = tl.load(pos_ptr + b) + 1  # keys 0..position
+        if shared:  # keys before plen from the lead slot's copy of the prompt (the same values)
+            lead = tl.load(lead_ptr + b).to(tl.int64)
+            plen = tl.load(plen_ptr + b)
         r = tl.arange(0, rows)
         d = tl.arange(0, dim)
         q = tl.load(
@@ -45,13 +49,18 @@ if HAVE_TRITON:
         m_i = tl.full([rows], float("-inf"), tl.float32)
         l_i = tl.zeros([rows], tl.float32)
         acc = tl.zeros([rows, dim], tl.float32)
-        k_base = k_ptr + b * sk_b + g * sk_g
-        v_base = v_ptr + b * sv_b + g * sv_g
+        k_base = k_ptr + g * sk_g
+        v_base = v_ptr + g * sv_g
         for start in range(0, n_kv, block):
             t = start + tl.arange(0, block)
             live = t < n_kv
+            if shared:
+                src = tl.where(t < plen, lead, b.to(tl.int64))[:, None]  # [block, 1] each key's slot
+                k_rows, v_rows = k_base + src * sk_b, v_base + src * sv_b
+            else:
+                k_rows, v_rows = k_base + b * sk_b, v_base + b * sv_b
             k = tl.load(
-                k_base + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0
+                k_rows + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0
             )  # [block, dim]
             s = tl.dot(q, tl.trans(k)) * scale  # [rows, block] fp32
             s = tl.where(live[None, :], s, float("-inf"))
@@ -60,7 +69,7 @@ if HAVE_TRITON:
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
-                v_base + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0
+                v_rows + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0
             )  # [block, dim]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
@@ -89,17 +98,24 @@ def usable(q: torch.Tensor) -> bool:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      scale: float | None = None, block: int = 64, num_warps: int = 4,
-                     num_stages: int | None = None) -> torch.Tensor:  # fmt: skip
+                     num_stages: int | None = None, prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     ) -> torch.Tensor:  # fmt: skip
     """q [B, G, rep, D] (a group's query heads), k / v [B, G, T, D] (unit stride in D), positions [B]:
-    sequence b attends to keys 0..positions[b] (< T) -> [B, G, rep, D] in q's dtype."""
+    sequence b attends to keys 0..positions[b] (< T) -> [B, G, rep, D] in q's dtype.
+
+    ``prefix`` (lead [B], plen [B], int64; ``rollout.prompt_kv_sharing``): sequence b reads its keys and
+    values before position plen[b] from row lead[b] (< B) instead of its own. The samples of one prompt
+    point at one slot's copy of it: the GPU reads it from HBM once and the others hit the L2 cache; every
+    slot still holds its own copy, so the values and the result are the same bits either way."""
     bsz, groups, rep, dim = q.shape
     out = torch.empty(bsz, groups, rep, dim, dtype=q.dtype, device=q.device)
     rows = max(16, triton.next_power_of_2(rep))
+    lead, plen = prefix if prefix is not None else (positions, positions)  # unused when not shared
     _decode_attention_kernel[(bsz * groups,)](
-        q, k, v, positions, out, dim**-0.5 if scale is None else scale,
+        q, k, v, positions, lead, plen, out, dim**-0.5 if scale is None else scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        groups=groups, rep=rep, rows=rows, dim=dim, block=block, num_warps=num_warps,
+        groups=groups, rep=rep, rows=rows, dim=dim, block=block, shared=prefix is not None, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     return out

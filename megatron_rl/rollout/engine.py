@@ -63,6 +63,8 @@ class EngineConfig:
     gpu_memory_utilization: float = _ROLLOUT.gpu_memory_utilization
     max_prefill_tokens: int = _ROLLOUT.max_prefill_tokens  # padded tokens per prefill batch
     cuda_graphs: bool = _ROLLOUT.cuda_graphs  # capture the decode step on GPU
+    # decode attention reads a prompt's keys/values for all its samples from one slot (same values)
+    prompt_kv_sharing: bool = _ROLLOUT.prompt_kv_sharing
     # keep the KV cache and the captured decode graphs between generate calls: the next call skips the
     # allocation and the capture (while the weights stay where they are), but the cache's memory stays
     # taken during training
@@ -204,7 +206,7 @@ class RolloutEngine:
             dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=lay.gen_group)
             plan = replace(plan, slots=int(fewest.item()))
         state = _DecodeState(spec, plan, groups, w.embed.dtype, dev, dev.type == "cuda" and cfg.cuda_graphs,
-                             cfg.exact_logprobs)  # fmt: skip
+                             cfg.exact_logprobs, cfg.prompt_kv_sharing)  # fmt: skip
         # a cache cut to the free memory still "fits" the calls it was planned for
         state.planned_slots = planned
         state.bind(w)
@@ -291,11 +293,17 @@ class _DecodeState:
     """
 
     def __init__(
-        self, spec: ModelArgs, plan, local_groups: int, dtype, device, use_graphs: bool, exact: bool
-    ):
+        self, spec: ModelArgs, plan, local_groups: int, dtype, device, use_graphs: bool, exact: bool,
+        prompt_kv_sharing: bool = False,
+    ):  # fmt: skip
         self.spec, self.use_graphs, self.exact = spec, use_graphs, exact
         # the Triton decode kernel stops at each sequence's own position: no length buckets needed
         self.reads_live_only = decode_kernel.serves(device, dtype, spec.head_dim)
+        # rollout.prompt_kv_sharing: slot s reads positions < plen[s] from slot lead[s] (``_Runner`` keeps
+        # lead pointing at a live slot holding the same prompt, else at s itself)
+        self.shares_prompts = prompt_kv_sharing and self.reads_live_only and not exact
+        self.lead = torch.arange(plan.slots, device=device)  # [S]
+        self.plen = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S]
         self.cache = KVCache(plan, spec.num_layers, local_groups, spec.head_dim, dtype, device)
         self.planned_slots = plan.slots  # before ``fit_free_memory`` (set by the engine)
         self.tok = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S] token fed at `pos`
@@ -318,7 +326,9 @@ class _DecodeState:
         self.w, self.capture_s = w, 0.0
 
     def _eager(self, b: int, kv: int) -> torch.Tensor:
-        return decoder.decode(self.w, self.spec, self.cache.data, self.tok[:b], self.pos[:b], kv, self.exact)
+        prefix = (self.lead[:b], self.plen[:b]) if self.shares_prompts else None
+        return decoder.decode(self.w, self.spec, self.cache.data, self.tok[:b], self.pos[:b], kv, self.exact,
+                              prefix)  # fmt: skip
 
     def _capture(self, b: int, kv: int) -> None:
         t0 = time.perf_counter()
@@ -396,6 +406,8 @@ class _Runner:
         stream = params.seed * 1_000_003 + _dp_rank() * lay.num_replicas + lay.replica
         self.gen = torch.Generator(device=dev).manual_seed(stream)
         self.keys = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] sequence noise keys
+        state.lead.copy_(self.rows)  # every slot reads its own prompt copy until _admit says otherwise
+        state.plen.zero_()
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, V] of slots ``rows`` [B] -> tokens [B], log-probs [B]; tokens identical on every
@@ -473,6 +485,8 @@ class _Runner:
             src, dst = (torch.tensor(c, device=dev) for c in zip(*copies))
             self.cache.copy_prefix(src, dst, longest)
         rows = torch.tensor(unique, device=dev)  # [B]
+        self.state.lead[slot_t] = lead_slots[rows]  # the samples of a prompt read the lead's copy
+        self.state.plen[slot_t] = lengths[rows]
         self.count[slot_t] = 0
         self.keys[slot_t] = torch.tensor([seq.key for seq in batch], device=dev)
         live = torch.ones(len(batch), dtype=torch.bool, device=dev)
@@ -509,9 +523,21 @@ class _Runner:
                 del self.left[slot]
                 self.cache.release(slot)
                 self.state.pos[slot] = 0  # idle: its writes land at 0, inside any attention window
+            self._unlead([slot for slot, *_ in ended])
         for slot in self.active:
             self.left[slot] = self.params.max_new_tokens - count[slot]
         self._refresh_kv_need()
+
+    def _unlead(self, freed: list[int]) -> None:
+        """Slots ``freed`` are released (their cache rows may be overwritten by the next admitted prompt):
+        every slot that read its prompt from one of them reads its own copy from now on."""
+        if not freed:
+            return
+        f = torch.tensor(freed, device=self.rows.device)
+        lead = self.state.lead
+        orphan = torch.isin(lead, f)
+        lead[orphan] = self.rows[orphan]
+        self.state.plen[f] = 0
 
     def _next_turns(self, ended: list, count: list[int]) -> list:
         """Ask the session what follows each ended turn; prefill the appended ids onto the slots that go
@@ -616,6 +642,12 @@ class _Runner:
         ]
         for t in per_slot + ([self.out_tlp] if self.out_tlp is not None else []):
             t[dst] = t[src]
+        lead, plen = self.state.lead, self.state.plen  # a moved lead is read at its new slot
+        lead[dst], plen[dst] = lead[src], plen[src]
+        moved_to = self.rows.clone()
+        moved_to[src] = dst
+        lead.copy_(moved_to[lead])
+        lead[src], plen[src] = src, 0
         self.live[src] = False
         self.state.pos[src] = 0  # idle, as a released slot
         for a, b in zip(movers, dests):

@@ -102,3 +102,33 @@ def test_decode_attention_kernel_equals_masked_sdpa(monkeypatch, groups, rep, di
     )
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(decode_attention(q, k, v, pos), want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_reads_each_prompt_from_its_lead_slot(monkeypatch):
+    """``prefix`` (rollout.prompt_kv_sharing): keys and values before plen come from the lead slot. With
+    the other slots' prompt rows overwritten by noise, the result equals attention over the lead's prompt
+    and the slot's own response keys; with every copy intact it is the unshared kernel's, bit for bit."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import decode_attention as kernel
+    from megatron_rl.kernels.decode_attention import decode_attention
+
+    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
+    g = torch.Generator().manual_seed(1)
+    b, groups, rep, dim, t = 6, 2, 7, 64, 150
+    cache = torch.randn(2, 8, groups, 160, dim, generator=g)  # [2, S, G, Tmax, D]
+    lead = torch.tensor([0, 0, 0, 3, 3, 5])  # prompts of 70 and 45 tokens; slot 5 alone
+    plen = torch.tensor([70, 70, 70, 45, 45, 0])
+    for slot in range(b):  # every slot holds a copy of its lead's prompt, as the engine's prefill leaves it
+        cache[:, slot, :, : plen[slot]] = cache[:, lead[slot], :, : plen[slot]]
+    k, v = cache[0, :b, :, :t], cache[1, :b, :, :t]
+    q = torch.randn(b, groups, rep, dim, generator=g)
+    pos = torch.tensor([69, 100, 149, 44, 80, 30])  # the last prompt position, inside and past one block
+    unshared = decode_attention(q, k, v, pos)
+    shared = decode_attention(q, k, v, pos, prefix=(lead, plen))
+    assert torch.equal(shared, unshared)
+    noisy = cache.clone()
+    for slot in (1, 2, 4):  # the members' own copies of the prompt are gone
+        noisy[:, slot, :, : plen[slot]] = torch.randn(2, groups, int(plen[slot]), dim, generator=g)
+    got = decode_attention(q, noisy[0, :b, :, :t], noisy[1, :b, :, :t], pos, prefix=(lead, plen))
+    assert torch.equal(got, unshared)
+    assert not torch.equal(decode_attention(q, noisy[0, :b, :, :t], noisy[1, :b, :, :t], pos), unshared)

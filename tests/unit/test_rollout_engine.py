@@ -404,3 +404,44 @@ def test_engine_with_the_fused_decode_kernels_equals_hf(model, monkeypatch):
         assert (
             torch.tensor(c.logprobs) - hf_logprobs(hf, c.prompt_ids, c.response_ids, 0.9)
         ).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("slots,compact", [(7, False), (18, True)])
+def test_prompt_kv_sharing_gives_the_same_bits_through_retire_reuse_and_compaction(monkeypatch, slots, compact):
+    """``rollout.prompt_kv_sharing``: the samples of a prompt read its keys and values from the lead slot
+    (the Triton kernel, interpreted). Through continuous batching (leads that stop before their group, their
+    slots re-used by other prompts while the group decodes on) and compaction, tokens and log-probs are the
+    unshared engine's bit for bit, and the kernel was handed slots that read another slot's prompt."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import decode_attention as kernel
+    from megatron_rl.rollout import engine as engine_mod
+
+    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
+    monkeypatch.setattr(engine_mod, "_SYNC_EVERY", 2)
+    monkeypatch.setattr(engine_mod, "_COMPACT", compact)
+    hf = tiny_hf("qwen2")
+    spec = spec_of(hf)
+    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
+    prompts = random_prompts(6, seed=11)
+    stops = tuple(range(100, 140))  # ~12% of the vocabulary: samples of one prompt stop at uneven lengths
+    sp = SamplingParams(temperature=1.0, n=3, max_new_tokens=14, seed=4, stop_token_ids=stops,
+                        layout_invariant_sampling=True)  # fmt: skip
+    seen = []
+    original = kernel.decode_attention
+
+    def spy(*a, prefix=None, **k):
+        if prefix is not None:
+            lead, plen = prefix
+            seen.append(int(((lead != torch.arange(len(lead))) & (plen > 0)).sum()))
+        return original(*a, prefix=prefix, **k)
+
+    monkeypatch.setattr(kernel, "decode_attention", spy)
+    runs = {}
+    for sharing in (True, False):
+        engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=slots, prompt_kv_sharing=sharing))
+        runs[sharing] = (engine.generate(prompts, sp), engine.last_stats)
+    (shared, stats), (plain, _) = runs[True], runs[False]
+    assert [c.response_ids for c in shared] == [c.response_ids for c in plain]
+    assert all(torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs)) for a, b in zip(shared, plain))
+    assert len({len(c.response_ids) for c in shared}) >= 4 and max(seen) >= 2  # members read their lead
+    assert stats.compactions > 0 if compact else stats.compactions == 0
