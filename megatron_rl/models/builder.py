@@ -11,6 +11,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron_rl.config.schema import LoRAConfig
 from megatron_rl.distributed import device
+from megatron_rl.kernels import rope_exact
 from megatron_rl.kernels.mcore import fusion_flags
 from megatron_rl.models import exact_layers
 from megatron_rl.models.args import ModelArgs
@@ -76,8 +77,9 @@ def build_model(
     ``recompute``: megatron-core activation-recomputation fields (``RecomputeKeys.recompute_kwargs``).
     ``lora`` (rank > 0, actor/critic): LoRA adapters on its target layers, initialised (B = 0); every other
     parameter is frozen except a critic's value head.
-    ``exact``: ``rollout.exact_logprobs`` (batch-invariant local layers and LM head, RoPE and SwiGLU
-    unfused: the engine's decoder computes them with the same elementwise ops).
+    ``exact``: ``rollout.exact_logprobs`` (batch-invariant local layers and LM head, SwiGLU unfused and RoPE
+    with megatron-core's unfused rounding, ``kernels.rope_exact``: the engine's decoder computes them with the
+    same elementwise ops).
     """
     if role not in ROLES:
         raise ValueError(f"model role={role!r}; use one of {ROLES}")
@@ -95,6 +97,9 @@ def build_model(
         fusions={} if exact else fusion_flags(device(), uses_te(backend)),
         recompute=recompute,
     )
+    if exact:  # megatron-core's unfused RoPE bits as one kernel, no host sync (kernels.rope_exact)
+        rope_exact.install()
+        config.exact_rope = True
     is_value = role in VALUE_ROLES
     cls = ValueModel if is_value else GPTModel
     model = cls(

@@ -158,6 +158,31 @@ def test_the_fused_exact_rope_kernel_keeps_rollout_and_training_logprobs_equal(s
     assert torch.equal(batch.rollout_log_probs[mask], _worker(model, args, True).log_probs(batch)[mask])
 
 
+@pytest.mark.parametrize("layout", [{}, {"share_prompts": True}], ids=["padded", "shared"])
+def test_the_training_exact_rope_kernel_keeps_rollout_and_recompute_equal(setup, monkeypatch, layout):
+    """The trainer's RoPE in exact mode through its Triton kernel (``kernels.rope_exact``, interpreted; the
+    CUDA path), on padded rows and on shared-prompt packed rows (one THD segment): it serves q and k of
+    every layer and the recompute still equals the rollout's log-probs bit for bit (bf16)."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import rope_exact
+
+    _, args, models = setup
+    monkeypatch.setattr(rope_exact, "RUN_ON_CPU", True)
+    monkeypatch.setattr(rope_exact, "_TRIED", {})
+    calls = []
+    original = rope_exact._ExactRope.apply
+    monkeypatch.setattr(rope_exact._ExactRope, "apply", lambda *a: calls.append(a[0].dim()) or original(*a))
+    model = models[True, torch.bfloat16]
+    batch = _rollout(model, args, True)
+    mask = batch.response_mask.bool()
+    calls.clear()
+    worker = _worker(model, args, True, **layout)
+    recomputed = worker.log_probs(batch)
+    assert all(rope_exact._TRIED.values()), rope_exact._TRIED
+    assert len(calls) >= 2 * args.num_layers
+    assert torch.equal(recomputed[mask], batch.rollout_log_probs[mask])
+
+
 def test_a_fixed_rows_trial_that_fails_keeps_that_weight_on_the_other_path(monkeypatch):
     """A weight whose trial fails is reported once and served by the Triton / reference matmul, whose
     result is then what ``matmul`` returns (the same for every row count)."""
