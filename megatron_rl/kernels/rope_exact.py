@@ -19,6 +19,7 @@ is the transpose rotation in fp32, rounded once (a gradient carries no log-prob)
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -72,6 +73,8 @@ if HAVE_TRITON:
 
 BLOCK = 64  # (token, head) rows per program on CUDA
 RUN_ON_CPU = False  # tests: the kernel under Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py)
+# MEGATRON_RL_EXACT_ROPE=0 (or false/off/no) keeps the eager ops on CUDA too (same bits; for A/B timing)
+ON_CUDA = os.environ.get("MEGATRON_RL_EXACT_ROPE", "1").strip().lower() not in ("0", "false", "off", "no")
 _TRIED: dict[tuple, bool] = {}  # (device, dtype, heads, head dim) -> the kernel matched the eager ops
 
 
@@ -127,7 +130,7 @@ def serves(t: Tensor) -> bool:
     """Whether the kernel runs for t [..., H, D]: Triton, CUDA (or ``RUN_ON_CPU``), an even power-of-two
     head dim, and its bit-for-bit trial against ``reference`` passed at t's device, dtype, heads and dim."""
     dim = t.shape[-1]
-    device_ok = t.is_cuda or (RUN_ON_CPU and t.device.type == "cpu")
+    device_ok = (t.is_cuda and ON_CUDA) or (RUN_ON_CPU and t.device.type == "cpu")
     if not (HAVE_TRITON and device_ok and dim >= 2 and dim & (dim - 1) == 0):
         return False
     key = (str(t.device), t.dtype, t.shape[-2], dim)
