@@ -223,6 +223,19 @@ def live_kv(batch) -> tuple[float, float]:
     return float(r.max()), float((r * p + r * (r - 1) / 2).sum())
 
 
+def live_kv_unique_prompts(batch) -> float:
+    """Live KV tokens summed over the decode steps if each group's prompt were read once per step while
+    any of its samples decodes (``rollout.prompt_kv_sharing`` reads it from one slot; the L2 cache may or
+    may not keep it): the responses' own keys per row, plus P_g x (longest response of group g)."""
+    import torch
+
+    p, r = batch.prompt_lens.double().cpu(), batch.response_lens.double().cpu()
+    _, g = torch.unique(batch.group_index.cpu(), return_inverse=True)  # [B] group 0..G-1
+    longest = torch.zeros(int(g.max()) + 1, dtype=torch.float64).scatter_reduce(0, g, r, "amax")
+    prompt = torch.zeros_like(longest).scatter_reduce(0, g, p, "amax")
+    return float((r * (r - 1) / 2).sum()) + float((prompt * longest).sum())
+
+
 def decode_numbers(c, dims, batch) -> dict:
     """This step's generation: new tokens per second per GPU over the decode steps, and the decode time
     against its HBM floor: every sequence decoding together (one step per token of the longest response),
@@ -234,9 +247,13 @@ def decode_numbers(c, dims, batch) -> dict:
     steps, kv_tokens = live_kv(batch)
     step_s = s.decode_s / max(s.decode_steps, 1)
     floor_total_s = (weights * steps + kv_tokens * c.args.kv_bytes_per_token(dims.tp)) / PEAK_HBM_BYTES_PER_S
+    unique_s = (
+        weights * steps + live_kv_unique_prompts(batch) * c.args.kv_bytes_per_token(dims.tp)
+    ) / PEAK_HBM_BYTES_PER_S
     return {"tok_per_s": s.new_tokens / max(s.generate_s, 1e-9), "decode_steps": s.decode_steps,
             "ms_per_decode_step": 1e3 * step_s, "hbm_floor_ms_per_step": 1e3 * floor_total_s / max(steps, 1),
             "fraction_of_hbm_floor": floor_total_s / max(s.decode_s, 1e-12), "slots": s.slots,
+            "fraction_of_hbm_floor_prompts_once": unique_s / max(s.decode_s, 1e-12),
             "mean_rows_per_step": s.decode_rows / max(s.decode_steps, 1), "compactions": s.compactions,
             "prefill_s": s.prefill_s, "prefill_tokens": s.prefill_tokens, "decode_s": s.decode_s}  # fmt: skip
 

@@ -71,3 +71,14 @@ def test_shapes_build_the_benchmark_configs():
     assert bench_rl_step.shape_config("qwen2.5-7b")["vocab_size"] == 152064
     a = bench_rl_step.parse(["--shape", "qwen2.5-3b"])
     assert a.model_dir == "/tmp/bench_qwen2_5_3b_random"
+
+
+def test_live_kv_counts_each_rows_prompt_or_each_groups_prompt_once():
+    """The decode floor's live KV: per row (prompt + keys so far, every step the row decodes), and with
+    each group's prompt read once per step while any of its samples decodes (prompt_kv_sharing)."""
+    from types import SimpleNamespace
+
+    batch = SimpleNamespace(prompt_lens=torch.tensor([4, 4, 6, 6]), response_lens=torch.tensor([3, 5, 2, 2]),
+                            group_index=torch.tensor([10, 10, 11, 11]))  # fmt: skip
+    assert bench_rl_step.live_kv(batch) == (5.0, 3 * 4 + 3 + 5 * 4 + 10 + 2 * 6 + 1 + 2 * 6 + 1)
+    assert bench_rl_step.live_kv_unique_prompts(batch) == (3 + 10 + 1 + 1) + 4 * 5 + 6 * 2
