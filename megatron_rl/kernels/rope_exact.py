@@ -103,6 +103,7 @@ def _launch(x: Tensor, cos_: Tensor, sin_: Tensor, backward: bool) -> Tensor:
     _exact_rope_kernel[(triton.cdiv(n, block),)](
         x, cos_, sin_, out, n, heads, per_freq, x.stride(0), x.stride(1), cos_.stride(0), out.stride(0),
         out.stride(1), dim=dim, block=block, backward=backward,
+        enable_fp_fusion=False,  # no multiply-add contraction: in fp32 the eager ops round the product first
     )  # fmt: skip
     return out
 
