@@ -218,23 +218,39 @@ def fixed_rows_invariant(w: Tensor, bias: Tensor | None = None, rows: int = GEMM
 
 
 def _alignment(t: Tensor) -> int:
-    """The largest power of two (up to 256 bytes) dividing ``t``'s address: a library may pick its kernel
-    by operand alignment, so a weight copied into another buffer (the engine's gathered stages at PP>1, a
-    view into a flat one) is tried again unless its alignment class is one already tried."""
+    """The largest power of two (up to 256 bytes) dividing ``t``'s address: torch's cuBLAS(Lt) calls tell
+    the library the operands' alignment up to 256 bytes, and it may pick another kernel for another one."""
     ptr = t.data_ptr()
     return 256 if ptr % 256 == 0 else ptr & -ptr
+
+
+def _canonical(t: Tensor | None) -> Tensor | None:
+    """``t``, or a copy of it at a 256-byte boundary where it sits elsewhere (a view
+    into a flat buffer, e.g. megatron-core's distributed-optimizer params). Every operand the fixed-rows
+    path hands the library is then in one alignment class, so the trainer's copy of a weight and the
+    engine's (its own buffer at PP>1) run the same kernel, not just each an invariant one."""
+    if t is None or _alignment(t) == 256:
+        return t
+    size = t.element_size()
+    flat = torch.empty(t.numel() + 256 // size, dtype=t.dtype, device=t.device)  # CPU allocations: 64 bytes
+    start = (-flat.data_ptr() % 256) // size
+    return flat[start : start + t.numel()].view(t.shape).copy_(t)
+
+
+def _fixed_rows_enabled(w: Tensor) -> bool:
+    if w.device.type == "cuda":
+        return exact_gemm_choice(EXACT_GEMM) == "fixed_rows"
+    return FIXED_ROWS_ON_CPU
 
 
 def fixed_rows_serves(w: Tensor, bias: Tensor | None = None) -> bool:
     """Whether ``matmul`` takes the fixed-shape library path for weight ``w``: on CUDA with
     ``EXACT_GEMM == "fixed_rows"`` (on CPU only with ``FIXED_ROWS_ON_CPU``), and ``fixed_rows_invariant``
-    passed for this weight's shape, strides, address alignment and dtype. The trial runs on the first call; the engine's eager
+    passed for this weight's shape, strides, address alignment and dtype (``matmul`` hands it 256-byte
+    aligned operands only: ``_canonical``). The trial runs on the first call; the engine's eager
     warm-up step precedes every CUDA-graph capture, and a weight not yet tried while a graph is captured
     is an error (taking the other path there would break the equality with the trainer)."""
-    if w.device.type == "cuda":
-        if exact_gemm_choice(EXACT_GEMM) != "fixed_rows":
-            return False
-    elif not FIXED_ROWS_ON_CPU:
+    if not _fixed_rows_enabled(w):
         return False
     key = (w.device.type, w.dtype, tuple(w.shape), tuple(w.stride()), _alignment(w),
            None if bias is None else _alignment(bias))  # fmt: skip
@@ -263,6 +279,8 @@ def matmul(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     library path where it serves (``fixed_rows_serves``), else Triton, else the CPU reference."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    if _fixed_rows_enabled(w):
+        w, bias = _canonical(w), _canonical(bias)
     if fixed_rows_serves(w, bias):
         out = fixed_rows_matmul(x2, w, bias)
     elif use_triton(x):

@@ -185,6 +185,10 @@ def handles(t: Tensor, freqs: Tensor, config, cu_seqlens: Tensor | None) -> bool
     token (metadata only: no host sync)."""
     if not getattr(config, "exact_rope", False) or config.rotary_interleaved:
         return False
+    if getattr(config, "multi_latent_attention", False):  # megatron-core reorders t first there
+        return False
+    if freqs.dim() != 4 or freqs.shape[1:3] != (1, 1):  # one angle row per position (no batch axis: mRoPE)
+        return False
     if freqs.shape[-1] != t.shape[-1] or freqs.shape[0] != t.shape[0]:
         return False
     return cu_seqlens is None or cu_seqlens.numel() == 2

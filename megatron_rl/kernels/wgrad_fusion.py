@@ -41,7 +41,9 @@ def cuda_serves(device: torch.device, dtype: torch.dtype) -> bool:
     key = (str(device), dtype)
     if key not in _CUDA_TRIAL:
         g = torch.Generator(device="cpu").manual_seed(0)
-        a, b = (torch.randn(*s, generator=g).to(device, dtype) for s in ((72, 136), (136, 40)))
+        # as the backward calls it: dy [M, N] transposed (a view), x [M, K] contiguous
+        a = torch.randn(136, 72, generator=g).to(device, dtype).t()
+        b = torch.randn(136, 40, generator=g).to(device, dtype)
         c = torch.randn(72, 40, generator=g).to(device)
         want = c + 2 * (a.float() @ b.float())
         try:
@@ -64,7 +66,7 @@ def cuda_serves(device: torch.device, dtype: torch.dtype) -> bool:
 def wgrad_gemm_accum_fp32(total_input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
     """apex's contract: ``main_grad [N, K] += grad_output [M, N]^T @ total_input [M, K]``, main_grad fp32."""
     a, b = grad_output.t(), total_input
-    if main_grad.is_cuda and a.dtype in HALF:
+    if main_grad.is_cuda and a.dtype in HALF and b.dtype == a.dtype:
         _addmm_into_fp32(main_grad, a, b)
     else:  # CPU, or fp32 operands: the product in main_grad's dtype
         main_grad.addmm_(a.to(main_grad.dtype), b.to(main_grad.dtype))

@@ -4,7 +4,6 @@ collectively across DP ranks."""
 from __future__ import annotations
 
 import os
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -43,9 +42,9 @@ def build_kl_controller(cfg: AlgorithmConfig):
 _DECODE_CHUNK = 64  # sequences per thread of the parallel decode
 _DECODE_CHECK = 32  # sequences, spread over the first batch with any tokens, of the agreement check
 _DECODE_POOL: ThreadPoolExecutor | None = None
-# Rust tokenizer -> whether its decode_batch gave batch_decode's strings (weak: a freed tokenizer's verdict
-# cannot pass to a new one at the same address)
-_FAST_DECODE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# id(Rust tokenizer) -> (that tokenizer, whether its decode_batch gave batch_decode's strings): the entry holds
+# the tokenizer, so its id cannot pass to another object (tokenizers < 0.23 cannot be weakly referenced)
+_FAST_DECODE: dict[int, tuple[object, bool]] = {}
 
 
 def _rust_tokenizer(tokenizer):
@@ -65,14 +64,14 @@ def batch_decode(tokenizer, seqs: list[list[int]]) -> list[str]:
     then on. A batch of only empty responses is decoded by transformers and settles nothing."""
     global _DECODE_POOL
     rust = _rust_tokenizer(tokenizer)
-    if rust is not None and rust not in _FAST_DECODE:
+    if rust is not None and id(rust) not in _FAST_DECODE:
         filled = [s for s in seqs if len(s)]
         sample = filled[:: max(1, len(filled) // _DECODE_CHECK)][:_DECODE_CHECK]
         if not sample:  # nothing to compare yet: this batch is decoded by transformers, the check waits
             return tokenizer.batch_decode(seqs, skip_special_tokens=True)
         want = tokenizer.batch_decode(sample, skip_special_tokens=True)
-        _FAST_DECODE[rust] = rust.decode_batch(sample, skip_special_tokens=True) == want
-    if rust is None or not _FAST_DECODE[rust]:
+        _FAST_DECODE[id(rust)] = (rust, rust.decode_batch(sample, skip_special_tokens=True) == want)
+    if rust is None or not _FAST_DECODE[id(rust)][1]:
         return tokenizer.batch_decode(seqs, skip_special_tokens=True)
     if len(seqs) <= _DECODE_CHUNK:
         return rust.decode_batch(seqs, skip_special_tokens=True)

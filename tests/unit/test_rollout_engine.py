@@ -407,7 +407,9 @@ def test_engine_with_the_fused_decode_kernels_equals_hf(model, monkeypatch):
 
 
 @pytest.mark.parametrize("slots,compact", [(7, False), (18, True)])
-def test_prompt_kv_sharing_gives_the_same_bits_through_retire_reuse_and_compaction(monkeypatch, slots, compact):
+def test_prompt_kv_sharing_gives_the_same_bits_through_retire_reuse_and_compaction(
+    monkeypatch, slots, compact
+):
     """``rollout.prompt_kv_sharing``: the samples of a prompt read its keys and values from the lead slot
     (the Triton kernel, interpreted). Through continuous batching (leads that stop before their group, their
     slots re-used by other prompts while the group decodes on) and compaction, tokens and log-probs are the

@@ -65,7 +65,9 @@ def test_attention_calls_it_for_exact_models_only_and_never_syncs_on_packed_rows
     assert attention.apply_rotary_pos_emb.__wrapped__ is rope_utils.apply_rotary_pos_emb
     t, freqs = _inputs(torch.bfloat16)
     packed, cu = t[:, 0], torch.tensor([0, t.shape[0]], dtype=torch.int32)
-    exact_cfg = type("Cfg", (), {"exact_rope": True, "rotary_interleaved": False, "apply_rope_fusion": False})()
+    exact_cfg = type(
+        "Cfg", (), {"exact_rope": True, "rotary_interleaved": False, "apply_rope_fusion": False}
+    )()
     plain_cfg = type("Cfg", (), {"rotary_interleaved": False, "apply_rope_fusion": False,
                                  "multi_latent_attention": False})()  # fmt: skip
     one_rank = type("Group", (), {"size": lambda self: 1, "rank": lambda self: 0})()
@@ -77,4 +79,19 @@ def test_attention_calls_it_for_exact_models_only_and_never_syncs_on_packed_rows
     calls = []
     monkeypatch.setattr(rope_exact, "apply", lambda *a, **k: calls.append(1))
     out = attention.apply_rotary_pos_emb(t, freqs, plain_cfg, cp_group=one_rank)
-    assert not calls and torch.equal(out, rope_utils._apply_rotary_pos_emb_bshd(t, freqs))  # megatron-core's own
+    assert not calls and torch.equal(
+        out, rope_utils._apply_rotary_pos_emb_bshd(t, freqs)
+    )  # megatron-core's own
+
+
+def test_tables_with_a_batch_axis_and_mla_are_left_to_megatron_core():
+    """``handles`` claims only one angle row per position (freqs [S, 1, 1, D]) of a non-MLA model; a
+    per-row table ([S, B, 1, D], mRoPE) or multi-latent attention goes to megatron-core's own function."""
+    t, freqs = _inputs(torch.bfloat16)
+    cfg = type(
+        "Cfg", (), {"exact_rope": True, "rotary_interleaved": False, "multi_latent_attention": False}
+    )()
+    assert rope_exact.handles(t, freqs, cfg, None)
+    assert not rope_exact.handles(t, freqs.expand(-1, t.shape[1], -1, -1), cfg, None)
+    cfg.multi_latent_attention = True
+    assert not rope_exact.handles(t, freqs, cfg, None)
