@@ -109,7 +109,7 @@ class RolloutConfig:
         "Decode attention reads the keys/values of a prompt's n samples (admitted together) from one slot's "
         "copy, the group's lead, while it lives: the GPU reads each prompt from HBM once per step and the "
         "others hit the L2 cache. Every slot keeps its own copy, so results are the same bits either way. "
-        "Triton decode kernel only (not with rollout.exact_logprobs).",
+        "The Triton decode kernels (the default one and rollout.exact_logprobs's); SDPA reads each slot's own copy.",
     )
     keep_cache: bool = doc(
         False, "Keep the KV cache and CUDA graphs between steps: near-zero switch time, memory stays taken."

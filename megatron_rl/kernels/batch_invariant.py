@@ -353,11 +353,13 @@ def ordered_sum(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
     return acc.to(dtype)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, row_pos: Tensor, scale: float) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, row_pos: Tensor, scale: float, prefix=None) -> Tensor:
     """q [B, G, R, D] (any strides with unit stride in D), k / v [B, G, Tk, D], row_pos [B, R] int64:
-    row r attends keys 0..row_pos[b, r] of its group -> [B, G, R, D] in q's dtype, batch-invariant."""
+    row r attends keys 0..row_pos[b, r] of its group -> [B, G, R, D] in q's dtype, batch-invariant.
+    ``prefix`` (lead [B], plen [B]; ``rollout.prompt_kv_sharing``): the Triton kernel reads sequence b's
+    keys before plen[b] from row lead[b], a copy of the same values (the reference reads its own)."""
     if use_triton(q):
-        return tri.attention(q, k, v, row_pos, scale, KEY_BLOCK, ROW_TILE)
+        return tri.attention(q, k, v, row_pos, scale, KEY_BLOCK, ROW_TILE, prefix)
     return attention_reference(q, k, v, row_pos, scale)
 
 
@@ -371,11 +373,11 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return attention(rows, k, v, pos, scale).view(bsz, heads, t_len, dim)
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: float) -> Tensor:
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: float, prefix=None) -> Tensor:
     """Decode layout: q [B, G, rep, D] (a group's query heads), k / v [B, G, Tmax, D] cache, positions [B]
     -> [B, G, rep, D]; the same per-row computation as ``causal_attention``'s row at that position."""
     row_pos = positions[:, None].expand(-1, q.shape[2])  # [B, rep]
-    return attention(q, k, v, row_pos, scale)
+    return attention(q, k, v, row_pos, scale, prefix)
 
 
 def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, scale: float, kv_index: Tensor | None = None,

@@ -112,9 +112,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attention_kernel(
-        q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, scale, R,
+        q_ptr, k_ptr, v_ptr, pos_ptr, lead_ptr, plen_ptr, out_ptr, scale, R,
         sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, sp_b,
         groups: tl.constexpr, dim: tl.constexpr, block: tl.constexpr, tile: tl.constexpr,
+        shared: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0).to(tl.int64)
         b, g = pid // groups, pid % groups
@@ -127,19 +128,27 @@ if HAVE_TRITON:
         m_i = tl.full([tile], float("-inf"), tl.float32)
         l_i = tl.zeros([tile], tl.float32)
         acc = tl.zeros([tile, dim], tl.float32)
-        k_base = k_ptr + b * sk_b + g * sk_g
-        v_base = v_ptr + b * sv_b + g * sv_g
+        if shared:  # keys before plen from the lead slot's copy of the prompt (the same values)
+            lead = tl.load(lead_ptr + b).to(tl.int64)
+            plen = tl.load(plen_ptr + b)
+        k_base = k_ptr + g * sk_g
+        v_base = v_ptr + g * sv_g
         n_kv = tl.max(pos, 0) + 1
         for start in range(0, n_kv, block):  # keys from 0 in fixed blocks, one online update each
             t = start + tl.arange(0, block)
-            k = tl.load(k_base + t[:, None] * sk_t + d[None, :], mask=(t < n_kv)[:, None], other=0.0)
+            if shared:
+                src = tl.where(t < plen, lead, b)[:, None]  # [block, 1] each key's slot
+                k_rows, v_rows = k_base + src * sk_b, v_base + src * sv_b
+            else:
+                k_rows, v_rows = k_base + b * sk_b, v_base + b * sv_b
+            k = tl.load(k_rows + t[:, None] * sk_t + d[None, :], mask=(t < n_kv)[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale  # [tile, block] fp32
             s = tl.where(t[None, :] <= pos[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + t[:, None] * sv_t + d[None, :], mask=(t < n_kv)[:, None], other=0.0)
+            v = tl.load(v_rows + t[:, None] * sv_t + d[None, :], mask=(t < n_kv)[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         out = acc / l_i[:, None]
@@ -210,17 +219,19 @@ def shard_exp_sum(logits: Tensor, temperature: float, valid: int, zmax: Tensor, 
 
 
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, row_pos: Tensor, scale: float, block: int, tile: int
-) -> Tensor:
+    q: Tensor, k: Tensor, v: Tensor, row_pos: Tensor, scale: float, block: int, tile: int,
+    prefix: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:  # fmt: skip
     """See ``batch_invariant.attention``; q, k, v with unit stride in D."""
     bsz, groups, rows, dim = q.shape
     row_pos = row_pos.contiguous()
     out = torch.empty(bsz, groups, rows, dim, dtype=q.dtype, device=q.device)
     grid = (bsz * groups, triton.cdiv(rows, tile))
+    lead, plen = prefix if prefix is not None else (row_pos, row_pos)  # unused when not shared
     _attention_kernel[grid](
-        q, k, v, row_pos, out, scale, rows,
+        q, k, v, row_pos, lead, plen, out, scale, rows,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), row_pos.stride(0),
-        groups=groups, dim=dim, block=block, tile=tile, num_warps=4,
+        groups=groups, dim=dim, block=block, tile=tile, shared=prefix is not None, num_warps=4,
     )  # fmt: skip
     return out

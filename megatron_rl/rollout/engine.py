@@ -301,7 +301,7 @@ class _DecodeState:
         self.reads_live_only = decode_kernel.serves(device, dtype, spec.head_dim)
         # rollout.prompt_kv_sharing: slot s reads positions < plen[s] from slot lead[s] (``_Runner`` keeps
         # lead pointing at a live slot holding the same prompt, else at s itself)
-        self.shares_prompts = prompt_kv_sharing and self.reads_live_only and not exact
+        self.shares_prompts = prompt_kv_sharing  # read by the Triton decode kernels; SDPA reads its own copy
         self.lead = torch.arange(plan.slots, device=device)  # [S]
         self.plen = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S]
         self.cache = KVCache(plan, spec.num_layers, local_groups, spec.head_dim, dtype, device)

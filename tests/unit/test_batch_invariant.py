@@ -82,6 +82,28 @@ def test_log_softmax_rows_do_not_depend_on_the_batch(path):
     )
 
 
+
+@TRITON
+def test_exact_decode_attention_reads_each_prompt_from_its_lead_slot(monkeypatch):
+    """``prefix`` (rollout.prompt_kv_sharing) in the exact kernel: keys before plen from the lead slot; with
+    the members' prompt copies replaced by noise the output is the intact unshared one, bit for bit."""
+    _use(monkeypatch, "triton")
+    g = torch.Generator().manual_seed(3)
+    b, groups, rep, dim, t = 5, 2, 3, 16, 90
+    cache = torch.randn(2, b, groups, t, dim, generator=g)
+    lead, plen = torch.tensor([0, 0, 2, 2, 4]), torch.tensor([70, 70, 40, 40, 0])
+    for slot in range(b):
+        cache[:, slot, :, : plen[slot]] = cache[:, lead[slot], :, : plen[slot]]
+    q = torch.randn(b, groups, rep, dim, generator=g)
+    pos = torch.tensor([69, 85, 39, 64, 20])
+    want = bi.decode_attention(q, cache[0], cache[1], pos, dim**-0.5)
+    assert torch.equal(bi.decode_attention(q, cache[0], cache[1], pos, dim**-0.5, (lead, plen)), want)
+    noisy = cache.clone()
+    for slot in (1, 3):
+        noisy[:, slot, :, : plen[slot]] = torch.randn(2, groups, int(plen[slot]), dim, generator=g)
+    assert torch.equal(bi.decode_attention(q, noisy[0], noisy[1], pos, dim**-0.5, (lead, plen)), want)
+    assert not torch.equal(bi.decode_attention(q, noisy[0], noisy[1], pos, dim**-0.5), want)
+
 @pytest.mark.parametrize("path,dtype", PATH_DTYPES)
 def test_decode_attention_equals_training_attention_row(monkeypatch, path, dtype):
     """Training attention over whole sequences (several batch sizes, GQA) against decode attention of one
