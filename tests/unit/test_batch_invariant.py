@@ -82,7 +82,6 @@ def test_log_softmax_rows_do_not_depend_on_the_batch(path):
     )
 
 
-
 @TRITON
 def test_exact_decode_attention_reads_each_prompt_from_its_lead_slot(monkeypatch):
     """``prefix`` (rollout.prompt_kv_sharing) in the exact kernel: keys before plen from the lead slot; with
@@ -103,6 +102,7 @@ def test_exact_decode_attention_reads_each_prompt_from_its_lead_slot(monkeypatch
         noisy[:, slot, :, : plen[slot]] = torch.randn(2, groups, int(plen[slot]), dim, generator=g)
     assert torch.equal(bi.decode_attention(q, noisy[0], noisy[1], pos, dim**-0.5, (lead, plen)), want)
     assert not torch.equal(bi.decode_attention(q, noisy[0], noisy[1], pos, dim**-0.5), want)
+
 
 @pytest.mark.parametrize("path,dtype", PATH_DTYPES)
 def test_decode_attention_equals_training_attention_row(monkeypatch, path, dtype):
