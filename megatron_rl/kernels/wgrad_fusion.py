@@ -14,8 +14,8 @@ this module. On CUDA the GEMM is one cuBLAS call with bf16/fp16 operands and fp3
 (``torch.addmm(..., out_dtype=torch.float32, out=main_grad)``), tried once per device and dtype before it
 serves (``cuda_serves``). On CPU (tests) the product is taken in fp32.
 
-``enable`` turns the flag on per layer (megatron-core reads ``layer.gradient_accumulation_fusion`` at each
-forward), for trainable bf16/fp16 weights only, and returns those weights: their owner (the optimizer) must
+``resolve`` picks the layers (trainable bf16/fp16 weights only) and ``enable`` turns the flag on for each
+(megatron-core reads ``layer.gradient_accumulation_fusion`` at each forward): their owner (the optimizer) must
 give each a ``main_grad`` before the forward of a backward pass, as megatron-core's forward captures it.
 """
 
@@ -124,34 +124,34 @@ def fusable(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Tensor]]:
     return [(m, w) for m, w in out if w.requires_grad and w.dtype in HALF]
 
 
-def resolve(setting, model: torch.nn.Module, role: str = "actor") -> bool:
-    """``optim.gradient_accumulation_fusion`` (auto | true | false) for this model: auto = on for a model
-    on CUDA with bf16/fp16 linears where ``cuda_serves``; true = on wherever there are such linears (CPU:
-    fp32 products), an error on CUDA where the trial failed; false = off."""
+def resolve(setting, model: torch.nn.Module) -> list[tuple[torch.nn.Module, Tensor]]:
+    """The (layer, weight) pairs to fuse under ``optim.gradient_accumulation_fusion`` (auto | true | false),
+    [] for none: auto = ``fusable(model)`` on CUDA where ``cuda_serves``; true = them wherever they are (CPU:
+    fp32 products), an error on CUDA where the trial failed; false = none."""
     if setting is False:
-        return False
-    layers = fusable(model)
-    if not layers:
-        return False
-    w = layers[0][1]
+        return []
+    pairs = fusable(model)
+    if not pairs:
+        return []
+    w = pairs[0][1]
     if w.is_cuda:
         if cuda_serves(w.device, w.dtype):
-            return True
+            return pairs
         if setting is True:
             raise RuntimeError(
-                f"{role}.optim.gradient_accumulation_fusion=true: torch's addmm with an fp32 output into the "
-                f"grad failed its trial on {w.device} (see the warning above); set it to auto or false"
+                "optim.gradient_accumulation_fusion=true (actor.optim or critic.optim): torch's addmm with an "
+                f"fp32 output into the grad failed its trial on {w.device} (see the warning above); set it to "
+                "auto or false"
             )
-        return False
-    return setting is True
+        return []
+    return pairs if setting is True else []
 
 
-def enable(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Tensor]]:
-    """Turn megatron-core's fusion on for ``fusable(model)`` and return those (layer, weight) pairs; each
-    weight needs a ``main_grad`` before a forward that is followed by a backward (``allocate_on_forward``
-    where the owner frees it between steps)."""
+def enable(pairs: list[tuple[torch.nn.Module, Tensor]]) -> list[tuple[torch.nn.Module, Tensor]]:
+    """Turn megatron-core's fusion on for ``pairs`` (``resolve``'s) and return them; each weight needs a
+    ``main_grad`` before a forward that is followed by a backward (``allocate_on_forward`` where the owner
+    frees it between steps)."""
     install()
-    pairs = fusable(model)
     for m, _ in pairs:
         m.gradient_accumulation_fusion = True
     return pairs

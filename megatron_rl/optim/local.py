@@ -66,9 +66,10 @@ class LocalOptimizer(Optimizer):
         for p in self.params:
             p.main_grad = None
             p.register_post_accumulate_grad_hook(_accumulate_main_grad)
-        self.fused = wgrad_fusion.resolve(cfg.gradient_accumulation_fusion, model)
-        if self.fused:  # the linears' weight gradients go straight into main_grad (kernels.wgrad_fusion)
-            wgrad_fusion.allocate_on_forward(wgrad_fusion.enable(model))
+        fused = wgrad_fusion.resolve(cfg.gradient_accumulation_fusion, model)
+        if fused:  # the linears' weight gradients go straight into main_grad (kernels.wgrad_fusion)
+            wgrad_fusion.allocate_on_forward(wgrad_fusion.enable(fused))
+        self.fused = bool(fused)
 
     def step(self) -> dict[str, torch.Tensor]:
         reduce_gradients(self.model)

@@ -128,9 +128,10 @@ class MegatronOptimizer(Optimizer):
             use_distributed_optimizer=self.kind.use_distributed_optimizer,
         )
         self.ddp = DistributedDataParallel(config, ddp_config, core)
-        self.fused = wgrad_fusion.resolve(cfg.gradient_accumulation_fusion, core)
-        if self.fused:  # weight-gradient GEMMs accumulate into the DDP's fp32 buffers (kernels.wgrad_fusion)
-            wgrad_fusion.enable(core)
+        fused = wgrad_fusion.resolve(cfg.gradient_accumulation_fusion, core)
+        if fused:  # weight-gradient GEMMs accumulate into the DDP's fp32 buffers (kernels.wgrad_fusion)
+            wgrad_fusion.enable(fused)
+        self.fused = bool(fused)
         self.config = mcore_optimizer_config(cfg, torch.bfloat16 in dtypes)
         self.opt = get_megatron_optimizer(self.config, [self.ddp], config_overrides={})
         if cfg.optimizer_cpu_offload:
