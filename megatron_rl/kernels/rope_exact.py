@@ -79,12 +79,9 @@ _TRIED: dict[tuple, bool] = {}  # (device, dtype, heads, head dim) -> the kernel
 
 
 def reference(t: Tensor, freqs: Tensor, mscale: float = 1.0) -> Tensor:
-    """megatron-core's ``_apply_rotary_pos_emb_bshd`` for full, non-interleaved rotary: t [S, B, H, D] (or
-    [S, H, D] with freqs [S, 1, 1, D] read as [S, 1, D]), freqs [S, 1, 1, D] fp32 angles -> t rotated, in
-    t's dtype, every op rounded as the eager ops round."""
+    """megatron-core's ``_apply_rotary_pos_emb_bshd`` for full, non-interleaved rotary: t [S, B, H, D],
+    freqs [S, 1, 1, D] fp32 angles -> t rotated, in t's dtype, every op rounded as the eager ops round."""
     cos_, sin_ = _cos_sin(freqs, mscale, t.dtype)
-    if t.dim() == 3:
-        cos_, sin_ = cos_[:, 0], sin_[:, 0]
     half = t.shape[-1] // 2
     return t * cos_ + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin_
 
@@ -165,18 +162,18 @@ def _trial(device, dtype, heads: int, dim: int) -> bool:
 
 
 def apply_bshd(t: Tensor, freqs: Tensor, mscale: float = 1.0) -> Tensor:
-    """``reference``'s bits: t [S, B, H, D] or [S, H, D], freqs [S, 1, 1, D]; the kernel where it was tried."""
+    """``reference``'s bits: t [S, B, H, D], freqs [S, 1, 1, D]; the kernel where it was tried."""
     cos_, sin_ = _cos_sin(freqs.reshape(freqs.shape[0], -1), mscale, t.dtype)  # [S, D]
     return _ExactRope.apply(t, cos_, sin_)
 
 
-def apply(t: Tensor, freqs: Tensor, cu_seqlens: Tensor | None = None, mscale: float = 1.0) -> Tensor:
-    """megatron-core's unfused ``apply_rotary_pos_emb`` with the same bits: bshd, or one THD segment whose
-    table has a row per token (``SegmentSeqParams``; megatron-core rotates that as one bshd row)."""
-    if cu_seqlens is not None and t.dim() == 3:
-        t = t.unsqueeze(1)  # [S, 1, H, D]
-        return (apply_bshd(t, freqs, mscale) if serves(t) else reference(t, freqs, mscale)).squeeze(1)
-    return apply_bshd(t, freqs, mscale) if serves(t) else reference(t, freqs, mscale)
+def apply(t: Tensor, freqs: Tensor, mscale: float = 1.0) -> Tensor:
+    """megatron-core's unfused ``apply_rotary_pos_emb`` with the same bits: bshd t [S, B, H, D], or one THD
+    segment t [S, H, D] whose table has a row per token (``SegmentSeqParams``; megatron-core rotates that
+    as one bshd row)."""
+    x = t.unsqueeze(1) if t.dim() == 3 else t  # [S, B, H, D]
+    out = apply_bshd(x, freqs, mscale) if serves(x) else reference(x, freqs, mscale)
+    return out.squeeze(1) if t.dim() == 3 else out
 
 
 def handles(t: Tensor, freqs: Tensor, config, cu_seqlens: Tensor | None) -> bool:
@@ -205,7 +202,7 @@ def install() -> None:
 
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
         if handles(t, freqs, config, cu_seqlens) and (cp_group is None or cp_group.size() == 1):
-            return apply(t, freqs, cu_seqlens, mscale)
+            return apply(t, freqs, mscale)
         return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
 
     apply_rotary_pos_emb._megatron_rl_exact = True
