@@ -250,8 +250,11 @@ def fixed_rows_serves(w: Tensor, bias: Tensor | None = None) -> bool:
     aligned operands only: ``_canonical``). The trial runs on the first call; the engine's eager
     warm-up step precedes every CUDA-graph capture, and a weight not yet tried while a graph is captured
     is an error (taking the other path there would break the equality with the trainer)."""
-    if not _fixed_rows_enabled(w):
-        return False
+    return _fixed_rows_enabled(w) and _fixed_rows_tried(w, bias)
+
+
+def _fixed_rows_tried(w: Tensor, bias: Tensor | None) -> bool:
+    """``fixed_rows_serves`` past its device/env check: the trial's cached result for this weight."""
     key = (w.device.type, w.dtype, tuple(w.shape), tuple(w.stride()), _alignment(w),
            None if bias is None else _alignment(bias))  # fmt: skip
     if key not in _FIXED_ROWS:
@@ -279,9 +282,10 @@ def matmul(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     library path where it serves (``fixed_rows_serves``), else Triton, else the CPU reference."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-    if _fixed_rows_enabled(w):
+    fixed = _fixed_rows_enabled(w)
+    if fixed:
         w, bias = _canonical(w), _canonical(bias)
-    if fixed_rows_serves(w, bias):
+    if fixed and _fixed_rows_tried(w, bias):
         out = fixed_rows_matmul(x2, w, bias)
     elif use_triton(x):
         out = tri.matmul(x2, w, bias)
