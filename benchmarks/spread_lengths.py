@@ -67,6 +67,10 @@ def install_engine_hook(table: torch.Tensor, n: int, eos: int) -> None:
     from megatron_rl.rollout import engine
 
     runner = engine._Runner
+    # device -> the table there, copied once: a copy from pageable host memory in every step would make the
+    # host wait for the GPU each step (session 12 had one: 3.13 ms a decode step at 0.5B spread, 254 rows on
+    # average, against 2.84 ms for 512 rows on the fixed workload)
+    runner._forced_on = {}
     if getattr(runner, "_forced_lengths", None) is not None:
         runner._forced_lengths = table
         return
@@ -75,7 +79,9 @@ def install_engine_hook(table: torch.Tensor, n: int, eos: int) -> None:
 
     def forced_sample(self, logits, rows):
         keys = self.keys[rows]
-        tab = runner._forced_lengths.to(keys.device)
+        tab = runner._forced_on.get(keys.device)
+        if tab is None:
+            tab = runner._forced_on[keys.device] = runner._forced_lengths.to(keys.device)
         index = ((keys // KEY_STRIDE) * n + keys % KEY_STRIDE).clamp(0, len(tab) - 1)  # idle rows: any
         force_eos_column(logits, self.count[rows], tab[index], eos)
         return sample(self, logits, rows)

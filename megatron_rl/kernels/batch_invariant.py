@@ -171,7 +171,7 @@ def _key_block(t: Tensor, start: int) -> Tensor:
 GEMM_ROWS = 512  # rows of every library GEMM call on the fixed-shape path (``fixed_rows_matmul``)
 
 
-def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: int = GEMM_ROWS) -> Tensor:
+def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: int | None = None) -> Tensor:
     """x [M, K] @ w [N, K]^T (+ bias [N]) -> [M, N] as ceil(M / rows) library GEMM calls (cuBLAS on CUDA) of
     exactly ``rows`` rows each, the last zero-padded.
 
@@ -180,7 +180,13 @@ def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: in
     not depend on the other rows. So a row's result is the same bits whatever M the caller had and
     wherever the row sits, provided the kernel treats all tile positions alike: ``fixed_rows_serves``
     has ``fixed_rows_invariant`` check that on the device once per weight before it serves (an observed property
-    of the library's kernels, not a documented one)."""
+    of the library's kernels, not a documented one).
+
+    Many whole calls (a training micro-batch: 16384 rows are 32) run as one strided-batched call where that
+    gave the separate calls' bits on the first such input (``_try_batched``, per weight and number of calls):
+    one launch instead of dozens (session 12's profile of the exact update had 9x the default update's GEMM
+    calls, and more host time than device time)."""
+    rows = rows or GEMM_ROWS
     m = x.shape[0]
     x = x.contiguous()
     if x.data_ptr() % 16:  # every call's operands 16-byte aligned, as in the trial
@@ -195,8 +201,15 @@ def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: in
             torch.addmm(bias, a, wt, out=into)
 
     full = m - m % rows
-    for i in range(0, full, rows):
-        gemm(x[i : i + rows], out[i : i + rows])
+    calls = full // rows
+    key = _batched_key(x, w, bias, calls) if calls > 1 else None
+    if key is not None and _BATCHED.get(key):
+        _batched_gemm(x[:full], wt, bias, out[:full], calls)
+    else:
+        for i in range(0, full, rows):
+            gemm(x[i : i + rows], out[i : i + rows])
+        if key is not None and key not in _BATCHED:
+            _try_batched(key, x[:full], wt, bias, out[:full], calls)
     if full < m:  # the tail zero-padded to a whole call
         tail = torch.empty(rows, w.shape[0], dtype=x.dtype, device=x.device)
         gemm(torch.nn.functional.pad(x[full:], (0, 0, 0, rows - (m - full))), tail)
@@ -204,10 +217,46 @@ def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: in
     return out
 
 
-def fixed_rows_invariant(w: Tensor, bias: Tensor | None = None, rows: int = GEMM_ROWS, seed: int = 0) -> bool:
+_BATCHED: dict[tuple, bool] = {}  # (weight key, x alignment, calls) -> one batched call equalled the calls
+
+
+def _batched_key(x: Tensor, w: Tensor, bias: Tensor | None, calls: int) -> tuple | None:
+    """The key of ``_BATCHED`` for ``calls`` whole calls of x with weight w, or None while a CUDA graph is
+    captured (the trial's comparison cannot run there; the engine's decode steps, which it captures, have
+    at most one whole call)."""
+    if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    return (w.device.type, w.dtype, tuple(w.shape), tuple(w.stride()), _alignment(w),
+            None if bias is None else _alignment(bias), _alignment(x), calls)  # fmt: skip
+
+
+def _batched_gemm(x: Tensor, wt: Tensor, bias: Tensor | None, into: Tensor, calls: int) -> None:
+    """The ``calls`` GEMMs of ``rows`` rows each as ONE strided-batched library call (the weight's batch
+    stride 0: no copies): x [calls * rows, K], wt [K, N] -> into [calls * rows, N]."""
+    x3 = x.view(calls, -1, x.shape[-1])  # [calls, rows, K]
+    o3 = into.view(calls, -1, into.shape[-1])  # [calls, rows, N]
+    w3 = wt.expand(calls, *wt.shape)  # [calls, K, N]
+    if bias is None:
+        torch.bmm(x3, w3, out=o3)
+    else:
+        torch.baddbmm(bias.expand_as(o3), x3, w3, out=o3)
+
+
+def _try_batched(key: tuple, x: Tensor, wt: Tensor, bias: Tensor | None, want: Tensor, calls: int) -> None:
+    """Whether one strided-batched call gives every row the bits of the separate calls (``want``, just
+    computed): a library may pick another kernel for a batched problem, so the equality is tried once per
+    weight and number of calls, on the real operands, and the separate calls stay where it fails."""
+    got = torch.empty_like(want)
+    with torch.no_grad():
+        _batched_gemm(x, wt, bias, got, calls)
+    _BATCHED[key] = bool(torch.equal(got, want))
+
+
+def fixed_rows_invariant(w: Tensor, bias: Tensor | None = None, rows: int | None = None, seed: int = 0) -> bool:
     """Whether ``fixed_rows_matmul`` with weight ``w`` gives each row the same bits at every position of a
     call and in calls of different M (random inputs in ``w``'s dtype): 1 row, a part of one call, and
     rows spread over several calls at shifted positions."""
+    rows = rows or GEMM_ROWS
     g = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(2 * rows + 37, w.shape[1], generator=g).to(w.device, w.dtype)
     big = fixed_rows_matmul(x, w, bias, rows)

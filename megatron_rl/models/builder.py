@@ -77,9 +77,9 @@ def build_model(
     ``recompute``: megatron-core activation-recomputation fields (``RecomputeKeys.recompute_kwargs``).
     ``lora`` (rank > 0, actor/critic): LoRA adapters on its target layers, initialised (B = 0); every other
     parameter is frozen except a critic's value head.
-    ``exact``: ``rollout.exact_logprobs`` (batch-invariant local layers and LM head, SwiGLU unfused and RoPE
-    with megatron-core's unfused rounding, ``kernels.rope_exact``: the engine's decoder computes them with the
-    same elementwise ops).
+    ``exact``: ``rollout.exact_logprobs`` (batch-invariant local layers and LM head, the exact SwiGLU
+    ``kernels.swiglu.ExactSwiGLU`` and RoPE with megatron-core's unfused rounding, ``kernels.rope_exact``: the
+    engine's decoder computes them with the same elementwise ops).
     """
     if role not in ROLES:
         raise ValueError(f"model role={role!r}; use one of {ROLES}")
@@ -94,7 +94,8 @@ def build_model(
     config = args.transformer_config(
         dtype,
         sequence_parallel=sequence_parallel,
-        fusions={} if exact else fusion_flags(device(), uses_te(backend)),
+        # exact: the MLP hands its whole fc1 output to the spec's ExactSwiGLU (megatron-core's flag name)
+        fusions={"use_te_activation_func": True} if exact else fusion_flags(device(), uses_te(backend)),
         recompute=recompute,
     )
     if exact:  # megatron-core's unfused RoPE bits as one kernel, no host sync (kernels.rope_exact)

@@ -3,7 +3,8 @@ their forward through ``kernels.batch_invariant``, the kernels the rollout engin
 mode, so a token's training log-prob and its rollout log-prob are the same bits.
 
 Only the forward values must match the engine; backward uses the plain torch ops (a gradient carries no
-log-prob). Swapped in through our ModuleSpec (``block_spec``: the local spec with these layers) and, for
+log-prob). The MLP's SwiGLU is ``kernels.swiglu.ExactSwiGLU`` (the decoder's exact SwiGLU forward, the fused
+backward). Swapped in through our ModuleSpec (``block_spec``: the local spec with these layers) and, for
 the LM head GPTModel builds itself, ``exact_head``; megatron-core's code is untouched. At TP>1 (no sequence
 parallelism: validation refuses it) a column-parallel linear keeps megatron-core's communication (identity
 forward, input-gradient all-reduce), and a row-parallel linear sums its partial outputs with
@@ -26,6 +27,7 @@ from megatron.core.tensor_parallel import (
 from megatron_rl.kernels import batch_invariant as bi
 from megatron_rl.kernels import wgrad_fusion
 from megatron_rl.kernels.batch_invariant_tp import OrderedAllReduce, group_size
+from megatron_rl.kernels.swiglu import ExactSwiGLU
 from megatron_rl.models.packed_attention import segment_params_attention
 from megatron_rl.models.spec import RMSNorm, SDPACoreAttention, layer_spec
 
@@ -186,6 +188,7 @@ def block_spec(config, qk_norm: bool):
     attn.core_attention = ExactCoreAttention
     attn.linear_qkv, attn.linear_proj = ExactColumnParallelLinear, ExactRowParallelLinear
     mlp.linear_fc1, mlp.linear_fc2 = ExactColumnParallelLinear, ExactRowParallelLinear
+    spec.submodules.mlp.submodules.activation_func = ExactSwiGLU  # with config.use_te_activation_func
     layer.input_layernorm = layer.pre_mlp_layernorm = ExactRMSNorm
     if qk_norm:
         attn.q_layernorm = attn.k_layernorm = ExactRMSNorm

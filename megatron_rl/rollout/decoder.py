@@ -4,7 +4,8 @@ It runs the whole layer stack of one generation-TP shard (the weights ``reshard.
 actor's own parameters), with a preallocated KV cache. Numerics follow HF transformers / megatron-core
 (local spec, RMSNorm, rotate-half RoPE, SwiGLU): fp32 results agree to ~1e-6. With ``exact``
 (``rollout.exact_logprobs``) prefill and decode run the batch-invariant kernels the trainer's exact layers
-run (``kernels.batch_invariant``) and the trainer's unfused RoPE and SwiGLU ops, so logits are the same bits.
+run (``kernels.batch_invariant``), the trainer's unfused RoPE and its exact SwiGLU (``kernels.swiglu.exact_forward``),
+so logits are the same bits.
 
 Tensor-parallel pieces (``tp`` is the generation TP size, ``group`` its process group):
 - vocab-parallel embedding: rows outside this rank's vocab range are masked, partial sums all-reduced;
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 from megatron_rl.kernels import batch_invariant as bi
 from megatron_rl.kernels import decode_attention as decode_kernel
-from megatron_rl.kernels import decode_fused
+from megatron_rl.kernels import decode_fused, swiglu
 from megatron_rl.kernels.batch_invariant_tp import ordered_all_reduce
 from megatron_rl.kernels.rope import apply_rope, rope_cos_sin, rope_matrix
 
@@ -122,9 +123,10 @@ def _qkv(x: torch.Tensor, layer: dict, spec: ModelArgs, exact: bool = False) -> 
 
 
 def _mlp(x: torch.Tensor, layer: dict, w: GenWeights, exact: bool = False) -> torch.Tensor:
-    if exact:  # megatron-core's unfused GLU on one fc1 output: silu(gate) * up, each op rounded
-        gate, up = bi.matmul(x, layer["fc1"]).chunk(2, dim=-1)  # [B, T, F/tp] each
-        return _all_reduce(bi.matmul(F.silu(gate) * up, layer["fc2"]), w, exact=True)
+    if exact:  # the trainer's exact SwiGLU (kernels.swiglu.ExactSwiGLU) on one fc1 output
+        y = bi.matmul(x, layer["fc1"])  # [B, T, 2F/tp]: gate, then up
+        act = swiglu.exact_forward(y.reshape(-1, y.shape[-1])).view(*y.shape[:-1], -1)
+        return _all_reduce(bi.matmul(act, layer["fc2"]), w, exact=True)
     # gate and up as two matmuls on the weight's (contiguous) row halves: contiguous outputs keep the
     # SwiGLU elementwise kernels vectorised (a chunk of one output is strided)
     gate_w, up_w = layer["fc1"].chunk(2, dim=0)  # [F/tp, h] each

@@ -274,3 +274,41 @@ def test_fixed_rows_matmul_rows_do_not_depend_on_the_call(dtype, bias):
     want = x.float() @ w.float().t() + (b.float() if bias else 0)
     tol = 1e-5 if dtype == torch.float32 else 0.1
     assert torch.allclose(full.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fixed_rows_whole_calls_run_batched_only_after_that_gave_the_separate_calls_bits(monkeypatch, bias):
+    """An input of several whole calls (a training micro-batch): the first of each call count runs the
+    separate calls and tries one strided-batched call against them; where it matched (the CPU's BLAS
+    here), later inputs of that count take the one batched call and give the separate calls' bits; a
+    batched call that differed (forced here) leaves that count on the separate calls, still exact."""
+    monkeypatch.setattr(bi, "_BATCHED", {})
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 24, generator=g).to(torch.bfloat16)
+    b = torch.randn(40, generator=g).to(torch.bfloat16) if bias else None
+
+    def separate(x):  # the calls one by one, the tail padded: what the batched call must equal
+        rows = 64
+        pad = torch.nn.functional.pad(x, (0, 0, 0, -len(x) % rows))
+        parts = [torch.addmm(b, c, w.t()) if bias else c @ w.t() for c in pad.split(rows)]
+        return torch.cat(parts)[: len(x)]
+
+    launches = []
+    original = bi._batched_gemm
+    monkeypatch.setattr(bi, "_batched_gemm", lambda *a: launches.append(a[-1]) or original(*a))
+    x = torch.empty(3 * 64 + 5, 24, dtype=torch.bfloat16)  # one buffer: one address (alignment) class
+    x.copy_(torch.randn(x.shape, generator=g))
+    assert torch.equal(bi.fixed_rows_matmul(x, w, b, rows=64), separate(x))
+    assert launches == [3] and list(bi._BATCHED.values()) == [True]  # the trial: one batched call of 3
+    x.copy_(torch.randn(x.shape, generator=g))
+    assert torch.equal(bi.fixed_rows_matmul(x, w, b, rows=64), separate(x))
+    assert launches == [3, 3] and len(bi._BATCHED) == 1  # served batched, no new trial
+    assert torch.equal(bi.fixed_rows_matmul(x[:64], w, b, rows=64), separate(x[:64]))
+    assert launches == [3, 3]  # one whole call: nothing to batch
+    monkeypatch.setattr(bi, "_batched_gemm", lambda *a: launches.append(-a[-1]) or original(*a) or a[3].add_(1))
+    x4 = torch.randn(4 * 64, 24, generator=g).to(torch.bfloat16)
+    assert torch.equal(bi.fixed_rows_matmul(x4, w, b, rows=64), separate(x4))  # the trial's result is not used
+    assert launches[-1] == -4 and [v for k, v in bi._BATCHED.items() if k[-1] == 4] == [False]
+    x4.copy_(x4.flip(0))
+    assert torch.equal(bi.fixed_rows_matmul(x4, w, b, rows=64), separate(x4))
+    assert launches.count(-4) == 1  # no second try: the separate calls served

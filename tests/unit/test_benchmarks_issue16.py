@@ -64,3 +64,35 @@ def test_padded_fraction_at_the_benchmark_budgets():
     for b in (19968, 19200):
         assert all(0.03 < f < 0.05 for f in r[b]["pad_frac_padded"]), r[b]
     assert all(r[b]["pad_frac_packed"] == [0.0, 0.0, 0.0] for b in budgets)
+
+
+def test_engine_hook_stops_each_sequence_at_its_table_length(monkeypatch):
+    """``install_engine_hook`` on the real engine: every response has its table length (prompt key x n +
+    sample index), and the table is copied to the device once, not in every decode step."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed" / "workers"))
+    from rollout_common import hf_to_mcore, random_prompts, spec_of, tiny_hf
+
+    from megatron_rl.rollout import engine as eng
+    from megatron_rl.rollout.sampling import SamplingParams
+
+    monkeypatch.setattr(eng._Runner, "_sample", eng._Runner._sample)  # the hook wraps the class
+    monkeypatch.setattr(eng._Runner, "_forced_lengths", None, raising=False)
+    copies = []
+    to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        copies.append(self.shape)
+        return to(self, *args, **kwargs)
+
+    hf = tiny_hf("llama")
+    spec = spec_of(hf)
+    engine = eng.RolloutEngine(hf_to_mcore(hf, spec, 1, 0, 1, 0), spec, eng.EngineConfig(max_num_seqs=8))
+    n, eos = 2, 3
+    table = torch.tensor([4, 1, 7, 2, 5, 3, 9, 6])  # 4 prompts x 2 samples, keys 0..3
+    sl.install_engine_hook(table, n, eos)
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    sp = SamplingParams(temperature=1.0, n=n, max_new_tokens=12, seed=0, stop_token_ids=(eos,))
+    out = engine.generate(random_prompts(4, seed=2), sp, [0, 1, 2, 3])
+    assert [len(c.response_ids) for c in out] == table.tolist()
+    assert all(c.response_ids[-1] == eos and eos not in c.response_ids[:-1] for c in out)
+    assert copies.count(table.shape) == 1  # once per device, not per step

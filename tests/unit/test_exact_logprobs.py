@@ -76,6 +76,21 @@ def _check_and_clear_grads(model) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def _update_forward_log_probs(model, args, batch) -> torch.Tensor:
+    """The exact log-probs of the update's forward (train mode, with backward); checks and clears the
+    gradients it leaves."""
+    model.train()
+
+    def loss_fn(mb, logits):
+        lp, _ = response_log_probs(logits, mb, T, args.vocab_size, with_entropy=False, exact=True)
+        return (lp * mb.response_mask).sum(), {"lp": lp.detach()}
+
+    out = run_micro_batches(model, [batch], loss_fn, forward_only=False, response_logits=True)[0]
+    model.eval()
+    _check_and_clear_grads(model)
+    return out["lp"]
+
+
 @pytest.mark.parametrize("exact", [True, False])
 def test_rollout_logprobs_equal_the_training_recompute_exactly(setup, exact):
     """Forward-only recompute in micro-batches of 2, then (exact) the update's forward of the whole batch in
@@ -126,16 +141,7 @@ def test_the_fixed_rows_library_gemm_keeps_rollout_and_training_logprobs_equal(s
     served = bi._FIXED_ROWS
     assert len(served) >= 5 and all(served.values()), served  # qkv, proj, fc1, fc2, LM head
     assert torch.equal(batch.rollout_log_probs[mask], recomputed[mask])
-    model.train()
-
-    def loss_fn(mb, logits):
-        lp, _ = response_log_probs(logits, mb, T, args.vocab_size, with_entropy=False, exact=True)
-        return (lp * mb.response_mask).sum(), {"lp": lp.detach()}
-
-    out = run_micro_batches(model, [batch], loss_fn, forward_only=False, response_logits=True)[0]
-    model.eval()
-    assert torch.equal(out["lp"][mask], batch.rollout_log_probs[mask])
-    _check_and_clear_grads(model)
+    assert torch.equal(_update_forward_log_probs(model, args, batch)[mask], batch.rollout_log_probs[mask])
 
 
 def test_the_fused_exact_rope_kernel_keeps_rollout_and_training_logprobs_equal(setup, monkeypatch):
@@ -156,6 +162,29 @@ def test_the_fused_exact_rope_kernel_keeps_rollout_and_training_logprobs_equal(s
     mask = batch.response_mask.bool()
     assert calls and all(calls)  # the exact variant, every decode step
     assert torch.equal(batch.rollout_log_probs[mask], _worker(model, args, True).log_probs(batch)[mask])
+
+
+@pytest.mark.parametrize("layout", [{}, {"share_prompts": True}], ids=["padded", "shared"])
+def test_the_exact_swiglu_kernel_on_both_sides_keeps_rollout_and_recompute_equal(setup, monkeypatch, layout):
+    """The exact SwiGLU through the Triton kernel (interpreted; the CUDA path) in the engine's prefill and
+    decode steps and in every layer of the trainer's exact MLP (``ExactSwiGLU``): log-probs equal bit for
+    bit (bf16), padded and shared-prompt rows."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import decode_fused
+
+    _, args, models = setup
+    monkeypatch.setattr(decode_fused, "RUN_ON_CPU", True)
+    calls = []
+    original = decode_fused.swiglu
+    monkeypatch.setattr(decode_fused, "swiglu", lambda y: calls.append(y.shape[0]) or original(y))
+    model = models[True, torch.bfloat16]
+    batch = _rollout(model, args, True)
+    mask = batch.response_mask.bool()
+    assert len(calls) >= args.num_layers * R  # every layer of every decode step (and the prefills)
+    calls.clear()
+    recomputed = _worker(model, args, True, **layout).log_probs(batch)
+    assert calls and len(calls) % args.num_layers == 0  # the trainer's MLPs too: each layer, each micro-batch
+    assert torch.equal(recomputed[mask], batch.rollout_log_probs[mask])
 
 
 @pytest.mark.parametrize("layout", [{}, {"share_prompts": True}], ids=["padded", "shared"])
@@ -181,6 +210,29 @@ def test_the_training_exact_rope_kernel_keeps_rollout_and_recompute_equal(setup,
     assert all(rope_exact._TRIED.values()), rope_exact._TRIED
     assert len(calls) >= 2 * args.num_layers
     assert torch.equal(recomputed[mask], batch.rollout_log_probs[mask])
+
+
+def test_fixed_rows_calls_batched_in_training_keep_rollout_and_training_logprobs_equal(setup, monkeypatch):
+    """The fixed-rows GEMM at 8 rows a call (the CPU's BLAS), so that the prefill and the trainer's
+    micro-batches are several whole calls run as one batched call once it gave the separate calls' bits,
+    and the decode steps (3 slots) single calls: the log-probs still equal bit for bit (bf16), recompute
+    and the update's forward."""
+    _, args, models = setup
+    monkeypatch.setattr(bi, "FIXED_ROWS_ON_CPU", True)
+    monkeypatch.setattr(bi, "GEMM_ROWS", 8)
+    monkeypatch.setattr(bi, "_FIXED_ROWS", {})
+    monkeypatch.setattr(bi, "_BATCHED", {})
+    batched = []
+    original = bi._batched_gemm
+    monkeypatch.setattr(bi, "_batched_gemm", lambda *a: batched.append(a[-1]) or original(*a))
+    model = models[True, torch.bfloat16]
+    batch = _rollout(model, args, True)
+    mask = batch.response_mask.bool()
+    recomputed = _worker(model, args, True).log_probs(batch)
+    assert all(bi._FIXED_ROWS.values()) and bi._BATCHED and all(bi._BATCHED.values()), bi._BATCHED
+    assert len(batched) > len(bi._BATCHED)  # served batched beyond the trials
+    assert torch.equal(batch.rollout_log_probs[mask], recomputed[mask])
+    assert torch.equal(_update_forward_log_probs(model, args, batch)[mask], batch.rollout_log_probs[mask])
 
 
 def test_a_fixed_rows_trial_that_fails_keeps_that_weight_on_the_other_path(monkeypatch):

@@ -79,6 +79,39 @@ def test_swiglu_equals_silu_times_up_values_and_grads(monkeypatch, flag):
         torch.testing.assert_close(y.grad, y_ref.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["eager", "triton"])
+def test_exact_swiglu_rows_are_batch_invariant_and_its_grads_are_the_fused_ones(monkeypatch, kernel):
+    """``kernels.swiglu.exact_forward`` (the exact mode's SwiGLU on both sides; with ``kernel`` the Triton
+    kernel under the interpreter): a row's bits do not depend on the batch it is in or its place there,
+    values are silu(gate) * up in fp32 rounded once, and ``ExactSwiGLU``'s backward is the fused one."""
+    from megatron_rl.kernels import decode_fused
+    from megatron_rl.kernels import swiglu as sw
+
+    if kernel:
+        pytest.importorskip("triton", reason="triton is in the dev extras")
+        monkeypatch.setattr(decode_fused, "RUN_ON_CPU", True)
+    calls = []
+    original = decode_fused.swiglu
+    monkeypatch.setattr(decode_fused, "swiglu", lambda y: calls.append(len(y)) or original(y))
+    g = torch.Generator().manual_seed(0)
+    y = (torch.randn(37, 2 * 48, generator=g) * 3).to(torch.bfloat16)
+    whole = sw.exact_forward(y)
+    assert bool(calls) == kernel
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 20), slice(36, 37)):
+        assert torch.equal(sw.exact_forward(y[rows].clone()), whole[rows])  # alone, at row 0 of its batch
+    gate, up = y.float().chunk(2, -1)
+    torch.testing.assert_close(whole, (torch.nn.functional.silu(gate) * up).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+    x = y.view(37, 1, -1).requires_grad_(True)
+    x_ref = y.float().view(37, 1, -1).requires_grad_(True)
+    grad = torch.randn(37, 1, 48, generator=g).to(torch.bfloat16)
+    out = sw.ExactSwiGLU()(x)
+    assert torch.equal(out.view(37, -1), whole)  # the module is exact_forward
+    (out * grad).sum().backward()
+    gate, up = x_ref.chunk(2, -1)
+    ((torch.nn.functional.silu(gate) * up) * grad.float()).sum().backward()
+    torch.testing.assert_close(x.grad.float(), x_ref.grad, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("groups,rep,dim", [(2, 7, 64), (3, 1, 16), (1, 4, 32)])
 def test_decode_attention_kernel_equals_masked_sdpa(monkeypatch, groups, rep, dim):
     """The Triton decode kernel (run by Triton's interpreter on CPU) against SDPA with the engine's

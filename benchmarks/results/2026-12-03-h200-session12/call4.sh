@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Next GPU session, call A2 (~6 min): rollout.prompt_kv_sharing. The decode kernel alone (default config, batch
+# Session 12, call 4 (planned as call A2, ~6 min): rollout.prompt_kv_sharing. The decode kernel alone (default config, batch
 # 512, groups of 8 slots holding one prompt: each read from its own copy vs from the group's lead; adjacent
 # and scattered slots), then the whole step with sharing off at 0.5B and 3B, to set against call A's
 # "*_auto" runs (sharing on, fusion auto). Each stage is packed into its own $OUT/cA2_*.tgz.

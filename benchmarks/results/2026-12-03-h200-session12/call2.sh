@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Next GPU session, call B (~6 min): where the exact mode's extra update time goes (issue 18: 5.69 vs 3.90 s at
+# Session 12, call 2 (planned as call B, ~6 min): where the exact mode's extra update time goes (issue 18: 5.69 vs 3.90 s at
 # the 16384-token budget in session 10). One profiled step per mode after one warm-up step, the profiled update
 # on the first 64 sequences (8 groups) only, so its trace tabulates in seconds (session 10's whole-update trace
 # did not finish in 140 s); the mode off first, for the per-op comparison.

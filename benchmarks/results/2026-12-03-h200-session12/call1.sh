@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Next GPU session, call A (~8 min): optim.gradient_accumulation_fusion off vs on (auto) in one call, 3B then
+# Session 12, call 1 (planned as call A, ~8 min): optim.gradient_accumulation_fusion off vs on (auto) in one call, 3B then
 # 0.5B at the defaults, fixed workload; then one profiled 3B step with it on (the fp32 main-grad adds should
 # be gone from the update's op table; call 1 of session 10 had ~0.39 s of them per step at 3B).
 # Each stage is packed into its own $OUT/cA_*.tgz as soon as it ends (a cut call keeps what it packed).
