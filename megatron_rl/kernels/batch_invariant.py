@@ -252,7 +252,9 @@ def _try_batched(key: tuple, x: Tensor, wt: Tensor, bias: Tensor | None, want: T
     _BATCHED[key] = bool(torch.equal(got, want))
 
 
-def fixed_rows_invariant(w: Tensor, bias: Tensor | None = None, rows: int | None = None, seed: int = 0) -> bool:
+def fixed_rows_invariant(
+    w: Tensor, bias: Tensor | None = None, rows: int | None = None, seed: int = 0
+) -> bool:
     """Whether ``fixed_rows_matmul`` with weight ``w`` gives each row the same bits at every position of a
     call and in calls of different M (random inputs in ``w``'s dtype): 1 row, a part of one call, and
     rows spread over several calls at shifted positions."""

@@ -305,9 +305,12 @@ def test_fixed_rows_whole_calls_run_batched_only_after_that_gave_the_separate_ca
     assert launches == [3, 3] and len(bi._BATCHED) == 1  # served batched, no new trial
     assert torch.equal(bi.fixed_rows_matmul(x[:64], w, b, rows=64), separate(x[:64]))
     assert launches == [3, 3]  # one whole call: nothing to batch
-    monkeypatch.setattr(bi, "_batched_gemm", lambda *a: launches.append(-a[-1]) or original(*a) or a[3].add_(1))
+    monkeypatch.setattr(
+        bi, "_batched_gemm", lambda *a: launches.append(-a[-1]) or original(*a) or a[3].add_(1)
+    )
     x4 = torch.randn(4 * 64, 24, generator=g).to(torch.bfloat16)
-    assert torch.equal(bi.fixed_rows_matmul(x4, w, b, rows=64), separate(x4))  # the trial's result is not used
+    # the trial's (wrong) result is not what it returns
+    assert torch.equal(bi.fixed_rows_matmul(x4, w, b, rows=64), separate(x4))
     assert launches[-1] == -4 and [v for k, v in bi._BATCHED.items() if k[-1] == 4] == [False]
     x4.copy_(x4.flip(0))
     assert torch.equal(bi.fixed_rows_matmul(x4, w, b, rows=64), separate(x4))

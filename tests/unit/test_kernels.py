@@ -100,7 +100,9 @@ def test_exact_swiglu_rows_are_batch_invariant_and_its_grads_are_the_fused_ones(
     for rows in (slice(0, 1), slice(5, 6), slice(3, 20), slice(36, 37)):
         assert torch.equal(sw.exact_forward(y[rows].clone()), whole[rows])  # alone, at row 0 of its batch
     gate, up = y.float().chunk(2, -1)
-    torch.testing.assert_close(whole, (torch.nn.functional.silu(gate) * up).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(
+        whole, (torch.nn.functional.silu(gate) * up).to(torch.bfloat16), rtol=1e-2, atol=1e-2
+    )
     x = y.view(37, 1, -1).requires_grad_(True)
     x_ref = y.float().view(37, 1, -1).requires_grad_(True)
     grad = torch.randn(37, 1, 48, generator=g).to(torch.bfloat16)
