@@ -418,6 +418,7 @@ def run(a: argparse.Namespace) -> dict:
         "packed_attention_varlen_notes": varlen_notes(),  # the trial's errors vs float32
         "dry_run_gib_by_phase": {k: v / 2**30 for k, v in dry["peaks"].items()},
         "dry_run_bytes": dry["bytes"],
+        "exact_gemm": exact_gemm_summary(),  # rollout.exact_logprobs: which fixed-rows paths served
     }
     if cuda:
         result["peak_allocated_gib_by_phase"] = _global_max(mem.peak)
@@ -425,6 +426,17 @@ def run(a: argparse.Namespace) -> dict:
         result["allocated_gib_before_phase"] = _global_max(mem.before)
         result["peak_allocated_gib"] = max(result["peak_allocated_gib_by_phase"].values())
     return result
+
+
+def exact_gemm_summary() -> dict:
+    """The exact mode's fixed-rows matmul this run: weights whose invariance trial passed / failed, and
+    (weight, call count) pairs whose single strided-batched call matched the separate calls / did not."""
+    from megatron_rl.kernels import batch_invariant as bi
+
+    def count(d):
+        return {"passed": sum(map(bool, d.values())), "failed": sum(not v for v in d.values())}
+
+    return {"weights": count(bi._FIXED_ROWS), "batched_call_counts": count(bi._BATCHED)}
 
 
 def profile_phases(c, step: int, folder: str, rows: int = 60, update_seqs: int | None = None) -> None:
