@@ -183,7 +183,7 @@ def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: in
     of the library's kernels, not a documented one).
 
     Many whole calls (a training micro-batch: 16384 rows are 32) run as one strided-batched call where that
-    gave the separate calls' bits on the first such input (``_try_batched``, per weight and number of calls):
+    gave the separate calls' bits on the first such input (``_separate_calls_agree``, per weight and number of calls):
     one launch instead of dozens (session 12's profile of the exact update had 9x the default update's GEMM
     calls, and more host time than device time)."""
     rows = rows or GEMM_ROWS
@@ -203,13 +203,13 @@ def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: in
     full = m - m % rows
     calls = full // rows
     key = _batched_key(x, w, bias, calls) if calls > 1 else None
-    if key is not None and _BATCHED.get(key):
+    if key is not None and _BATCHED.get(key, True):
         _batched_gemm(x[:full], wt, bias, out[:full], calls)
+        if key not in _BATCHED:  # its trial: each call again, compared, and its result kept
+            _BATCHED[key] = _separate_calls_agree(x[:full], out[:full], rows, gemm)
     else:
         for i in range(0, full, rows):
             gemm(x[i : i + rows], out[i : i + rows])
-        if key is not None and key not in _BATCHED:
-            _try_batched(key, x[:full], wt, bias, out[:full], calls)
     if full < m:  # the tail zero-padded to a whole call
         tail = torch.empty(rows, w.shape[0], dtype=x.dtype, device=x.device)
         gemm(torch.nn.functional.pad(x[full:], (0, 0, 0, rows - (m - full))), tail)
@@ -242,14 +242,19 @@ def _batched_gemm(x: Tensor, wt: Tensor, bias: Tensor | None, into: Tensor, call
         torch.baddbmm(bias.expand_as(o3), x3, w3, out=o3)
 
 
-def _try_batched(key: tuple, x: Tensor, wt: Tensor, bias: Tensor | None, want: Tensor, calls: int) -> None:
-    """Whether one strided-batched call gives every row the bits of the separate calls (``want``, just
-    computed): a library may pick another kernel for a batched problem, so the equality is tried once per
-    weight and number of calls, on the real operands, and the separate calls stay where it fails."""
-    got = torch.empty_like(want)
-    with torch.no_grad():
-        _batched_gemm(x, wt, bias, got, calls)
-    _BATCHED[key] = bool(torch.equal(got, want))
+def _separate_calls_agree(x: Tensor, out: Tensor, rows: int, gemm) -> bool:
+    """The trial of one strided-batched call (its result in ``out``): the separate calls again, one at a
+    time through one [rows, N] buffer (no second output-sized tensor: the LM head's is the largest of the
+    update), each compared with the batched rows and then written over them, so ``out`` ends as the
+    separate calls' result whatever the verdict; one host sync. A library may pick another kernel for the
+    batched problem, so this runs once per weight and number of calls, on the real operands."""
+    one = torch.empty(rows, out.shape[1], dtype=out.dtype, device=out.device)
+    differ = torch.zeros((), dtype=torch.bool, device=out.device)
+    for i in range(0, len(x), rows):
+        gemm(x[i : i + rows], one)
+        differ |= (one != out[i : i + rows]).any()
+        out[i : i + rows] = one
+    return not bool(differ)
 
 
 def fixed_rows_invariant(

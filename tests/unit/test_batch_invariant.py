@@ -278,10 +278,11 @@ def test_fixed_rows_matmul_rows_do_not_depend_on_the_call(dtype, bias):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_fixed_rows_whole_calls_run_batched_only_after_that_gave_the_separate_calls_bits(monkeypatch, bias):
-    """An input of several whole calls (a training micro-batch): the first of each call count runs the
-    separate calls and tries one strided-batched call against them; where it matched (the CPU's BLAS
-    here), later inputs of that count take the one batched call and give the separate calls' bits; a
-    batched call that differed (forced here) leaves that count on the separate calls, still exact."""
+    """An input of several whole calls (a training micro-batch): the first of each call count runs one
+    strided-batched call, then the separate calls compared with it, and returns theirs; where they matched
+    (the CPU's BLAS here), later inputs of that count take the batched call alone and give the separate
+    calls' bits; a batched call that differed (forced here) leaves that count on the separate calls,
+    its wrong rows never returned."""
     monkeypatch.setattr(bi, "_BATCHED", {})
     g = torch.Generator().manual_seed(2)
     w = torch.randn(40, 24, generator=g).to(torch.bfloat16)
