@@ -164,11 +164,10 @@ def test_the_fused_exact_rope_kernel_keeps_rollout_and_training_logprobs_equal(s
     assert torch.equal(batch.rollout_log_probs[mask], _worker(model, args, True).log_probs(batch)[mask])
 
 
-@pytest.mark.parametrize("layout", [{}, {"share_prompts": True}], ids=["padded", "shared"])
-def test_the_exact_swiglu_kernel_on_both_sides_keeps_rollout_and_recompute_equal(setup, monkeypatch, layout):
+def test_the_exact_swiglu_kernel_on_both_sides_keeps_rollout_and_recompute_equal(setup, monkeypatch):
     """The exact SwiGLU through the Triton kernel (interpreted; the CUDA path) in the engine's prefill and
     decode steps and in every layer of the trainer's exact MLP (``ExactSwiGLU``): log-probs equal bit for
-    bit (bf16), padded and shared-prompt rows."""
+    bit (bf16), recomputed from padded and from shared-prompt rows."""
     pytest.importorskip("triton", reason="triton is in the dev extras")
     from megatron_rl.kernels import decode_fused
 
@@ -181,10 +180,11 @@ def test_the_exact_swiglu_kernel_on_both_sides_keeps_rollout_and_recompute_equal
     batch = _rollout(model, args, True)
     mask = batch.response_mask.bool()
     assert len(calls) >= args.num_layers * R  # every layer of every decode step (and the prefills)
-    calls.clear()
-    recomputed = _worker(model, args, True, **layout).log_probs(batch)
-    assert calls and len(calls) % args.num_layers == 0  # the trainer's MLPs too: each layer, each micro-batch
-    assert torch.equal(recomputed[mask], batch.rollout_log_probs[mask])
+    for layout in ({}, {"share_prompts": True}):
+        calls.clear()
+        recomputed = _worker(model, args, True, **layout).log_probs(batch)
+        assert calls and len(calls) % args.num_layers == 0, layout  # the trainer's MLPs: each layer, micro-batch
+        assert torch.equal(recomputed[mask], batch.rollout_log_probs[mask]), layout
 
 
 @pytest.mark.parametrize("layout", [{}, {"share_prompts": True}], ids=["padded", "shared"])
