@@ -7,17 +7,42 @@ processes start once per file, and exits non-zero (with the assertion text on st
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 WORKERS = Path(__file__).parent / "workers"
 REPO = Path(__file__).resolve().parents[2]
 
 
+_PORTS = random.Random(os.getpid() ^ time.monotonic_ns())  # per process: two pytest workers pick apart
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return low, high
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free local port for a rendezvous, below the kernel's ephemeral range: a port from ``bind(0)`` is
+    ephemeral, released before torchrun binds it, and another test's gloo connections (ephemeral ports)
+    could take it in between (EADDRINUSE at the rendezvous, seen once under two pytest workers)."""
+    low, _ = _ephemeral_range()
+    for _ in range(200):
+        port = _PORTS.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range is crowded: an ephemeral one, as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

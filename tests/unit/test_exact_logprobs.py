@@ -183,7 +183,9 @@ def test_the_exact_swiglu_kernel_on_both_sides_keeps_rollout_and_recompute_equal
     for layout in ({}, {"share_prompts": True}):
         calls.clear()
         recomputed = _worker(model, args, True, **layout).log_probs(batch)
-        assert calls and len(calls) % args.num_layers == 0, layout  # the trainer's MLPs: each layer, micro-batch
+        assert calls and len(calls) % args.num_layers == 0, (
+            layout
+        )  # the trainer's MLPs: each layer, micro-batch
         assert torch.equal(recomputed[mask], batch.rollout_log_probs[mask]), layout
 
 
