@@ -183,7 +183,7 @@ def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: in
     of the library's kernels, not a documented one).
 
     Many whole calls (a training micro-batch: 16384 rows are 32) run as one strided-batched call where that
-    gave the separate calls' bits on the first such input (``_separate_calls_agree``, per weight and number of calls):
+    gave the separate calls' bits on the first such input (``_batched_trial``, per weight and number of calls):
     one launch instead of dozens (session 12's profile of the exact update had 9x the default update's GEMM
     calls, and more host time than device time)."""
     rows = rows or GEMM_ROWS
@@ -202,11 +202,11 @@ def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: in
 
     full = m - m % rows
     calls = full // rows
-    key = _batched_key(x, w, bias, calls) if calls > 1 else None
-    if key is not None and _BATCHED.get(key, True):
+    key = _batched_key(x, w, bias, calls, rows) if calls > 1 else None
+    if key is not None and key not in _BATCHED:  # the trial; ``out`` gets the separate calls' result
+        _BATCHED[key] = _batched_trial(x[:full], wt, bias, out[:full], calls, rows, gemm)
+    elif key is not None and _BATCHED[key]:
         _batched_gemm(x[:full], wt, bias, out[:full], calls)
-        if key not in _BATCHED:  # its trial: each call again, compared, and its result kept
-            _BATCHED[key] = _separate_calls_agree(x[:full], out[:full], rows, gemm)
     else:
         for i in range(0, full, rows):
             gemm(x[i : i + rows], out[i : i + rows])
@@ -217,17 +217,17 @@ def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: in
     return out
 
 
-_BATCHED: dict[tuple, bool] = {}  # (weight key, x alignment, calls) -> one batched call equalled the calls
+_BATCHED: dict[tuple, bool] = {}  # (weight key, x alignment, calls, rows) -> one batched call equalled them
 
 
-def _batched_key(x: Tensor, w: Tensor, bias: Tensor | None, calls: int) -> tuple | None:
+def _batched_key(x: Tensor, w: Tensor, bias: Tensor | None, calls: int, rows: int) -> tuple | None:
     """The key of ``_BATCHED`` for ``calls`` whole calls of x with weight w, or None while a CUDA graph is
     captured (the trial's comparison cannot run there; the engine's decode steps, which it captures, have
     at most one whole call)."""
     if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
     return (w.device.type, w.dtype, tuple(w.shape), tuple(w.stride()), _alignment(w),
-            None if bias is None else _alignment(bias), _alignment(x), calls)  # fmt: skip
+            None if bias is None else _alignment(bias), _alignment(x), calls, rows)  # fmt: skip
 
 
 def _batched_gemm(x: Tensor, wt: Tensor, bias: Tensor | None, into: Tensor, calls: int) -> None:
@@ -240,6 +240,22 @@ def _batched_gemm(x: Tensor, wt: Tensor, bias: Tensor | None, into: Tensor, call
         torch.bmm(x3, w3, out=o3)
     else:
         torch.baddbmm(bias.expand_as(o3), x3, w3, out=o3)
+
+
+def _batched_trial(
+    x: Tensor, wt: Tensor, bias: Tensor | None, out: Tensor, calls: int, rows: int, gemm
+) -> bool:
+    """The batched call, then ``_separate_calls_agree``; a batched call that raises counts as a
+    disagreement (the separate calls serve, reported once)."""
+    try:
+        _batched_gemm(x, wt, bias, out, calls)
+    except RuntimeError as exc:
+        warnings.warn(f"rollout.exact_logprobs: one batched GEMM of {calls} x {rows} rows failed ({exc}); "
+                      "the separate calls serve", stacklevel=3)  # fmt: skip
+        for i in range(0, len(x), rows):
+            gemm(x[i : i + rows], out[i : i + rows])
+        return False
+    return _separate_calls_agree(x, out, rows, gemm)
 
 
 def _separate_calls_agree(x: Tensor, out: Tensor, rows: int, gemm) -> bool:

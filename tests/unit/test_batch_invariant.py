@@ -312,7 +312,17 @@ def test_fixed_rows_whole_calls_run_batched_only_after_that_gave_the_separate_ca
     x4 = torch.randn(4 * 64, 24, generator=g).to(torch.bfloat16)
     # the trial's (wrong) result is not what it returns
     assert torch.equal(bi.fixed_rows_matmul(x4, w, b, rows=64), separate(x4))
-    assert launches[-1] == -4 and [v for k, v in bi._BATCHED.items() if k[-1] == 4] == [False]
+    assert launches[-1] == -4 and [v for k, v in bi._BATCHED.items() if k[-2] == 4] == [False]
     x4.copy_(x4.flip(0))
     assert torch.equal(bi.fixed_rows_matmul(x4, w, b, rows=64), separate(x4))
     assert launches.count(-4) == 1  # no second try: the separate calls served
+
+    def raising(*a):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(bi, "_batched_gemm", raising)
+    x5 = torch.randn(5 * 64, 24, generator=g).to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="one batched GEMM of 5 x 64 rows failed"):
+        assert torch.equal(bi.fixed_rows_matmul(x5, w, b, rows=64), separate(x5))
+    assert [v for k, v in bi._BATCHED.items() if k[-2] == 5] == [False]
+    assert torch.equal(bi.fixed_rows_matmul(x5, w, b, rows=64), separate(x5))  # no second try
