@@ -208,8 +208,7 @@ def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: in
     elif key is not None and _BATCHED[key]:
         _batched_gemm(x[:full], wt, bias, out[:full], calls)
     else:
-        for i in range(0, full, rows):
-            gemm(x[i : i + rows], out[i : i + rows])
+        _each_call(x[:full], out[:full], rows, gemm)
     if full < m:  # the tail zero-padded to a whole call
         tail = torch.empty(rows, w.shape[0], dtype=x.dtype, device=x.device)
         gemm(torch.nn.functional.pad(x[full:], (0, 0, 0, rows - (m - full))), tail)
@@ -226,8 +225,20 @@ def _batched_key(x: Tensor, w: Tensor, bias: Tensor | None, calls: int, rows: in
     at most one whole call)."""
     if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
+    return (*_weight_key(w, bias), _alignment(x), calls, rows)
+
+
+def _weight_key(w: Tensor, bias: Tensor | None) -> tuple:
+    """What a GEMM library may pick its kernel by, of the weight and bias: device, dtype, shape, strides,
+    address alignment."""
     return (w.device.type, w.dtype, tuple(w.shape), tuple(w.stride()), _alignment(w),
-            None if bias is None else _alignment(bias), _alignment(x), calls, rows)  # fmt: skip
+            None if bias is None else _alignment(bias))  # fmt: skip
+
+
+def _each_call(x: Tensor, into: Tensor, rows: int, gemm) -> None:
+    """The whole calls of x [calls * rows, K] one by one into ``into``."""
+    for i in range(0, len(x), rows):
+        gemm(x[i : i + rows], into[i : i + rows])
 
 
 def _batched_gemm(x: Tensor, wt: Tensor, bias: Tensor | None, into: Tensor, calls: int) -> None:
@@ -252,8 +263,7 @@ def _batched_trial(
     except RuntimeError as exc:
         warnings.warn(f"rollout.exact_logprobs: one batched GEMM of {calls} x {rows} rows failed ({exc}); "
                       "the separate calls serve", stacklevel=3)  # fmt: skip
-        for i in range(0, len(x), rows):
-            gemm(x[i : i + rows], out[i : i + rows])
+        _each_call(x, out, rows, gemm)
         return False
     return _separate_calls_agree(x, out, rows, gemm)
 
@@ -327,8 +337,7 @@ def fixed_rows_serves(w: Tensor, bias: Tensor | None = None) -> bool:
 
 def _fixed_rows_tried(w: Tensor, bias: Tensor | None) -> bool:
     """``fixed_rows_serves`` past its device/env check: the trial's cached result for this weight."""
-    key = (w.device.type, w.dtype, tuple(w.shape), tuple(w.stride()), _alignment(w),
-           None if bias is None else _alignment(bias))  # fmt: skip
+    key = _weight_key(w, bias)
     if key not in _FIXED_ROWS:
         if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
