@@ -438,7 +438,10 @@ def exact_gemm_summary() -> dict:
     def count(d):
         return {"passed": sum(map(bool, d.values())), "failed": sum(not v for v in d.values())}
 
-    return {"weights": count(bi._FIXED_ROWS), "batched_call_counts": count(bi._BATCHED)}
+    trials = [{"weight": list(k[2]), "calls": k[-2], "agreed": a, "disagreed": d}
+              for k, (a, d) in bi._BATCHED_TRIALS.items()]  # fmt: skip
+    return {"weights": count(bi._FIXED_ROWS), "batched_call_counts": count(bi._BATCHED),
+            "batched": bi.EXACT_BATCHED, "batched_trials": trials}  # fmt: skip
 
 
 def profile_phases(c, step: int, folder: str, rows: int = 60, update_seqs: int | None = None) -> None:

@@ -107,10 +107,11 @@ def _check_exact_logprobs(cfg: JobConfig) -> None:
     sequence parallelism, on plain causal attention."""
     if not cfg.rollout.exact_logprobs:
         return
-    from megatron_rl.kernels.batch_invariant import exact_gemm_choice
+    from megatron_rl.kernels.batch_invariant import exact_batched_choice, exact_gemm_choice
 
     try:
         exact_gemm_choice()
+        exact_batched_choice()
     except ValueError as err:
         raise ConfigError(f"rollout.exact_logprobs=true: {err}.") from None
     par, tp_g = cfg.parallel, cfg.rollout.tensor_model_parallel_size

@@ -68,6 +68,20 @@ def exact_gemm_choice(value: str | None = None) -> str:
 
 
 EXACT_GEMM = os.environ.get("MEGATRON_RL_EXACT_GEMM", "fixed_rows").strip().lower()
+EXACT_BATCHED_CHOICES = ("trial", "off", "verify")  # MEGATRON_RL_EXACT_BATCHED (``fixed_rows_matmul``)
+
+
+def exact_batched_choice() -> str:
+    """``MEGATRON_RL_EXACT_BATCHED`` normalised; an unknown value raises ``ValueError`` naming the choices."""
+    got = os.environ.get("MEGATRON_RL_EXACT_BATCHED", "trial").strip().lower()
+    if got not in EXACT_BATCHED_CHOICES:
+        raise ValueError(
+            f"MEGATRON_RL_EXACT_BATCHED={got!r}: use trial (the default), off (whole 512-row calls one by one) "
+            "or verify (every batched call checked against the separate calls), or unset it"
+        )
+    return got
+
+
 FIXED_ROWS_ON_CPU = False  # tests: the fixed-rows path on the CPU's BLAS (its trial runs there too)
 _FIXED_ROWS: dict[tuple, bool] = {}  # (device type, dtype, weight shape, strides, alignment, bias?) -> passed
 
@@ -202,9 +216,11 @@ def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: in
 
     full = m - m % rows
     calls = full // rows
-    key = _batched_key(x, w, bias, calls, rows) if calls > 1 else None
-    if key is not None and key not in _BATCHED:  # the trial; ``out`` gets the separate calls' result
-        _BATCHED[key] = _batched_trial(x[:full], wt, bias, out[:full], calls, rows, gemm)
+    key = _batched_key(x, w, bias, calls, rows) if calls > 1 and EXACT_BATCHED != "off" else None
+    if key is not None and (key not in _BATCHED or EXACT_BATCHED == "verify"):  # ``out``: the separate calls
+        agreed = _batched_trial(x[:full], wt, bias, out[:full], calls, rows, gemm)
+        _BATCHED.setdefault(key, agreed)
+        _BATCHED_TRIALS.setdefault(key, [0, 0])[0 if agreed else 1] += 1
     elif key is not None and _BATCHED[key]:
         _batched_gemm(x[:full], wt, bias, out[:full], calls)
     else:
@@ -217,6 +233,11 @@ def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: in
 
 
 _BATCHED: dict[tuple, bool] = {}  # (weight key, x alignment, calls, rows) -> one batched call equalled them
+_BATCHED_TRIALS: dict[tuple, list[int]] = {}  # the same keys -> [trials that agreed, trials that did not]
+# MEGATRON_RL_EXACT_BATCHED: "trial" (default: batched after one agreeing trial per key), "off" (the whole
+# calls always one by one), "verify" (every batched call checked against the separate calls, which serve;
+# ``_BATCHED_TRIALS`` counts the verdicts: a diagnostic, slower than either)
+EXACT_BATCHED = os.environ.get("MEGATRON_RL_EXACT_BATCHED", "trial").strip().lower()
 
 
 def _batched_key(x: Tensor, w: Tensor, bias: Tensor | None, calls: int, rows: int) -> tuple | None:

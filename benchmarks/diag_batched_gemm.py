@@ -1,0 +1,89 @@
+"""Does one strided-batched cuBLAS call give the bits of the separate 512-row calls, on every input?
+
+``batch_invariant.fixed_rows_matmul`` runs many whole 512-row calls as one batched call once a trial on
+the first input agreed (``_batched_trial``). Session 13's GPU run had the exact mode's log-probs equal at
+step 0 and ~all different afterwards, with every trial agreeing. This checks, at the Qwen2.5-0.5B layer
+shapes, whether agreement on one input carries over to others, whether repeated batched calls are
+deterministic, and which kernels the two paths launch.
+
+    python benchmarks/diag_batched_gemm.py --out diag.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from megatron_rl.kernels import batch_invariant as bi
+
+SHAPES = {  # name: (N, K, bias)
+    "qkv": (1152, 896, True),
+    "proj": (896, 896, False),
+    "fc1": (9728, 896, False),
+    "fc2": (896, 4864, False),
+    "head": (151936, 896, False),
+}
+
+
+def separate(x, w, bias, rows):
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    for i in range(0, len(x), rows):
+        if bias is None:
+            torch.mm(x[i : i + rows], w.t(), out=out[i : i + rows])
+        else:
+            torch.addmm(bias, x[i : i + rows], w.t(), out=out[i : i + rows])
+    return out
+
+
+def batched(x, w, bias, calls):
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    bi._batched_gemm(x, w.t(), bias, out, calls)
+    return out
+
+
+def kernels(fn, *args) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    return sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--inputs", type=int, default=4)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rows, results = bi.GEMM_ROWS, []
+    for name, (n, k, has_bias) in SHAPES.items():
+        w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+        bias = (torch.randn(n, device="cuda") * 0.02).bfloat16() if has_bias else None
+        for calls in (2, 8, 21, 31, 32) if name != "head" else (2, 8):
+            xs = [torch.randn(calls * rows, k, device="cuda").bfloat16() for _ in range(args.inputs)]
+            xs.append(xs[0].abs())  # all-positive rows (post-activation-like)
+            rec = {"shape": name, "calls": calls, "equal_per_input": [], "differing_elems": [],
+                   "batched_deterministic": None}  # fmt: skip
+            for x in xs:
+                s, b = separate(x, w, bias, rows), batched(x, w, bias, calls)
+                rec["equal_per_input"].append(bool(torch.equal(s, b)))
+                rec["differing_elems"].append(int((s != b).sum()))
+            b1, b2 = batched(xs[0], w, bias, calls), batched(xs[0], w, bias, calls)
+            rec["batched_deterministic"] = bool(torch.equal(b1, b2))
+            if calls == 8:
+                rec["kernels_separate"] = kernels(separate, xs[0], w, bias, rows)
+                rec["kernels_batched"] = kernels(batched, xs[0], w, bias, calls)
+            print(json.dumps({k: v for k, v in rec.items() if not k.startswith("kernels")}), flush=True)
+            results.append(rec)
+            del xs
+        torch.cuda.empty_cache()
+    meta = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(),
+            "allow_bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+            "rows": rows}  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
