@@ -1,10 +1,12 @@
 """Does one strided-batched cuBLAS call give the bits of the separate 512-row calls, on every input?
 
-``batch_invariant.fixed_rows_matmul`` runs many whole 512-row calls as one batched call once a trial on
-the first input agreed (``_batched_trial``). Session 13's GPU run had the exact mode's log-probs equal at
+``batch_invariant.fixed_rows_matmul`` runs many whole 512-row calls as one batched call once trials on
+the first inputs agreed (``_batched_trial``). Session 13's GPU run had the exact mode's log-probs equal at
 step 0 and ~all different afterwards, with every trial agreeing. This checks, at the Qwen2.5-0.5B layer
 shapes, whether agreement on one input carries over to others, whether repeated batched calls are
-deterministic, and which kernels the two paths launch.
+deterministic, and which kernels the two paths launch. Session 14 found the weight with a bias (qkv:
+``baddbmm`` against ``addmm``) differing on most inputs; ``fixed_rows_matmul`` now batches only
+bias-free weights, and this still times the ``baddbmm`` it no longer uses, to show why.
 
     python benchmarks/diag_batched_gemm.py --out diag.json
 """
@@ -39,8 +41,57 @@ def separate(x, w, bias, rows):
 
 def batched(x, w, bias, calls):
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    bi._batched_gemm(x, w.t(), bias, out, calls)
+    if bias is None:
+        bi._batched_gemm(x, w.t(), out, calls)
+    else:  # what fixed_rows_matmul did before session 14 (it no longer batches a weight with a bias)
+        o3 = out.view(calls, -1, out.shape[-1])
+        torch.baddbmm(
+            bias.expand_as(o3), x.view(calls, -1, x.shape[-1]), w.t().expand(calls, *w.t().shape), out=o3
+        )
     return out
+
+
+def separate_fp32(x, w, bias, rows):
+    """512-row ``mm`` calls with an fp32 result, the bias added in fp32, rounded once to x's dtype."""
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    for i in range(0, len(x), rows):
+        out[i : i + rows] = torch.mm(x[i : i + rows], w.t(), out_dtype=torch.float32).add_(bias.float())
+    return out
+
+
+def batched_fp32(x, w, bias, calls):
+    """One strided-batched ``bmm`` with an fp32 result, the bias added in fp32, rounded once."""
+    acc = torch.bmm(
+        x.view(calls, -1, x.shape[-1]), w.t().expand(calls, *w.t().shape), out_dtype=torch.float32
+    )
+    return acc.add_(bias.float()).view(x.shape[0], -1).to(x.dtype)
+
+
+def fp32_variant(w, bias, rows, inputs) -> list[dict]:
+    """The weight with a bias through fp32-result GEMMs: does the batched call equal the separate ones (on
+    every input), does either equal ``addmm``, and what does each take (CUDA events, median of 5)."""
+    recs = []
+    for calls in (2, 8, 24, 32):
+        xs = [torch.randn(calls * rows, w.shape[1], device="cuda").bfloat16() for _ in range(inputs)]
+        rec = {"shape": "qkv_fp32_result", "calls": calls, "batched_eq_separate": [], "separate_eq_addmm": []}
+        for x in xs:
+            s = separate_fp32(x, w, bias, rows)
+            rec["batched_eq_separate"].append(bool(torch.equal(s, batched_fp32(x, w, bias, calls))))
+            rec["separate_eq_addmm"].append(bool(torch.equal(s, separate(x, w, bias, rows))))
+        for name, fn, arg in (("addmm_separate", separate, rows), ("fp32_separate", separate_fp32, rows),
+                              ("fp32_batched", batched_fp32, calls), ("baddbmm", batched, calls)):  # fmt: skip
+            times = []
+            for _ in range(6):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn(xs[0], w, bias, arg)
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b))
+            rec[f"ms_{name}"] = sorted(times[1:])[2]
+        print(json.dumps(rec), flush=True)
+        recs.append(rec)
+    return recs
 
 
 def kernels(fn, *args) -> list[str]:
@@ -77,6 +128,8 @@ def main() -> None:
             print(json.dumps({k: v for k, v in rec.items() if not k.startswith("kernels")}), flush=True)
             results.append(rec)
             del xs
+        if has_bias:
+            results += fp32_variant(w, bias, rows, args.inputs)
         torch.cuda.empty_cache()
     meta = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(),
             "allow_bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,

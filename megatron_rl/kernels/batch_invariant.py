@@ -196,10 +196,15 @@ def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: in
     has ``fixed_rows_invariant`` check that on the device once per weight before it serves (an observed property
     of the library's kernels, not a documented one).
 
-    Many whole calls (a training micro-batch: 16384 rows are 32) run as one strided-batched call where that
-    gave the separate calls' bits on the first such input (``_batched_trial``, per weight and number of calls):
-    one launch instead of dozens (session 12's profile of the exact update had 9x the default update's GEMM
-    calls, and more host time than device time)."""
+    Many whole calls (a training micro-batch: 16384 rows are 32) of a weight without bias run as one
+    strided-batched call where that gave the separate calls' bits on the first ``BATCHED_TRIALS_NEEDED``
+    such inputs (``_batched_trial``, per weight and number of calls; none may differ): one launch instead
+    of dozens (session 12's profile of the exact update had 9x the default update's GEMM calls, and more
+    host time than device time). A weight with a bias always takes the separate calls: on the H200
+    (session 14) ``baddbmm`` differed from the 512-row ``addmm`` calls (whose bias is cuBLASLt's epilogue)
+    on most inputs, at every call count from 2 to 32, yet equalled them on some, so one agreeing trial let
+    it serve and the log-probs differed from step 1 on; the bias-free ``bmm`` equalled ``mm`` on every
+    input tried there."""
     rows = rows or GEMM_ROWS
     m = x.shape[0]
     x = x.contiguous()
@@ -216,13 +221,15 @@ def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: in
 
     full = m - m % rows
     calls = full // rows
-    key = _batched_key(x, w, bias, calls, rows) if calls > 1 and EXACT_BATCHED != "off" else None
+    key = _batched_key(x, w, bias, calls, rows)
     if key is not None and (key not in _BATCHED or EXACT_BATCHED == "verify"):  # ``out``: the separate calls
-        agreed = _batched_trial(x[:full], wt, bias, out[:full], calls, rows, gemm)
-        _BATCHED.setdefault(key, agreed)
-        _BATCHED_TRIALS.setdefault(key, [0, 0])[0 if agreed else 1] += 1
+        agreed = _batched_trial(x[:full], wt, out[:full], calls, rows, gemm)
+        verdicts = _BATCHED_TRIALS.setdefault(key, [0, 0])
+        verdicts[0 if agreed else 1] += 1
+        if not agreed or verdicts[0] >= BATCHED_TRIALS_NEEDED:
+            _BATCHED.setdefault(key, verdicts[1] == 0)
     elif key is not None and _BATCHED[key]:
-        _batched_gemm(x[:full], wt, bias, out[:full], calls)
+        _batched_gemm(x[:full], wt, out[:full], calls)
     else:
         _each_call(x[:full], out[:full], rows, gemm)
     if full < m:  # the tail zero-padded to a whole call
@@ -232,18 +239,22 @@ def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: in
     return out
 
 
-_BATCHED: dict[tuple, bool] = {}  # (weight key, x alignment, calls, rows) -> one batched call equalled them
+_BATCHED: dict[tuple, bool] = {}  # (weight key, x alignment, calls, rows) -> the batched call serves
 _BATCHED_TRIALS: dict[tuple, list[int]] = {}  # the same keys -> [trials that agreed, trials that did not]
-# MEGATRON_RL_EXACT_BATCHED: "trial" (default: batched after one agreeing trial per key), "off" (the whole
-# calls always one by one), "verify" (every batched call checked against the separate calls, which serve;
-# ``_BATCHED_TRIALS`` counts the verdicts: a diagnostic, slower than either)
+BATCHED_TRIALS_NEEDED = 2  # agreeing trials (and none that disagreed) before the batched call serves
+# MEGATRON_RL_EXACT_BATCHED: "trial" (default: batched after BATCHED_TRIALS_NEEDED agreeing trials per key),
+# "off" (the whole calls always one by one), "verify" (every batched call checked against the separate
+# calls, which serve; ``_BATCHED_TRIALS`` counts the verdicts: a diagnostic, slower than either)
 EXACT_BATCHED = os.environ.get("MEGATRON_RL_EXACT_BATCHED", "trial").strip().lower()
 
 
 def _batched_key(x: Tensor, w: Tensor, bias: Tensor | None, calls: int, rows: int) -> tuple | None:
-    """The key of ``_BATCHED`` for ``calls`` whole calls of x with weight w, or None while a CUDA graph is
-    captured (the trial's comparison cannot run there; the engine's decode steps, which it captures, have
-    at most one whole call)."""
+    """The key of ``_BATCHED`` for ``calls`` whole calls of x with weight w, or None where they are not
+    batched: fewer than two calls, a weight with a bias (``fixed_rows_matmul`` says why), batching off,
+    or while a CUDA graph is captured (the trial's comparison cannot run there; the engine's decode steps,
+    which it captures, have at most one whole call)."""
+    if calls < 2 or bias is not None or EXACT_BATCHED == "off":
+        return None
     if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
     return (*_weight_key(w, bias), _alignment(x), calls, rows)
@@ -262,25 +273,19 @@ def _each_call(x: Tensor, into: Tensor, rows: int, gemm) -> None:
         gemm(x[i : i + rows], into[i : i + rows])
 
 
-def _batched_gemm(x: Tensor, wt: Tensor, bias: Tensor | None, into: Tensor, calls: int) -> None:
-    """The ``calls`` GEMMs of ``rows`` rows each as ONE strided-batched library call (the weight's batch
-    stride 0: no copies): x [calls * rows, K], wt [K, N] -> into [calls * rows, N]."""
+def _batched_gemm(x: Tensor, wt: Tensor, into: Tensor, calls: int) -> None:
+    """The ``calls`` bias-free GEMMs of ``rows`` rows each as ONE strided-batched library call (the
+    weight's batch stride 0: no copies): x [calls * rows, K], wt [K, N] -> into [calls * rows, N]."""
     x3 = x.view(calls, -1, x.shape[-1])  # [calls, rows, K]
     o3 = into.view(calls, -1, into.shape[-1])  # [calls, rows, N]
-    w3 = wt.expand(calls, *wt.shape)  # [calls, K, N]
-    if bias is None:
-        torch.bmm(x3, w3, out=o3)
-    else:
-        torch.baddbmm(bias.expand_as(o3), x3, w3, out=o3)
+    torch.bmm(x3, wt.expand(calls, *wt.shape), out=o3)
 
 
-def _batched_trial(
-    x: Tensor, wt: Tensor, bias: Tensor | None, out: Tensor, calls: int, rows: int, gemm
-) -> bool:
+def _batched_trial(x: Tensor, wt: Tensor, out: Tensor, calls: int, rows: int, gemm) -> bool:
     """The batched call, then ``_separate_calls_agree``; a batched call that raises counts as a
     disagreement (the separate calls serve, reported once)."""
     try:
-        _batched_gemm(x, wt, bias, out, calls)
+        _batched_gemm(x, wt, out, calls)
     except RuntimeError as exc:
         warnings.warn(f"rollout.exact_logprobs: one batched GEMM of {calls} x {rows} rows failed ({exc}); "
                       "the separate calls serve", stacklevel=3)  # fmt: skip

@@ -224,6 +224,7 @@ def test_fixed_rows_calls_batched_in_training_keep_rollout_and_training_logprobs
     monkeypatch.setattr(bi, "GEMM_ROWS", 8)
     monkeypatch.setattr(bi, "_FIXED_ROWS", {})
     monkeypatch.setattr(bi, "_BATCHED", {})
+    monkeypatch.setattr(bi, "_BATCHED_TRIALS", {})
     batched = []
     original = bi._batched_gemm
     monkeypatch.setattr(bi, "_batched_gemm", lambda *a: batched.append(a[-1]) or original(*a))
