@@ -196,15 +196,15 @@ def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: in
     has ``fixed_rows_invariant`` check that on the device once per weight before it serves (an observed property
     of the library's kernels, not a documented one).
 
-    Many whole calls (a training micro-batch: 16384 rows are 32) of a weight without bias run as one
-    strided-batched call where that gave the separate calls' bits on the first ``BATCHED_TRIALS_NEEDED``
-    such inputs (``_batched_trial``, per weight and number of calls; none may differ): one launch instead
-    of dozens (session 12's profile of the exact update had 9x the default update's GEMM calls, and more
-    host time than device time). A weight with a bias always takes the separate calls: on the H200
-    (session 14) ``baddbmm`` differed from the 512-row ``addmm`` calls (whose bias is cuBLASLt's epilogue)
-    on most inputs, at every call count from 2 to 32, yet equalled them on some, so one agreeing trial let
-    it serve and the log-probs differed from step 1 on; the bias-free ``bmm`` equalled ``mm`` on every
-    input tried there."""
+    Many whole calls (a training micro-batch: 16384 rows are 32) run as one strided-batched call where that
+    gave the separate calls' bits on the first ``BATCHED_TRIALS_NEEDED`` such inputs (``_batched_trial``,
+    per weight and number of calls; none may differ): one launch instead of dozens (session 12's profile of
+    the exact update had 9x the default update's GEMM calls, and more host time than device time). A weight
+    with a bias (qkv) is batched only on CUDA in bf16/fp16, as an fp32-result ``bmm`` plus the bias in fp32,
+    rounded once (``_batched_gemm``): on the H200 that equalled the 512-row ``addmm`` calls (whose bias is
+    cuBLASLt's fp32 epilogue) on every input tried (session 15), while ``baddbmm`` (a bf16 result, then the
+    bias) differed on most inputs and equalled them on some (session 14: one agreeing trial let it serve,
+    and the log-probs differed from step 1 on). Elsewhere a weight with a bias takes the separate calls."""
     rows = rows or GEMM_ROWS
     m = x.shape[0]
     x = x.contiguous()
@@ -223,13 +223,13 @@ def fixed_rows_matmul(x: Tensor, w: Tensor, bias: Tensor | None = None, rows: in
     calls = full // rows
     key = _batched_key(x, w, bias, calls, rows)
     if key is not None and (key not in _BATCHED or EXACT_BATCHED == "verify"):  # ``out``: the separate calls
-        agreed = _batched_trial(x[:full], wt, out[:full], calls, rows, gemm)
+        agreed = _batched_trial(x[:full], wt, out[:full], bias, calls, rows, gemm)
         verdicts = _BATCHED_TRIALS.setdefault(key, [0, 0])
         verdicts[0 if agreed else 1] += 1
         if not agreed or verdicts[0] >= BATCHED_TRIALS_NEEDED:
             _BATCHED.setdefault(key, verdicts[1] == 0)
     elif key is not None and _BATCHED[key]:
-        _batched_gemm(x[:full], wt, out[:full], calls)
+        _batched_gemm(x[:full], wt, out[:full], bias, calls)
     else:
         _each_call(x[:full], out[:full], rows, gemm)
     if full < m:  # the tail zero-padded to a whole call
@@ -245,15 +245,19 @@ BATCHED_TRIALS_NEEDED = 2  # agreeing trials (and none that disagreed) before th
 # MEGATRON_RL_EXACT_BATCHED: "trial" (default: batched after BATCHED_TRIALS_NEEDED agreeing trials per key),
 # "off" (the whole calls always one by one), "verify" (every batched call checked against the separate
 # calls, which serve; ``_BATCHED_TRIALS`` counts the verdicts: a diagnostic, slower than either)
+BIAS_BATCHED_ON = ("cuda",)  # devices where a weight with a bias runs batched (fp32-result bmm: CUDA only)
+_HALF = (torch.bfloat16, torch.float16)
 EXACT_BATCHED = os.environ.get("MEGATRON_RL_EXACT_BATCHED", "trial").strip().lower()
 
 
 def _batched_key(x: Tensor, w: Tensor, bias: Tensor | None, calls: int, rows: int) -> tuple | None:
     """The key of ``_BATCHED`` for ``calls`` whole calls of x with weight w, or None where they are not
-    batched: fewer than two calls, a weight with a bias (``fixed_rows_matmul`` says why), batching off,
-    or while a CUDA graph is captured (the trial's comparison cannot run there; the engine's decode steps,
-    which it captures, have at most one whole call)."""
-    if calls < 2 or bias is not None or EXACT_BATCHED == "off":
+    batched: fewer than two calls, a weight with a bias off CUDA or outside bf16/fp16 (``fixed_rows_matmul``
+    says why), batching off, or while a CUDA graph is captured (the trial's comparison cannot run there; the
+    engine's decode steps, which it captures, have at most one whole call)."""
+    if calls < 2 or EXACT_BATCHED == "off":
+        return None
+    if bias is not None and (w.device.type not in BIAS_BATCHED_ON or x.dtype not in _HALF):
         return None
     if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
@@ -273,19 +277,35 @@ def _each_call(x: Tensor, into: Tensor, rows: int, gemm) -> None:
         gemm(x[i : i + rows], into[i : i + rows])
 
 
-def _batched_gemm(x: Tensor, wt: Tensor, into: Tensor, calls: int) -> None:
-    """The ``calls`` bias-free GEMMs of ``rows`` rows each as ONE strided-batched library call (the
-    weight's batch stride 0: no copies): x [calls * rows, K], wt [K, N] -> into [calls * rows, N]."""
+def _batched_gemm(x: Tensor, wt: Tensor, into: Tensor, bias: Tensor | None, calls: int) -> None:
+    """The ``calls`` GEMMs of ``rows`` rows each as ONE strided-batched library call (the weight's batch
+    stride 0: no copies): x [calls * rows, K], wt [K, N] (+ bias [N]) -> into [calls * rows, N]. With a
+    bias the product is kept in fp32, the bias added in fp32 and the sum rounded once to x's dtype, as
+    cuBLASLt's bias epilogue does in the separate ``addmm`` calls (a [calls * rows, N] fp32 temporary)."""
     x3 = x.view(calls, -1, x.shape[-1])  # [calls, rows, K]
     o3 = into.view(calls, -1, into.shape[-1])  # [calls, rows, N]
-    torch.bmm(x3, wt.expand(calls, *wt.shape), out=o3)
+    w3 = wt.expand(calls, *wt.shape)
+    if bias is None:
+        torch.bmm(x3, w3, out=o3)
+    else:
+        o3.copy_(_fp32_bmm(x3, w3).add_(bias.float()))
 
 
-def _batched_trial(x: Tensor, wt: Tensor, out: Tensor, calls: int, rows: int, gemm) -> bool:
+def _fp32_bmm(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b (batched) with an fp32 result: the library's fp32-output kernel on CUDA; elsewhere (no such
+    operator on the CPU) the operands upcast."""
+    if a.device.type == "cuda":
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
+def _batched_trial(
+    x: Tensor, wt: Tensor, out: Tensor, bias: Tensor | None, calls: int, rows: int, gemm
+) -> bool:
     """The batched call, then ``_separate_calls_agree``; a batched call that raises counts as a
     disagreement (the separate calls serve, reported once)."""
     try:
-        _batched_gemm(x, wt, out, calls)
+        _batched_gemm(x, wt, out, bias, calls)
     except RuntimeError as exc:
         warnings.warn(f"rollout.exact_logprobs: one batched GEMM of {calls} x {rows} rows failed ({exc}); "
                       "the separate calls serve", stacklevel=3)  # fmt: skip

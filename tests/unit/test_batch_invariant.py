@@ -331,14 +331,18 @@ def test_fixed_rows_whole_calls_run_batched_only_after_trials_gave_the_separate_
     assert torch.equal(bi.fixed_rows_matmul(x5, w, rows=64), _separate_calls(x5, w, None))  # no second try
 
 
-def test_fixed_rows_weight_with_bias_never_runs_batched(monkeypatch):
-    """A weight with a bias (qkv) takes the separate addmm calls at every call count and input, in every
-    batching mode: on the H200 baddbmm differed from them on most inputs yet agreed on some."""
+def test_fixed_rows_weight_with_bias_runs_batched_only_where_enabled_and_returns_the_addmm_bits(monkeypatch):
+    """A weight with a bias (qkv) takes the separate addmm calls off CUDA (here) in every batching mode;
+    where batching a bias is enabled (forced onto the CPU here) its batched call is the fp32-result bmm
+    plus the bias rounded once, tried like any other, and what fixed_rows_matmul returns is the separate
+    calls' bits on every input whatever the trials found (fp32 inputs are never batched with a bias)."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(40, 24, generator=g).to(torch.bfloat16)
     b = torch.randn(40, generator=g).to(torch.bfloat16)
     launches = []
-    monkeypatch.setattr(bi, "_batched_gemm", lambda *a: launches.append(a[-1]))
+    original = bi._batched_gemm
+    monkeypatch.setattr(bi, "_batched_gemm", lambda *a: launches.append(a[-1]) or original(*a))
+    assert bi.BIAS_BATCHED_ON == ("cuda",)
     for mode in bi.EXACT_BATCHED_CHOICES:
         monkeypatch.setattr(bi, "EXACT_BATCHED", mode)
         monkeypatch.setattr(bi, "_BATCHED", {})
@@ -347,3 +351,35 @@ def test_fixed_rows_weight_with_bias_never_runs_batched(monkeypatch):
             assert torch.equal(bi.fixed_rows_matmul(x, w, b, rows=64), _separate_calls(x, w, b))
         assert not bi._BATCHED
     assert launches == []
+    monkeypatch.setattr(bi, "BIAS_BATCHED_ON", ("cpu",))
+    monkeypatch.setattr(bi, "EXACT_BATCHED", "trial")
+    monkeypatch.setattr(bi, "_BATCHED", {})
+    monkeypatch.setattr(bi, "_BATCHED_TRIALS", {})
+    x = torch.empty(3 * 64 + 7, 24, dtype=torch.bfloat16)  # one buffer: one address (alignment) class
+    for _ in range(8):
+        x.copy_(torch.randn(x.shape, generator=g))
+        assert torch.equal(bi.fixed_rows_matmul(x, w, b, rows=64), _separate_calls(x, w, b))
+    assert launches and set(launches) == {3} and len(bi._BATCHED_TRIALS) == 1
+    ((agreed, differed),) = bi._BATCHED_TRIALS.values()
+    assert agreed + differed <= bi.BATCHED_TRIALS_NEEDED and list(bi._BATCHED.values()) == [differed == 0]
+    x = torch.randn(2 * 64, 24, generator=g)
+    assert torch.equal(
+        bi.fixed_rows_matmul(x, w.float(), b.float(), rows=64), _separate_calls(x, w.float(), b.float())
+    )
+    assert set(launches) == {3}  # fp32 with a bias: the separate calls
+
+
+def test_batched_gemm_with_a_bias_rounds_the_fp32_sum_once():
+    """The batched call of a weight with a bias: each row is fp32(x @ w^T) + fp32(bias), rounded once to
+    bf16, i.e. within half a bf16 ulp of the exact value, and never the double rounding of a bf16 product
+    plus a bf16 bias (checked here to differ on this input)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2 * 64, 24, generator=g).to(torch.bfloat16)
+    w = torch.randn(40, 24, generator=g).to(torch.bfloat16)
+    b = (torch.randn(40, generator=g) * 100).to(torch.bfloat16)
+    out = torch.empty(len(x), 40, dtype=torch.bfloat16)
+    bi._batched_gemm(x, w.t(), out, b, 2)
+    exact = x.double() @ w.double().t() + b.double()
+    assert ((out.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-30).all()
+    twice = (x @ w.t()).float().add(b.float()).to(torch.bfloat16)
+    assert not torch.equal(twice, out)
