@@ -428,6 +428,41 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return out.view(x.shape)
 
 
+def add_rms_norm(x: Tensor, y: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(x + y, ``rms_norm(x + y)``) for x, y [..., H]: the same bits as the add (rounded to x's dtype) and then
+    ``rms_norm``, as one Triton kernel where that kernel gave those bits in a trial on this device, dtype
+    and H (the exact decode step: each residual add with the norm after it; the trainer runs them apart)."""
+    lead = x.shape
+    x2, y2 = x.reshape(-1, lead[-1]), y.reshape(-1, lead[-1])
+    if use_triton(x) and x.dtype == y.dtype and _add_norm_tried(x, weight, eps):
+        s, out = tri.add_rms_norm(x2, y2, weight, eps)
+        return s.view(lead), out.view(lead)
+    s = x + y
+    return s, rms_norm(s, weight, eps)
+
+
+_ADD_NORM: dict[tuple, bool] = {}  # (device, dtype, H) -> the fused add + RMSNorm gave the unfused bits
+
+
+def _add_norm_tried(x: Tensor, weight: Tensor, eps: float) -> bool:
+    """The fused add + RMSNorm's one-time bit-for-bit trial against the add and ``rms_norm`` at x's device,
+    dtype and width (not while a CUDA graph is captured: the decode steps' warm-up runs it first)."""
+    key = (str(x.device), x.dtype, x.shape[-1])
+    if key not in _ADD_NORM:
+        if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        g = torch.Generator().manual_seed(0)
+        a, b = ((4 * torch.randn(37, x.shape[-1], generator=g)).to(x.device, x.dtype) for _ in range(2))
+        w = weight.detach().clone()
+        s, out = tri.add_rms_norm(a, b, w, eps)
+        ok = torch.equal(s, a + b) and torch.equal(out, tri.rms_norm(a + b, w, eps))
+        if not ok:
+            warnings.warn(f"rollout.exact_logprobs: the fused add + RMSNorm did not give the unfused bits on "
+                          f"{x.device} ({x.dtype}, width {x.shape[-1]}); the two kernels serve there", stacklevel=3)  # fmt: skip
+        _ADD_NORM[key] = ok
+    return _ADD_NORM[key]
+
+
 def token_logprobs(
     logits: Tensor, tokens: Tensor, temperature: float, valid: int | None = None, shard: int | None = None
 ) -> Tensor:

@@ -17,6 +17,9 @@ try:
 except ImportError:  # CPU-only installs: the torch references serve
     HAVE_TRITON = False
 
+if HAVE_TRITON:
+    from megatron_rl.kernels.decode_fused import _round_to
+
 # matmul tile: one configuration for every M (decode's few rows and training's many run the same code).
 # The column tile may follow N (a property of the weight, the same in decode and training): narrower
 # tiles give the small projections more programs in a decode step, where few rows leave one row tile.
@@ -61,14 +64,35 @@ if HAVE_TRITON:
                  acc.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
     @triton.jit
+    def _rms_row(x, w_ptr, cols, live, H, eps):
+        """One row's RMSNorm in fp32 (x [BLOCK] fp32, zero past H): the one reduction both kernels run."""
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / H + eps)
+        w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+        return x * rstd * w
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, sx, so, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         live = cols < H
         x = tl.load(x_ptr + row * sx + cols, mask=live, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / H + eps)
-        w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * so + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=live)
+        out = _rms_row(x, w_ptr, cols, live, H, eps)
+        tl.store(out_ptr + row * so + cols, out.to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _add_rms_norm_kernel(
+        x_ptr, y_ptr, w_ptr, s_ptr, out_ptr, H, sx, sy, ss, so, eps, BLOCK: tl.constexpr
+    ):
+        """s = x + y rounded to s's dtype (as the eager add rounds), then ``_rms_norm_kernel`` of s."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        live = cols < H
+        x = tl.load(x_ptr + row * sx + cols, mask=live, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + row * sy + cols, mask=live, other=0.0).to(tl.float32)
+        s = _round_to(x + y, s_ptr.dtype.element_ty)  # by bits: the interpreter truncates a bf16 cast
+        tl.store(s_ptr + row * ss + cols, s.to(s_ptr.dtype.element_ty), mask=live)
+        out = _rms_row(s, w_ptr, cols, live, H, eps)
+        tl.store(out_ptr + row * so + cols, out.to(out_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
     def _row_max(base, V, temp, BLOCK: tl.constexpr):
@@ -185,6 +209,17 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     block = triton.next_power_of_2(x.shape[1])
     _rms_norm_kernel[(x.shape[0],)](x, weight, out, x.shape[1], x.stride(0), out.stride(0), eps, BLOCK=block)
     return out
+
+
+def add_rms_norm(x: Tensor, y: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """x, y [M, H] (unit stride in H), weight [H] -> (x + y [M, H], ``rms_norm`` of it [M, H]), one launch."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    s, out = torch.empty_like(x), torch.empty_like(x)
+    block = triton.next_power_of_2(x.shape[1])
+    _add_rms_norm_kernel[(x.shape[0],)](x, y, weight, s, out, x.shape[1], x.stride(0), y.stride(0), s.stride(0),
+                                        out.stride(0), eps, BLOCK=block)  # fmt: skip
+    return s, out
 
 
 def log_softmax_stats(logits: Tensor, temperature: float, valid: int, block: int) -> tuple[Tensor, Tensor]:

@@ -240,10 +240,9 @@ def decode(
     rope = rope_matrix(cos[:, 0, 0, 0], sin[:, 0, 0, 0])  # [B, D, D]
     mask = _decode_mask(positions, Tmax, w.embed.dtype)  # [B, 1, 1, Tmax]
     x = embed(tokens[:, None], w)  # [B, 1, h]
+    h = rms_norm(x, w.layers[0]["ln1"] if w.layers else w.final_norm, spec.norm_eps, exact)
     for i, layer in enumerate(w.layers):
-        qkv = _qkv(rms_norm(x, layer["ln1"], spec.norm_eps, exact), layer, spec, exact)[
-            :, 0
-        ]  # [B, Gl, rep+2, D]
+        qkv = _qkv(h, layer, spec, exact)[:, 0]  # [B, Gl, rep+2, D]
         k_cache, v_cache = cache[i, 0, :B, :, :Tmax], cache[i, 1, :B, :, :Tmax]  # [B, Gl, Tmax, D]
         if exact and decode_fused.usable("rope_kv_write_exact", qkv):  # the eager rounding, one kernel
             q = decode_fused.rope_kv_write(qkv, cos[:, 0, 0, 0], sin[:, 0, 0, 0], positions, k_cache, v_cache,
@@ -262,9 +261,21 @@ def decode(
         else:
             a = decode_attention(q, k_cache, v_cache, mask, positions, prefix)  # [B, Gl, rep, D]
         a = a.reshape(B, 1, -1)  # [B, 1, Hl*D]
-        x = x + _all_reduce(_linear(a, layer["proj"], exact=exact), w, exact)
-        x = x + _mlp(rms_norm(x, layer["ln2"], spec.norm_eps, exact), layer, w, exact)
-    return logits(rms_norm(x[:, 0], w.final_norm, spec.norm_eps, exact), w, spec, exact)
+        nxt = w.layers[i + 1]["ln1"] if i + 1 < len(w.layers) else w.final_norm
+        x, h = _add_norm(
+            x, _all_reduce(_linear(a, layer["proj"], exact=exact), w, exact), layer["ln2"], spec, exact
+        )
+        x, h = _add_norm(x, _mlp(h, layer, w, exact), nxt, spec, exact)
+    return logits(h[:, 0], w, spec, exact)
+
+
+def _add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, spec: ModelArgs, exact: bool):
+    """The residual add and the RMSNorm after it: (x + y, norm of it); exact: ``batch_invariant.add_rms_norm``
+    (one kernel, the bits of the add and then the exact norm, which the trainer runs apart)."""
+    if exact:
+        return bi.add_rms_norm(x, y, weight, spec.norm_eps)
+    x = x + y
+    return x, rms_norm(x, weight, spec.norm_eps)
 
 
 def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: torch.Tensor,

@@ -65,6 +65,26 @@ def test_rms_norm_rows_do_not_depend_on_the_batch(path, dtype):
     torch.testing.assert_close(bi.rms_norm(pool, w, 1e-6).float(), want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_is_the_add_then_rms_norm_bit_for_bit(path, dtype, monkeypatch):
+    """The exact decode step's residual add + RMSNorm (one kernel on the Triton path, after its trial): the
+    sum rounded as the eager add, and the norm the bits of ``rms_norm`` of it (which the trainer runs)."""
+    monkeypatch.setattr(bi, "_ADD_NORM", {})
+    launches = []
+    original = bi.tri.add_rms_norm
+    monkeypatch.setattr(bi.tri, "add_rms_norm", lambda *a: launches.append(a[0].shape) or original(*a))
+    g = torch.Generator().manual_seed(4)
+    x, y = ((3 * torch.randn(9, 1, 96, generator=g)).to(dtype) for _ in range(2))
+    w = (torch.rand(96, generator=g) + 0.5).to(dtype)
+    s, out = bi.add_rms_norm(x, y, w, 1e-6)
+    assert s.shape == out.shape == x.shape
+    assert torch.equal(s, x + y) and torch.equal(out, bi.rms_norm(x + y, w, 1e-6))
+    if path == "triton":  # the trial (37 rows) and the call (9): the fused kernel served
+        assert list(bi._ADD_NORM.values()) == [True] and [r[0] for r in launches] == [37, 9]
+    else:
+        assert launches == [] and not bi._ADD_NORM
+
+
 def test_log_softmax_rows_do_not_depend_on_the_batch(path):
     torch.manual_seed(0)
     vocab, valid = 2100, 2050  # three vocab blocks, padding columns excluded

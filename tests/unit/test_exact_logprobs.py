@@ -189,6 +189,30 @@ def test_the_exact_swiglu_kernel_on_both_sides_keeps_rollout_and_recompute_equal
         assert torch.equal(recomputed[mask], batch.rollout_log_probs[mask]), layout
 
 
+def test_the_fused_add_norm_of_the_exact_decode_step_changes_no_bit(setup, monkeypatch):
+    """The exact ops on their Triton path (interpreted; the CUDA path; fp32: the interpreter's bf16 dot is
+    wrong): the engine's decode steps with each residual add fused with the RMSNorm after it
+    (``batch_invariant.add_rms_norm``, what the GPU runs) give the same tokens and log-probs bit for bit as
+    with the add and the norm apart (what the trainer runs)."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    _, args, models = setup
+    monkeypatch.setattr(bi, "RUN_ON_CPU", True)
+    monkeypatch.setattr(bi, "_ADD_NORM", {})
+    calls = []
+    original = bi.tri.add_rms_norm
+    monkeypatch.setattr(bi.tri, "add_rms_norm", lambda *a: calls.append(a[0].shape[0]) or original(*a))
+    model = models[True, torch.float32]
+    fused = _rollout(model, args, True)
+    assert list(bi._ADD_NORM.values()) == [True]
+    assert len(calls) >= 2 * args.num_layers * R  # two per layer of every decode step
+    calls.clear()
+    monkeypatch.setattr(bi, "_add_norm_tried", lambda *a: False)
+    apart = _rollout(model, args, True)
+    assert calls == []
+    assert torch.equal(fused.input_ids, apart.input_ids)
+    assert torch.equal(fused.rollout_log_probs, apart.rollout_log_probs)
+
+
 @pytest.mark.parametrize("layout", [{}, {"share_prompts": True}], ids=["padded", "shared"])
 def test_the_training_exact_rope_kernel_keeps_rollout_and_recompute_equal(setup, monkeypatch, layout):
     """The trainer's RoPE in exact mode through its Triton kernel (``kernels.rope_exact``, interpreted; the
