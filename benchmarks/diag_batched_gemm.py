@@ -5,8 +5,9 @@ the first inputs agreed (``_batched_trial``). Session 13's GPU run had the exact
 step 0 and ~all different afterwards, with every trial agreeing. This checks, at the Qwen2.5-0.5B layer
 shapes, whether agreement on one input carries over to others, whether repeated batched calls are
 deterministic, and which kernels the two paths launch. Session 14 found the weight with a bias (qkv:
-``baddbmm`` against ``addmm``) differing on most inputs; ``fixed_rows_matmul`` now batches only
-bias-free weights, and this still times the ``baddbmm`` it no longer uses, to show why.
+``baddbmm`` against ``addmm``) differing on most inputs; session 15 found an fp32-result ``bmm`` plus the bias
+in fp32 equal to the ``addmm`` calls on every input, which ``fixed_rows_matmul`` now batches on CUDA; this
+still times the ``baddbmm`` it no longer uses, to show why.
 
     python benchmarks/diag_batched_gemm.py --out diag.json
 """
@@ -43,7 +44,7 @@ def batched(x, w, bias, calls):
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     if bias is None:
         bi._batched_gemm(x, w.t(), out, None, calls)
-    else:  # what fixed_rows_matmul did before session 14 (it no longer batches a weight with a bias)
+    else:  # what fixed_rows_matmul did before session 14 (it now batches a bias through batched_fp32)
         o3 = out.view(calls, -1, out.shape[-1])
         torch.baddbmm(
             bias.expand_as(o3), x.view(calls, -1, x.shape[-1]), w.t().expand(calls, *w.t().shape), out=o3
