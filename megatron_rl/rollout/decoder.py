@@ -270,10 +270,14 @@ def decode(
 
 
 def _add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, spec: ModelArgs, exact: bool):
-    """The residual add and the RMSNorm after it: (x + y, norm of it); exact: ``batch_invariant.add_rms_norm``
-    (one kernel, the bits of the add and then the exact norm, which the trainer runs apart)."""
+    """The residual add and the RMSNorm after it: (x + y, norm of it). Exact: ``batch_invariant.add_rms_norm``
+    (one kernel, the bits of the add and then the exact norm, which the trainer runs apart); else the fused
+    decode kernel where it passed its trial (``decode_fused``; never on ``decode``'s own path, which runs
+    only where those kernels are off), else the two ops."""
     if exact:
         return bi.add_rms_norm(x, y, weight, spec.norm_eps)
+    if decode_fused.usable("add_rms_norm", x):
+        return decode_fused.add_rms_norm(x, y, weight, spec.norm_eps)
     x = x + y
     return x, rms_norm(x, weight, spec.norm_eps)
 
@@ -291,12 +295,6 @@ def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: t
     mask = _decode_mask(positions, Tmax, w.embed.dtype)  # [B, 1, 1, Tmax]
     x = embed(tokens[:, None], w)[:, 0]  # [B, h]
 
-    def add_norm(x, y, weight):
-        if decode_fused.usable("add_rms_norm", x):
-            return decode_fused.add_rms_norm(x, y, weight, eps)
-        x = x + y
-        return x, rms_norm(x, weight, eps)
-
     h = rms_norm(x, w.layers[0]["ln1"], eps) if w.layers else x
     for i, layer in enumerate(w.layers):
         qkv = _qkv(h[:, None], layer, spec)[:, 0]  # [B, Gl, rep+2, D]
@@ -310,11 +308,11 @@ def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: t
             v_cache[batch, :, positions] = qkv[:, :, rep + 1]
             q = rot[:, :, :rep]
         a = decode_attention(q, k_cache, v_cache, mask, positions, prefix).reshape(B, -1)  # [B, Hl*D]
-        x, h = add_norm(x, _all_reduce(F.linear(a, layer["proj"]), w), layer["ln2"])
+        x, h = _add_norm(x, _all_reduce(F.linear(a, layer["proj"]), w), layer["ln2"], spec, False)
         y = F.linear(h, layer["fc1"])  # [B, 2F/tp]: gate, then up
         act = decode_fused.swiglu(y) if decode_fused.usable("swiglu", y) else _swiglu_ref(y)
         nxt = w.layers[i + 1]["ln1"] if i + 1 < len(w.layers) else w.final_norm
-        x, h = add_norm(x, _all_reduce(F.linear(act, layer["fc2"]), w), nxt)
+        x, h = _add_norm(x, _all_reduce(F.linear(act, layer["fc2"]), w), nxt, spec, False)
     if not w.layers:
         h = rms_norm(x, w.final_norm, eps)
     return logits(h, w, spec)
