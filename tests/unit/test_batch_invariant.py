@@ -85,6 +85,30 @@ def test_fused_add_rms_norm_is_the_add_then_rms_norm_bit_for_bit(path, dtype, mo
         assert launches == [] and not bi._ADD_NORM
 
 
+@pytest.mark.skipif(not bi.tri.HAVE_TRITON, reason="triton is in the dev extras")
+def test_a_fused_add_rms_norm_that_fails_its_trial_warns_and_the_two_ops_serve(monkeypatch):
+    """A fused add + RMSNorm whose trial does not give the unfused bits (forced) is reported once and never
+    serves at that device, dtype and width: the add and ``rms_norm`` apart are returned."""
+    monkeypatch.setattr(bi, "RUN_ON_CPU", True)
+    monkeypatch.setattr(bi, "_ADD_NORM", {})
+    original = bi.tri.add_rms_norm
+    launches = []
+
+    def off_by_one(*a):
+        launches.append(a[0].shape[0])
+        s, out = original(*a)
+        return s, out + 1
+
+    monkeypatch.setattr(bi.tri, "add_rms_norm", off_by_one)
+    x, y, w = torch.randn(5, 1, 32), torch.randn(5, 1, 32), torch.rand(32) + 0.5
+    with pytest.warns(UserWarning, match="fused add \\+ RMSNorm did not give the unfused bits"):
+        s, out = bi.add_rms_norm(x, y, w, 1e-6)
+    assert torch.equal(s, x + y) and torch.equal(out, bi.rms_norm(x + y, w, 1e-6))
+    assert list(bi._ADD_NORM.values()) == [False] and launches == [37]
+    bi.add_rms_norm(x, y, w, 1e-6)
+    assert launches == [37]  # no second trial, no fused launch
+
+
 def test_log_softmax_rows_do_not_depend_on_the_batch(path):
     torch.manual_seed(0)
     vocab, valid = 2100, 2050  # three vocab blocks, padding columns excluded
