@@ -31,7 +31,14 @@ from megatron_rl.kernels import decode_attention as decode_kernel
 from megatron_rl.models import lora
 from megatron_rl.rollout import decoder, reshard
 from megatron_rl.rollout.decoder import GenWeights, check_decodable
-from megatron_rl.rollout.kv_cache import KV_KEYS, KVCache, bytes_per_token, fit_free_memory, plan_cache
+from megatron_rl.rollout.kv_cache import (
+    KV_KEYS,
+    KVCache,
+    bytes_per_token,
+    fit_free_memory,
+    fits_free,
+    plan_cache,
+)
 from megatron_rl.rollout.multi_turn import Session
 from megatron_rl.rollout.sampling import (
     SamplingParams,
@@ -197,6 +204,13 @@ class RolloutEngine:
         planned = plan.slots
         if dev.type == "cuda":  # the plan counts bytes; the device must also hold them in one piece
             free, _ = torch.cuda.mem_get_info(dev)
+            if not fits_free(plan, free):
+                # the update leaves free blocks in the caching allocator (session 7, 8B: 9.85 GiB reserved
+                # but unallocated) that the KV cache, one large tensor, cannot use: hand them back first.
+                # Only then: returning them unmaps the update's pages and its next step maps them again
+                # (with expandable segments, tens of thousands of 2 MiB pages)
+                torch.cuda.empty_cache()
+                free, _ = torch.cuda.mem_get_info(dev)
             held = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
             plan, note = fit_free_memory(plan, free, held)
             if note:
@@ -230,9 +244,6 @@ class RolloutEngine:
         stats = self.last_stats = GenerationStats()
         on_gpu = torch.cuda.is_available()
         if on_gpu:
-            # the update leaves free blocks in the caching allocator (session 7, 8B: 9.85 GiB reserved but
-            # unallocated) that the KV cache, one large tensor, cannot use: hand them back first
-            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         lay = reshard.build_layout(self.config.tensor_model_parallel_size)
@@ -340,8 +351,17 @@ class _DecodeState:
             self._eager(b, kv)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._eager(b, kv)
+        # capture_begin/end, not ``torch.cuda.graph``: its __enter__ empties the caching allocator, which
+        # unmaps the pages the update left cached and makes its next step map them again (H200, 0.5B GRPO:
+        # ~0.4 s of a 4.5 s step; benchmarks/results/2026-12-04-h200-session17/README.md)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            graph.capture_begin(*(() if self.pool is None else (self.pool,)))
+            try:
+                out = self._eager(b, kv)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
         self.pool = graph.pool()
         self.graphs[b, kv] = (graph, out)
         torch.cuda.synchronize()

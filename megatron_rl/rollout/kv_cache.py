@@ -79,6 +79,11 @@ def plan_cache(
 _HEADROOM = 3 << 29  # 1.5 GiB left free beside the cache: logits, sampling buffers, CUDA-graph pools
 
 
+def fits_free(plan: CachePlan, free: int) -> bool:
+    """Whether ``plan``'s cache fits ``free`` device bytes with ``_HEADROOM`` beside it."""
+    return plan.bytes <= free - _HEADROOM
+
+
 def fit_free_memory(plan: CachePlan, free: int, held: int) -> tuple[CachePlan, str | None]:
     """``plan``, or the slots that fit ``free`` device bytes (less ``_HEADROOM``) when its cache does not,
     with a note saying so; ``held``: bytes the caching allocator keeps in partly used blocks (they cannot
@@ -87,7 +92,7 @@ def fit_free_memory(plan: CachePlan, free: int, held: int) -> tuple[CachePlan, s
     fragments, and the allocation died. Fewer slots decode the batch in more waves; the same tokens."""
     room = free - _HEADROOM
     per_slot = plan.max_len * plan.bytes_per_token
-    if plan.bytes <= room or room < per_slot:  # fits, or not even one slot: the allocation reports it
+    if fits_free(plan, free) or room < per_slot:  # fits, or not even one slot: the allocation reports it
         return plan, None
     slots = room // per_slot
     note = (

@@ -367,8 +367,10 @@ def test_finished_sequences_free_the_decode_batch_and_results_do_not_change(monk
 
 
 def test_a_planned_kv_cache_that_the_free_device_memory_cannot_hold_gets_fewer_slots():
-    """The 8B OOM of session 7: 421 slots planned (39.5 GiB), 37.5 GiB free, 9.9 GiB in fragments."""
-    from megatron_rl.rollout.kv_cache import CachePlan, fit_free_memory
+    """The 8B OOM of session 7: 421 slots planned (39.5 GiB), 37.5 GiB free, 9.9 GiB in fragments. The engine
+    empties the allocator's cache before planning only where the plan does not fit the free memory beside
+    its 1.5 GiB headroom (``fits_free``; emptying it costs the update's next step re-mapping its pages)."""
+    from megatron_rl.rollout.kv_cache import CachePlan, fit_free_memory, fits_free
 
     gib = 2**30
     plan = CachePlan(slots=421, max_len=768, bytes_per_token=131072)
@@ -379,6 +381,7 @@ def test_a_planned_kv_cache_that_the_free_device_memory_cannot_hold_gets_fewer_s
     assert "421 slots" in note and "expandable_segments" in note and "rollout.max_num_seqs" in note
     # not even one slot: the plan stands and the allocation raises GenerationOOM naming the keys
     assert fit_free_memory(plan, free=gib, held=0) == (plan, None)
+    assert fits_free(plan, plan.bytes + 3 * gib // 2) and not fits_free(plan, plan.bytes + 3 * gib // 2 - 1)
 
 
 def test_engine_with_the_fused_decode_kernels_equals_hf(model, monkeypatch):
