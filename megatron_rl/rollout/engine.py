@@ -32,6 +32,7 @@ from megatron_rl.models import lora
 from megatron_rl.rollout import decoder, reshard
 from megatron_rl.rollout.decoder import GenWeights, check_decodable
 from megatron_rl.rollout.kv_cache import (
+    HEADROOM,
     KV_KEYS,
     KVCache,
     bytes_per_token,
@@ -186,8 +187,8 @@ class RolloutEngine:
             kept.bind(w)
             return kept
         spec, cfg, dev = self.spec, self.config, w.embed.device
-        if kept is not None:  # its memory is free for the new cache, and back with the driver, where
-            kept = None  # fit_free_memory looks (generate emptied the allocator's cache while it was held)
+        if kept is not None:  # its memory is free for the new cache: back with the driver, where
+            kept = None  # fit_free_memory looks
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         groups = spec.num_query_groups // lay.tp_g
@@ -321,6 +322,7 @@ class _DecodeState:
         self.pos = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.stream: torch.cuda.Stream | None = None  # warm-ups and captures (``_capture``)
         self.w: GenWeights | None = None
         self.key: tuple | None = None
         self.capture_s = 0.0  # this generate call's
@@ -343,17 +345,26 @@ class _DecodeState:
 
     def _capture(self, b: int, kv: int) -> None:
         t0 = time.perf_counter()
+        # one stream for every warm-up and capture of this state: the allocator reuses a freed block only on
+        # the stream that freed it, so the graphs sharing ``pool`` share its memory (as torch.cuda.graph's one
+        # default capture stream does)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        side = self.stream
+        # capture_begin/end, not ``torch.cuda.graph``: its __enter__ empties the caching allocator, which
+        # unmaps the pages the update left cached and makes its next step map them again (H200, 0.5B GRPO:
+        # ~0.4 s of a 4.5 s step; benchmarks/results/2026-12-04-h200-session17/README.md). A capture cannot
+        # take the allocator's cached blocks (it does not release them while capturing), so where the driver
+        # has less than the cache plan's headroom free, they go back first, as torch.cuda.graph would do.
+        if torch.cuda.mem_get_info(self.cache.data.device)[0] < HEADROOM:
+            torch.cuda.empty_cache()
         # warm-up outside the capture (library handles, kernel choice); it rewrites the keys/values the
         # replay writes next, from the same inputs
-        side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._eager(b, kv)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # capture_begin/end, not ``torch.cuda.graph``: its __enter__ empties the caching allocator, which
-        # unmaps the pages the update left cached and makes its next step map them again (H200, 0.5B GRPO:
-        # ~0.4 s of a 4.5 s step; benchmarks/results/2026-12-04-h200-session17/README.md)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             graph.capture_begin(*(() if self.pool is None else (self.pool,)))

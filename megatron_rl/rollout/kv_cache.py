@@ -76,21 +76,25 @@ def plan_cache(
     return CachePlan(slots=min(slots, budget // max_len), max_len=max_len, bytes_per_token=per_token)
 
 
-_HEADROOM = 3 << 29  # 1.5 GiB left free beside the cache: logits, sampling buffers, CUDA-graph pools
+# 1.5 GiB left free at the driver beside the cache: logits, sampling buffers, CUDA-graph pools. The engine
+# no longer empties the allocator's cache every step, so this is what a graph capture can count on (the
+# allocator does not release cached blocks while capturing); ``_DecodeState._capture`` empties it first
+# where less than this is free.
+HEADROOM = 3 << 29
 
 
 def fits_free(plan: CachePlan, free: int) -> bool:
-    """Whether ``plan``'s cache fits ``free`` device bytes with ``_HEADROOM`` beside it."""
-    return plan.bytes <= free - _HEADROOM
+    """Whether ``plan``'s cache fits ``free`` device bytes with ``HEADROOM`` beside it."""
+    return plan.bytes <= free - HEADROOM
 
 
 def fit_free_memory(plan: CachePlan, free: int, held: int) -> tuple[CachePlan, str | None]:
-    """``plan``, or the slots that fit ``free`` device bytes (less ``_HEADROOM``) when its cache does not,
+    """``plan``, or the slots that fit ``free`` device bytes (less ``HEADROOM``) when its cache does not,
     with a note saying so; ``held``: bytes the caching allocator keeps in partly used blocks (they cannot
     take one large tensor). The memory plan counts bytes, not where they lie: on an H200 at the
     Llama-3.1-8B shape it planned 421 slots (39.5 GiB) while 37.5 GiB was free and 9.9 GiB was held in
     fragments, and the allocation died. Fewer slots decode the batch in more waves; the same tokens."""
-    room = free - _HEADROOM
+    room = free - HEADROOM
     per_slot = plan.max_len * plan.bytes_per_token
     if fits_free(plan, free) or room < per_slot:  # fits, or not even one slot: the allocation reports it
         return plan, None

@@ -375,7 +375,7 @@ def test_fixed_rows_whole_calls_run_batched_only_after_trials_gave_the_separate_
     assert torch.equal(bi.fixed_rows_matmul(x5, w, rows=64), _separate_calls(x5, w, None))  # no second try
 
 
-def test_fixed_rows_weight_with_bias_runs_batched_only_where_enabled_and_returns_the_addmm_bits(monkeypatch):
+def test_fixed_rows_weight_with_bias_runs_batched_only_where_enabled_and_as_its_trials_decide(monkeypatch):
     """A weight with a bias (qkv) takes the separate addmm calls off CUDA (here) in every batching mode;
     where batching a bias is enabled (forced onto the CPU here) its batched call is the fp32-result bmm
     plus the bias rounded once, tried like any other: until its trials agreed fixed_rows_matmul returns the
