@@ -52,8 +52,8 @@ def test_tp2_pp2_learns(tmp_path, algorithm):
         f"algorithm={algorithm}",
         "parallel.tensor_model_parallel_size=2",
         "parallel.pipeline_model_parallel_size=2",
-        "trainer.total_training_steps=40",
-        "trainer.test_freq=40",
+        "trainer.total_training_steps=30",  # validation score at step 30 (CPU, session 17): ppo 0.75, grpo 0.53
+        "trainer.test_freq=30",
         nproc=4,
     )
     _assert_learns(rows, 0.2, 0.4)
