@@ -75,14 +75,16 @@ class EngineConfig:
     prompt_kv_sharing: bool = _ROLLOUT.prompt_kv_sharing
     # keep the KV cache and the captured decode graphs between generate calls: the next call skips the
     # allocation and the capture (while the weights stay where they are), but the cache's memory stays
-    # taken during training
-    keep_cache: bool = _ROLLOUT.keep_cache
+    # taken during training. "auto" is the memory plan's to resolve; unresolved (no plan ran) it is off
+    keep_cache: bool | str = _ROLLOUT.keep_cache
     # batch-invariant prefill/decode and log-probs: the trainer's exact recompute gives the same bits
     exact_logprobs: bool = _ROLLOUT.exact_logprobs
 
     def __post_init__(self):
         if self.kv_cache_tokens == 0:  # the config's "sized from the batch"
             object.__setattr__(self, "kv_cache_tokens", None)
+        if self.keep_cache == "auto":
+            object.__setattr__(self, "keep_cache", False)
         check_engine(gpu_memory_utilization=self.gpu_memory_utilization, max_num_seqs=self.max_num_seqs,
                      max_prefill_tokens=self.max_prefill_tokens, kv_cache_tokens=self.kv_cache_tokens)  # fmt: skip
 

@@ -132,6 +132,7 @@ NOTES = {
     "generation_gathered_weights": "other PP stages' layers at the generation TP, generation only",
     "activations": "one actor micro-batch kept for backward (x micro-batches in flight at PP > 1)",
     "logits": "response-position logits and their gradient (model dtype), one micro-batch",
+    "kept_generation": "rollout.keep_cache: the KV cache and the decode graphs' scratch, held through updates",
 }
 
 

@@ -250,11 +250,17 @@ def estimate(cfg: JobConfig, dims: ParallelDims, a: ModelArgs, p: int, budgets: 
         "activations": act["actor"],
         "logits": logit_bytes(cfg, a, dims, p, budgets.get("actor")),
     }
+    # rollout.keep_cache: the cache and the decode graphs' pool (counted as the decode scratch) stay
+    # allocated through the updates
+    mem["kept_generation"] = (
+        mem["kv_cache"] + mem["generation_temporaries"] if cfg.rollout.keep_cache is True else 0.0
+    )
     resident = mem["params"] + mem["optimizer"]
     step_temp = max(s["step_temporaries"] for s in state.values())
-    peaks = {"actor_update": resident + mem["grads"] + max(act["actor"] + mem["logits"], step_temp)}
+    train = resident + mem["grads"] + mem["kept_generation"]
+    peaks = {"actor_update": train + max(act["actor"] + mem["logits"], step_temp)}
     if "critic" in act:
-        peaks["critic_update"] = resident + mem["grads"] + max(act["critic"], step_temp)
+        peaks["critic_update"] = train + max(act["critic"], step_temp)
     away = sum(s["offloaded_while_generating"] for s in state.values())
     gen = mem["generation_gathered_weights"] + mem["kv_cache"] + mem["generation_temporaries"]
     peaks["generation"] = resident - away + gen

@@ -5,7 +5,8 @@ Resolved here: ``actor.ppo_max_token_len_per_gpu`` and ``critic.ppo_max_token_le
 use_dynamic_bsz; the largest whole number of sequences whose training peak fits) and
 ``rollout.max_num_seqs`` (the most KV-cache slots whose generation peak fits; the KV cache,
 ``rollout.kv_cache_tokens``, is then sized for exactly those slots), and ``actor.share_prompts`` /
-``critic.share_prompts`` (``share_choice``; first, since a shared sequence runs fewer tokens). A phase fits when
+``critic.share_prompts`` (``share_choice``; first, since a shared sequence runs fewer tokens), and
+``rollout.keep_cache`` (``_resolve_keep_cache``; last, planning the rest with and without it). A phase fits when
 resident state + 1.15 x what the phase adds on top <= GPU memory - 2 GiB: the memory model is held to
 15% of the measured peak per phase, and the CUDA context, NCCL and allocator slack need the rest.
 """
@@ -13,6 +14,7 @@ resident state + 1.15 x what the phase adds on top <= GPU memory - 2 GiB: the me
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
@@ -227,10 +229,54 @@ def plan(
         if autos:
             raise ConfigError(f"{', '.join(autos)}=auto needs the GPU's memory: run on the GPU, or set "
                               f"trainer.gpu_memory_gb (e.g. 139.8 for an H200) to plan without one.")  # fmt: skip
+        if cfg.rollout.keep_cache == AUTO:  # no GPU to plan for: no graphs to keep, the cache is freed
+            chosen["keep_cache"] = False
         return {"chosen": chosen, "notes": notes}
+    if cfg.rollout.keep_cache != "auto":
+        _resolve_all(cfg, dims, a, p, total, roles, chosen, notes)
+        return {"chosen": chosen, "notes": notes}
+    return _resolve_keep_cache(cfg, dims, a, p, total, roles, chosen, notes)
+
+
+def _resolve_all(cfg, dims, a, p, total, roles, chosen, notes) -> None:
     for role in roles:
         _resolve_budget(cfg, dims, a, p, total, role, chosen, notes)
     _resolve_slots(cfg, dims, a, p, total, chosen, notes)
+
+
+def _micro_batches(cfg: JobConfig, dims: ParallelDims, role: str, p: int, budget) -> int:
+    """Update micro-batches of one mini-batch per rank at token budget ``budget`` (None: the configured)."""
+    seqs = max(1, getattr(cfg, role).ppo_mini_batch_size * cfg.rollout.n // dims.dp)
+    return math.ceil(seqs / micro_shape(cfg, role, p, budget)[0])
+
+
+def _resolve_keep_cache(cfg, dims, a, p, total, roles, chosen, notes) -> dict:
+    """``rollout.keep_cache=auto``: plan without the kept cache, then with it; keep it where the plan with it
+    fits and gives every trained role the same number of update micro-batches (the kept cache then costs
+    the update no step of its own), else plan without it."""
+    off, on = copy.deepcopy(cfg), copy.deepcopy(cfg)
+    off.rollout.keep_cache, on.rollout.keep_cache = False, True
+    c_off, n_off = dict(chosen), dict(notes)
+    _resolve_all(off, dims, a, p, total, roles, c_off, n_off)  # a refusal here is the job's own
+    c_on, n_on = dict(chosen), dict(notes)
+    try:
+        _resolve_all(on, dims, a, p, total, roles, c_on, n_on)
+    except ConfigError:
+        c_on = None
+    counts = {r: (_micro_batches(off, dims, r, p, c_off.get(r)), None if c_on is None else
+                  _micro_batches(on, dims, r, p, c_on.get(r))) for r in roles}  # fmt: skip
+    keep = c_on is not None and all(k == u for k, u in counts.values())
+    chosen, notes = (c_on, n_on) if keep else (c_off, n_off)
+    chosen["keep_cache"] = keep
+    kept_gib = estimate(on, dims, a, p, c_on or c_off)["bytes"]["kept_generation"] / GIB
+    per_role = ", ".join(f"{r} {k}" + ("" if u is None or u == k else f" -> {u}") for r, (k, u) in counts.items())
+    if keep:
+        why = f"the KV cache and decode graphs ({kept_gib:.1f} GiB) fit beside the update: micro-batches {per_role}"
+    elif c_on is None:
+        why = f"the KV cache and decode graphs ({kept_gib:.1f} GiB) do not fit beside the update"
+    else:
+        why = f"kept ({kept_gib:.1f} GiB), they would cost the update micro-batches: {per_role}"
+    notes["rollout.keep_cache"] = f"auto -> {str(keep).lower()} ({why})"
     return {"chosen": chosen, "notes": notes}
 
 
@@ -245,3 +291,5 @@ def apply_plan(cfg: JobConfig, chosen: dict) -> None:
         cfg.rollout.max_num_seqs = chosen["max_num_seqs"]
     if "kv_cache_tokens" in chosen:
         cfg.rollout.kv_cache_tokens = chosen["kv_cache_tokens"]
+    if "keep_cache" in chosen:
+        cfg.rollout.keep_cache = chosen["keep_cache"]

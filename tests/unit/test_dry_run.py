@@ -75,9 +75,8 @@ def test_the_3b_budget_that_died_is_no_longer_called_safe():
     assert "actor.ppo_max_token_len_per_gpu=24576" in msg and "actor.ppo_max_token_len_per_gpu=19968" in msg
     cfg.actor.ppo_max_token_len_per_gpu = 8192  # measured 74.3 GiB: within 15%
     assert estimate(cfg, ONE, a, 256)["peaks"]["actor_update"] / GIB == pytest.approx(74.3, rel=0.15)
-    assert plan(cfg, ONE, a, 256, H200)["chosen"] == {
-        "actor_share_prompts": False
-    }  # no auto budget: none chosen
+    # no auto budget: none chosen; at 8192 tokens the kept KV cache and graphs fit beside the update
+    assert plan(cfg, ONE, a, 256, H200)["chosen"] == {"actor_share_prompts": False, "keep_cache": True}
 
 
 def test_auto_picks_the_largest_budget_and_slots_that_fit():
@@ -357,3 +356,43 @@ def test_share_prompts_takes_true_false_or_auto():
         cfg.actor.share_prompts = bad
         with pytest.raises(ConfigError, match=f"actor.share_prompts={bad!r}: use true, false or auto"):
             validate_job(cfg, 1)
+
+
+def test_keep_cache_auto_keeps_the_cache_only_where_the_update_keeps_its_micro_batches():
+    """rollout.keep_cache=auto: kept where the plan with the cache held through the update (its bytes in the
+    update peak) gives the same number of update micro-batches as without; else freed, and the budget is the
+    one planned without it. An explicit true counts the cache in the update (a budget that no longer fits
+    is refused), false and auto without a GPU do not."""
+    def planned(shape, total, keep="auto"):
+        cfg, a = grpo("auto", shape)
+        cfg.rollout.max_num_seqs, cfg.actor.share_prompts, cfg.rollout.keep_cache = "auto", True, keep
+        return cfg, a, plan(copy.deepcopy(cfg), ONE, a, 256, total)
+
+    cfg, a, small = planned("qwen2.5-0.5b", H200)
+    _, _, off = planned("qwen2.5-0.5b", H200, keep=False)
+    assert small["chosen"]["keep_cache"] is True and "keep_cache" not in off["chosen"]
+    assert "auto -> true" in small["notes"]["rollout.keep_cache"]
+    # with the cache counted the budget is smaller, but both split the 512 sequences into 4 micro-batches
+    assert small["chosen"]["actor"] < off["chosen"]["actor"]
+    for budget in (small["chosen"]["actor"], off["chosen"]["actor"]):
+        assert -(-512 // micro_shape(cfg, "actor", 256, budget)[0]) == 4
+    kept = copy.deepcopy(cfg)
+    apply_plan(kept, small["chosen"])
+    assert kept.rollout.keep_cache is True
+    b = estimate(kept, ONE, a, 256)
+    assert b["bytes"]["kept_generation"] == b["bytes"]["kv_cache"] + b["bytes"]["generation_temporaries"] > 5 * GIB
+    kept.rollout.keep_cache = False
+    freed = estimate(kept, ONE, a, 256)
+    assert b["peaks"]["actor_update"] - freed["peaks"]["actor_update"] == b["bytes"]["kept_generation"]
+    assert b["peaks"]["generation"] == freed["peaks"]["generation"]
+
+    cfg, a, big = planned("qwen2.5-3b", H200)  # 15 GiB kept would cost the update 16 -> 22 micro-batches
+    _, _, big_off = planned("qwen2.5-3b", H200, keep=False)
+    assert big["chosen"]["keep_cache"] is False and big["chosen"]["actor"] == big_off["chosen"]["actor"]
+    assert "16 -> 22" in big["notes"]["rollout.keep_cache"]
+    assert "do not fit" in planned("qwen2.5-3b", 80 * GIB)[2]["notes"]["rollout.keep_cache"]
+    cfg.rollout.keep_cache, cfg.actor.ppo_max_token_len_per_gpu = True, big_off["chosen"]["actor"]
+    with pytest.raises(ConfigError, match="actor.ppo_max_token_len_per_gpu"):
+        plan(cfg, ONE, a, 256, H200)  # true: the cache counted, the budget planned without it refused
+    cfg.rollout.keep_cache, cfg.actor.ppo_max_token_len_per_gpu, cfg.rollout.max_num_seqs = "auto", 8192, 512
+    assert plan(cfg, ONE, a, 256, None)["chosen"]["keep_cache"] is False  # no GPU to plan: not kept
