@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_rl.kernels import logprob as logprob_kernel
 from megatron_rl.kernels.compile import compile_rows_dynamic, probe
 
 
@@ -175,15 +176,21 @@ class _FusedLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, temperature, group, vocab_size, chunk):
         n_rows, v_local = logits.shape
-        if _compiled_ok(logits):  # fused kernels keep no temporaries: one chunk, no copies
-            chunk = max(n_rows, 1)
         start = 0 if group is None else dist.get_rank(group) * v_local
         valid = v_local if vocab_size is None else max(0, min(v_local, vocab_size - start))
         local = target - start
         inside = (local >= 0) & (local < v_local)
         local = torch.where(inside, local, 0)
-        k_max, k_sums, _ = _kernels(logits)
         dtype = torch.promote_types(logits.dtype, torch.float32)
+        ctx.triton = logprob_kernel.usable(logits)
+        if ctx.triton:  # one read of the logits for all three statistics (kernels.logprob)
+            zmax, sums = _triton_stats(logits, local, inside, temperature, valid, group)
+            return _finish_forward(
+                ctx, logits, local, inside, zmax, sums, (temperature, valid, n_rows), dtype
+            )
+        if _compiled_ok(logits):  # fused kernels keep no temporaries: one chunk, no copies
+            chunk = max(n_rows, 1)
+        k_max, k_sums, _ = _kernels(logits)
         zmax = torch.empty(n_rows, dtype=dtype, device=logits.device)
         sums = torch.empty(3, n_rows, dtype=dtype, device=logits.device)
         for s in range(0, n_rows, chunk):
@@ -195,19 +202,21 @@ class _FusedLogProbEntropy(torch.autograd.Function):
             for i, o in enumerate(out):
                 sums[i, e] = o
         _all_reduce(sums, dist.ReduceOp.SUM, group)  # sum of exps, sum of exp * shifted, target logit
-        log_sum_exp = sums[0].log()
-        expected = sums[1] / sums[0]
-        ctx.save_for_backward(logits, local, inside, zmax, log_sum_exp, expected)
-        ctx.cfg = (temperature, valid, chunk)
-        return (sums[2] - log_sum_exp).to(dtype), (log_sum_exp - expected).to(dtype)
+        return _finish_forward(ctx, logits, local, inside, zmax, sums, (temperature, valid, chunk), dtype)
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         logits, local, inside, zmax, log_sum_exp, expected = ctx.saved_tensors
         temperature, valid, chunk = ctx.cfg
         zeros = torch.zeros_like(zmax)
-        g_lp = zeros if g_lp is None else g_lp.to(zeros.dtype)
-        g_ent = zeros if g_ent is None else g_ent.to(zeros.dtype)
+        g_lp = zeros if g_lp is None else g_lp.to(zeros.dtype).contiguous()
+        g_ent = zeros if g_ent is None else g_ent.to(zeros.dtype).contiguous()
+        if ctx.triton:
+            local = torch.where(inside, local, -1)  # -1: the target is in another rank's shard
+            grad = logprob_kernel.grad(
+                logits, zmax, log_sum_exp, expected, local, g_lp, g_ent, temperature, valid
+            )
+            return grad, None, None, None, None, None
         _, _, k_grad = _kernels(logits)
         if chunk >= logits.shape[0]:
             args = (zmax, log_sum_exp, expected, local, inside, g_lp, g_ent, temperature, valid)
@@ -218,6 +227,27 @@ class _FusedLogProbEntropy(torch.autograd.Function):
             grad[e] = k_grad(logits[e], zmax[e], log_sum_exp[e], expected[e], local[e], inside[e],
                              g_lp[e], g_ent[e], temperature, valid)  # fmt: skip
         return grad, None, None, None, None, None
+
+
+def _triton_stats(logits, local, inside, temperature: float, valid: int, group) -> tuple[Tensor, Tensor]:
+    """The global max [N] and the three all-reduced sums [3, N] of ``_FusedLogProbEntropy.forward`` from the
+    Triton row statistics: this shard's (max, sums relative to it), moved to the global max and summed."""
+    m, s, t = logprob_kernel.row_stats(logits, temperature, valid)
+    zmax = _all_reduce(m.clone(), dist.ReduceOp.MAX, group)
+    zmax = torch.where(zmax == float("-inf"), 0.0, zmax)  # a row with no valid column on any rank
+    s, t = logprob_kernel.combine(m[:, None], s[:, None], t[:, None], zmax)
+    picked = logits.gather(-1, local[:, None])[:, 0].float() / temperature - zmax
+    sums = torch.stack([s, t, torch.where(inside, picked, 0.0)])
+    return zmax, _all_reduce(sums, dist.ReduceOp.SUM, group)
+
+
+def _finish_forward(ctx, logits, local, inside, zmax, sums, cfg, dtype) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropy [N] from the global max and sums; saves what backward reads."""
+    log_sum_exp = sums[0].log()
+    expected = sums[1] / sums[0]
+    ctx.save_for_backward(logits, local, inside, zmax, log_sum_exp, expected)
+    ctx.cfg = cfg
+    return (sums[2] - log_sum_exp).to(dtype), (log_sum_exp - expected).to(dtype)
 
 
 def vocab_parallel_log_probs_and_entropy(

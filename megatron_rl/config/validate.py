@@ -94,7 +94,7 @@ def _check_rollout(cfg: JobConfig, training: bool) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if r.keep_cache != "auto" and not isinstance(r.keep_cache, bool):
-        raise ConfigError(f"rollout.keep_cache={r.keep_cache!r}: use true, false or auto.")
+        raise ConfigError(f"rollout.keep_cache={r.keep_cache}: use true, false or auto.")
     if training and r.temperature == 0:
         warnings.warn(
             "rollout.temperature=0: greedy rollouts. Rollout and training log-probs are scored at temperature "

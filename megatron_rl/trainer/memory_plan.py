@@ -269,7 +269,9 @@ def _resolve_keep_cache(cfg, dims, a, p, total, roles, chosen, notes) -> dict:
     chosen, notes = (c_on, n_on) if keep else (c_off, n_off)
     chosen["keep_cache"] = keep
     kept_gib = estimate(on, dims, a, p, c_on or c_off)["bytes"]["kept_generation"] / GIB
-    per_role = ", ".join(f"{r} {k}" + ("" if u is None or u == k else f" -> {u}") for r, (k, u) in counts.items())
+    per_role = ", ".join(
+        f"{r} {k}" + ("" if u is None or u == k else f" -> {u}") for r, (k, u) in counts.items()
+    )
     if keep:
         why = f"the KV cache and decode graphs ({kept_gib:.1f} GiB) fit beside the update: micro-batches {per_role}"
     elif c_on is None:

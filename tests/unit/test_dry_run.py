@@ -363,6 +363,7 @@ def test_keep_cache_auto_keeps_the_cache_only_where_the_update_keeps_its_micro_b
     update peak) gives the same number of update micro-batches as without; else freed, and the budget is the
     one planned without it. An explicit true counts the cache in the update (a budget that no longer fits
     is refused), false and auto without a GPU do not."""
+
     def planned(shape, total, keep="auto"):
         cfg, a = grpo("auto", shape)
         cfg.rollout.max_num_seqs, cfg.actor.share_prompts, cfg.rollout.keep_cache = "auto", True, keep
@@ -380,7 +381,11 @@ def test_keep_cache_auto_keeps_the_cache_only_where_the_update_keeps_its_micro_b
     apply_plan(kept, small["chosen"])
     assert kept.rollout.keep_cache is True
     b = estimate(kept, ONE, a, 256)
-    assert b["bytes"]["kept_generation"] == b["bytes"]["kv_cache"] + b["bytes"]["generation_temporaries"] > 5 * GIB
+    assert (
+        b["bytes"]["kept_generation"]
+        == b["bytes"]["kv_cache"] + b["bytes"]["generation_temporaries"]
+        > 5 * GIB
+    )
     kept.rollout.keep_cache = False
     freed = estimate(kept, ONE, a, 256)
     assert b["peaks"]["actor_update"] - freed["peaks"]["actor_update"] == b["bytes"]["kept_generation"]

@@ -21,7 +21,7 @@ def test_engine_and_sampling_defaults_are_the_schemas():
             got, want = getattr(params, name), getattr(schema, name)
             if name == "kv_cache_tokens":  # the schema's 0 ("sized from the batch") is the engine's None
                 got = 0 if got is None else got
-            if name == "keep_cache":  # the schema's auto is the memory plan's; the engine's unresolved auto: off
+            if name == "keep_cache":  # the schema's auto is resolved by the memory plan; unresolved: off
                 assert want == "auto" and got is False
                 continue
             assert got == (tuple(want) if isinstance(want, list) else want), name

@@ -4,7 +4,8 @@
    batch, including GRPO groups with one sample on each of four ranks.
 2. Gradients: a tiny float64 policy/value model trained on the same global batch at DP=1/2/4 with 1 or 4
    micro-batches (grads summed over DP) gets the single-process gradients, for every aggregation mode.
-3. Vocab-parallel log-probs and entropy at TP=2 equal the full-vocabulary values, gradients too.
+3. Vocab-parallel log-probs and entropy at TP=2 equal the full-vocabulary values, gradients too (the fused
+   function also with the Triton kernels of kernels.logprob, under the interpreter).
 4. Metrics reduced across DP: weighted mean, sum, max, min.
 5. DAPO dynamic sampling: the group filter with groups straddling ranks equals the single-process one;
    a DP=2 fill where one rank needs an extra round runs that round on both ranks (SPMD), each rank
@@ -33,6 +34,7 @@ from megatron_rl.algos import (
 )
 from megatron_rl.algos.collective import informative_groups_dp
 from megatron_rl.algos.dapo import informative_groups
+from megatron_rl.kernels import logprob as logprob_kernel
 from megatron_rl.rollout.batch import RolloutBatch
 from megatron_rl.trainer.dynamic_sampling import fill_with_informative_groups
 
@@ -279,14 +281,20 @@ def check_vocab_parallel(tp_group, tp_rank: int, tp: int) -> None:
             assert_close(ent, want_ent, atol, f"{msg} entropy")
             assert_close(shard.grad, full.grad.chunk(tp, -1)[tp_rank], atol, f"{msg} grad")
 
-            fused = logits.chunk(tp, -1)[tp_rank].clone().requires_grad_(True)
-            logp, ent = vocab_parallel_log_probs_and_entropy(
-                fused, targets, tp_group=tp_group, temperature=temperature, chunk_tokens=4
-            )
-            (weights[0] * logp + weights[1] * ent).sum().backward()
-            assert_close(logp, want_logp, atol, f"{msg} fused logp")
-            assert_close(ent, want_ent, atol, f"{msg} fused entropy")
-            assert_close(fused.grad, full.grad.chunk(tp, -1)[tp_rank], atol, f"{msg} fused grad")
+            # the fused function, eager passes and (fp32: what the kernels take) kernels.logprob's Triton
+            # kernels under the interpreter: each shard's statistics combined over the TP ranks
+            for triton_on in (False, True) if dtype == torch.float32 else (False,):
+                logprob_kernel.RUN_ON_CPU = triton_on
+                fused = logits.chunk(tp, -1)[tp_rank].clone().requires_grad_(True)
+                logp, ent = vocab_parallel_log_probs_and_entropy(
+                    fused, targets, tp_group=tp_group, temperature=temperature, chunk_tokens=4
+                )
+                (weights[0] * logp + weights[1] * ent).sum().backward()
+                m = f"{msg} fused{' triton' if triton_on else ''}"
+                assert_close(logp, want_logp, atol * (10 if triton_on else 1), f"{m} logp")
+                assert_close(ent, want_ent, atol * (10 if triton_on else 1), f"{m} entropy")
+                assert_close(fused.grad, full.grad.chunk(tp, -1)[tp_rank], atol, f"{m} grad")
+            logprob_kernel.RUN_ON_CPU = False
 
 
 def check_metrics(rank: int, world: int) -> None:

@@ -1,0 +1,157 @@
+"""The trainer's log-prob and entropy kernels over a vocab shard of logits [N, V/tp] as two Triton passes:
+forward reads each row once for its statistics (max, sum of exps, sum of exp x shifted logit), backward
+reads it once more and writes the gradient in the logits' dtype.
+
+Why not the compiled passes of ``algos.vocab_parallel`` (which remain the fallback): a micro-batch's logits
+hold more than 2^31 elements (32,768 response rows x 151,936 ids at 0.5B), so inductor indexes them in
+int64, and the GPU emulates 64-bit integer division. Measured on an H200 (session 18, the update of 64
+sequences of the 0.5B GRPO step): the compiled gradient took 13.7 ms where writing bf16 and reading bf16
+takes ~4.2 ms at the HBM rate, and the forward read the logits twice (max, then sums: 5.8 ms). Here a row's
+offset is int64 once and its columns int32.
+
+Statistics per row, fp32, relative to the row's own max ``m`` over the valid columns (local index <
+``valid``, the rest are vocab padding): ``s = sum exp(z - m)`` and ``t = sum exp(z - m) (z - m)`` with ``z =
+x / temperature``. ``combine`` merges such triples over parts of a row (the vocab splits of one row here,
+the TP ranks' shards in ``algos.vocab_parallel``) exactly as a softmax over the whole row would: the
+entropy is ``log s - t / s`` and a log-prob ``z_target - m - log s``.
+
+Runs on CUDA where Triton is installed (``MEGATRON_RL_TRITON_LOGPROB=0`` turns it off); tests run it on
+CPU under Triton's interpreter (``RUN_ON_CPU``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # CPU-only installs without triton: the compiled or eager passes serve
+    HAVE_TRITON = False
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _stats_kernel(x_ptr, m_ptr, s_ptr, t_ptr, stride, valid, chunk, temperature, splits: tl.constexpr,
+                      block: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        part = tl.program_id(1)
+        base = x_ptr + row.to(tl.int64) * stride
+        lane = tl.arange(0, block)
+        m = tl.full([block], float("-inf"), tl.float32)  # per lane: running max of z
+        s = tl.zeros([block], tl.float32)  # per lane: sum of exp(z - m)
+        t = tl.zeros([block], tl.float32)  # per lane: sum of exp(z - m) (z - m)
+        start = part * chunk
+        end = tl.minimum(start + chunk, valid)
+        for off in range(start, end, block):  # lanes only: no cross-lane reduction inside the loop
+            cols = off + lane
+            live = cols < end
+            z = tl.load(base + cols, mask=live, other=float("-inf")).to(tl.float32) / temperature
+            m_new = tl.maximum(m, z)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            shift = tl.where(m == float("-inf"), 0.0, m - m_safe)  # old max to new; 0 for an empty lane
+            scale = tl.exp(shift)
+            e = tl.exp(z - m_safe)
+            t = scale * (t + s * shift) + e * tl.where(live, z - m_safe, 0.0)  # a dead lane: 0 * 0, no nan
+            s = scale * s + e
+            m = m_new
+        row_m = tl.max(m, 0)
+        m_safe = tl.where(row_m == float("-inf"), 0.0, row_m)
+        shift = tl.where(m == float("-inf"), 0.0, m - m_safe)
+        scale = tl.exp(shift)  # lanes that saw no live value hold s = t = 0
+        out = row * splits + part
+        tl.store(m_ptr + out, row_m)
+        tl.store(s_ptr + out, tl.sum(scale * s, 0))
+        tl.store(t_ptr + out, tl.sum(scale * (t + s * shift), 0))
+
+    @triton.jit
+    def _grad_kernel(x_ptr, g_ptr, zmax_ptr, lse_ptr, exp_ptr, local_ptr, glp_ptr, gent_ptr, stride, g_stride,
+                     width, valid, temperature, block: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * block + tl.arange(0, block)
+        inside = cols < width
+        live = cols < valid
+        z = (
+            tl.load(x_ptr + row.to(tl.int64) * stride + cols, mask=live, other=0.0).to(tl.float32)
+            / temperature
+        )
+        shifted = z - tl.load(zmax_ptr + row)
+        p = tl.exp(shifted - tl.load(lse_ptr + row))
+        g_lp = tl.load(glp_ptr + row)
+        g = p * ((tl.load(exp_ptr + row) - shifted) * tl.load(gent_ptr + row) - g_lp)
+        g = g + tl.where(cols == tl.load(local_ptr + row), g_lp, 0.0)  # local = -1: target in another shard
+        g = tl.where(live, g / temperature, 0.0)
+        tl.store(g_ptr + row.to(tl.int64) * g_stride + cols, g.to(g_ptr.dtype.element_ty), mask=inside)
+
+
+# Tests run the kernels on CPU under Triton's interpreter: TRITON_INTERPRET=1 must be set before triton
+# is first imported (tests/conftest.py) and this flag turned on.
+RUN_ON_CPU = False
+ON_CUDA = os.environ.get("MEGATRON_RL_TRITON_LOGPROB", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def usable(logits: Tensor) -> bool:
+    """Whether the kernels run for logits [N, V]: Triton importable, bf16/fp16/fp32 on CUDA with ``ON_CUDA``
+    (or CPU with ``RUN_ON_CPU``), unit stride over the vocab."""
+    dev = logits.device.type
+    return (
+        HAVE_TRITON
+        and ((ON_CUDA and dev == "cuda") or (RUN_ON_CPU and dev == "cpu"))
+        and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and logits.dim() == 2
+        and logits.stride(-1) == 1
+    )
+
+
+def combine(m: Tensor, s: Tensor, t: Tensor, top: Tensor) -> tuple[Tensor, Tensor]:
+    """Parts' triples (``m``, ``s``, ``t``, each [..., parts]) -> ``s`` and ``t`` of the whole row relative
+    to ``top`` [...], the max over all its parts (>= every part's ``m``). A part with no valid column has
+    ``m = -inf`` and ``s = t = 0``."""
+    shift = torch.where(m == float("-inf"), 0.0, m - top[..., None])
+    scale = shift.exp()
+    return (scale * s).sum(-1), (scale * (t + s * shift)).sum(-1)
+
+
+def splits_for(rows: int, target_programs: int = 2048, most: int = 32) -> int:
+    """Programs per row (a power of two) so that about ``target_programs`` run, one per row from there."""
+    return max(1, min(most, triton.next_power_of_2(max(1, target_programs // max(rows, 1)))))
+
+
+def row_stats(
+    logits: Tensor, temperature: float, valid: int, block: int = 2048, num_warps: int = 8
+) -> tuple[Tensor, Tensor, Tensor]:
+    """logits [N, V/tp] -> (m, s, t), each [N] fp32, over the columns < ``valid`` (see the module doc)."""
+    rows, width = logits.shape
+    splits = splits_for(rows)
+    chunk = triton.cdiv(triton.cdiv(max(valid, 1), splits), block) * block  # splits start on block bounds
+    part = torch.empty(3, rows, splits, dtype=torch.float32, device=logits.device)
+    if rows:
+        _stats_kernel[(rows, splits)](logits, part[0], part[1], part[2], logits.stride(0), valid, chunk,
+                                      float(temperature), splits=splits, block=block, num_warps=num_warps)  # fmt: skip
+    m = part[0].amax(-1)
+    top = torch.where(m == float("-inf"), 0.0, m)
+    s, t = combine(part[0], part[1], part[2], top)
+    return m, s, t
+
+
+def grad(
+    logits: Tensor, zmax: Tensor, lse: Tensor, expected: Tensor, local: Tensor, g_lp: Tensor, g_ent: Tensor,
+    temperature: float, valid: int, block: int = 2048, num_warps: int = 8,
+) -> Tensor:  # fmt: skip
+    """d(lp . g_lp + ent . g_ent) / d logits in the logits' dtype, from the row statistics relative to the
+    global max ``zmax`` (``lse`` = log sum exp(z - zmax), ``expected`` = E_p[z - zmax]); ``local`` [N] the
+    target's column in this shard or -1; all [N] fp32 except ``local`` (int64). Padding columns get 0."""
+    rows, width = logits.shape
+    out = torch.empty_like(logits)
+    if rows:
+        _grad_kernel[(rows, triton.cdiv(width, block))](
+            logits, out, zmax, lse, expected, local, g_lp, g_ent, logits.stride(0), out.stride(0), width, valid,
+            float(temperature), block=block, num_warps=num_warps,
+        )  # fmt: skip
+    return out
