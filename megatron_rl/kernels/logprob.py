@@ -7,7 +7,9 @@ hold more than 2^31 elements (32,768 response rows x 151,936 ids at 0.5B), so in
 int64, and the GPU emulates 64-bit integer division. Measured on an H200 (session 18, the update of 64
 sequences of the 0.5B GRPO step): the compiled gradient took 13.7 ms where writing bf16 and reading bf16
 takes ~4.2 ms at the HBM rate, and the forward read the logits twice (max, then sums: 5.8 ms). Here a row's
-offset is int64 once and its columns int32 (``bench_update_kernels.py``: backward 12.5 -> 6.1 ms there).
+offset is int64 once and its columns int32. Measured there (``bench_update_kernels.py``, 32,768 rows):
+forward + backward 18.4 -> 11.5 ms (backward 12.5 -> 6.1 ms, 69% of the HBM rate; forward 5.9 -> 5.4 ms, 38%:
+two exps per element, the per-lane rescale, bound it).
 
 Statistics per row, fp32, relative to the row's own max ``m`` over the valid columns (local index <
 ``valid``, the rest are vocab padding): ``s = sum exp(z - m)`` and ``t = sum exp(z - m) (z - m)`` with ``z =
@@ -26,6 +28,8 @@ import os
 import torch
 from torch import Tensor
 
+from megatron_rl.kernels.compile import trial_once
+
 try:
     import triton
     import triton.language as tl
@@ -40,35 +44,35 @@ if HAVE_TRITON:
     @triton.jit
     def _stats_kernel(x_ptr, m_ptr, s_ptr, t_ptr, stride, valid, chunk, temperature, splits: tl.constexpr,
                       block: tl.constexpr):  # fmt: skip
-        # One exp per element: each block's max (a cross-lane reduction) moves the running max, so a
-        # block rescales the row's two scalars once instead of every lane's sums (two exps per element:
-        # measured 38% of the HBM rate on an H200 against ~65% for this).
         row = tl.program_id(0)
         part = tl.program_id(1)
         base = x_ptr + row.to(tl.int64) * stride
         lane = tl.arange(0, block)
-        none = tl.full([block], float("-inf"), tl.float32)
-        m = tl.max(none, 0)  # running max of z over this part (an fp32 scalar, as the loop assigns)
-        s = tl.sum(tl.zeros([block], tl.float32), 0)  # sum of exp(z - m)
-        t = tl.sum(tl.zeros([block], tl.float32), 0)  # sum of exp(z - m) (z - m)
+        m = tl.full([block], float("-inf"), tl.float32)  # per lane: running max of z
+        s = tl.zeros([block], tl.float32)  # per lane: sum of exp(z - m)
+        t = tl.zeros([block], tl.float32)  # per lane: sum of exp(z - m) (z - m)
         start = part * chunk
         end = tl.minimum(start + chunk, valid)
-        for off in range(start, end, block):
+        for off in range(start, end, block):  # lanes only: no cross-lane reduction inside the loop
             cols = off + lane
             live = cols < end
             z = tl.load(base + cols, mask=live, other=float("-inf")).to(tl.float32) / temperature
-            m_new = tl.maximum(m, tl.max(z, 0))
+            m_new = tl.maximum(m, z)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            shift = tl.where(m == float("-inf"), 0.0, m - m_safe)  # old max to new; 0 before any value
+            shift = tl.where(m == float("-inf"), 0.0, m - m_safe)  # old max to new; 0 for an empty lane
             scale = tl.exp(shift)
             e = tl.exp(z - m_safe)
-            t = scale * (t + s * shift) + tl.sum(e * tl.where(live, z - m_safe, 0.0), 0)  # dead lanes: 0
-            s = scale * s + tl.sum(e, 0)
+            t = scale * (t + s * shift) + e * tl.where(live, z - m_safe, 0.0)  # a dead lane: 0 * 0, no nan
+            s = scale * s + e
             m = m_new
+        row_m = tl.max(m, 0)
+        m_safe = tl.where(row_m == float("-inf"), 0.0, row_m)
+        shift = tl.where(m == float("-inf"), 0.0, m - m_safe)
+        scale = tl.exp(shift)  # lanes that saw no live value hold s = t = 0
         out = row * splits + part
-        tl.store(m_ptr + out, m)
-        tl.store(s_ptr + out, s)
-        tl.store(t_ptr + out, t)
+        tl.store(m_ptr + out, row_m)
+        tl.store(s_ptr + out, tl.sum(scale * s, 0))
+        tl.store(t_ptr + out, tl.sum(scale * (t + s * shift), 0))
 
     @triton.jit
     def _grad_kernel(x_ptr, g_ptr, zmax_ptr, lse_ptr, exp_ptr, local_ptr, glp_ptr, gent_ptr, stride, g_stride,
@@ -98,7 +102,8 @@ ON_CUDA = os.environ.get("MEGATRON_RL_TRITON_LOGPROB", "1").strip().lower() not 
 
 def usable(logits: Tensor) -> bool:
     """Whether the kernels run for logits [N, V]: Triton importable, bf16/fp16/fp32 on CUDA with ``ON_CUDA``
-    (or CPU with ``RUN_ON_CPU``), unit stride over the vocab."""
+    (or CPU with ``RUN_ON_CPU``), unit stride over the vocab, and both kernels ran once on a small input of
+    that device and dtype (a failure warns once and the compiled passes serve from then on)."""
     dev = logits.device.type
     return (
         HAVE_TRITON
@@ -106,7 +111,23 @@ def usable(logits: Tensor) -> bool:
         and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and logits.dim() == 2
         and logits.stride(-1) == 1
+        and trial_once(
+            f"{PROBE} ({dev}, {logits.dtype})",
+            lambda: _trial(logits.device, logits.dtype),
+            "The Triton log-prob kernels failed their trial; the update's log-probs run on the compiled "
+            "passes (slower, same results).",
+        )
     )
+
+
+PROBE = "the Triton log-prob kernels"
+
+
+def _trial(device, dtype) -> None:
+    x = torch.randn(2, 300, device=device).to(dtype)
+    one = torch.ones(2, device=device)
+    m, s, t = row_stats(x, 1.0, 290)
+    grad(x, m, s.log(), t / s, torch.zeros(2, dtype=torch.long, device=device), one, one, 1.0, 290)
 
 
 def combine(m: Tensor, s: Tensor, t: Tensor, top: Tensor) -> tuple[Tensor, Tensor]:

@@ -13,7 +13,11 @@ from megatron_rl.kernels import logprob as kernel  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _on_cpu(monkeypatch):
+    from megatron_rl.kernels import compile as kc
+
     monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
+    monkeypatch.setattr(kc, "_PROBED", set())
+    monkeypatch.setattr(kc, "_FAILED", {})
     monkeypatch.setenv("MEGATRON_RL_COMPILE", "0")  # the other path: the eager passes
 
 
@@ -94,3 +98,23 @@ def test_fused_log_probs_entropy_and_gradients_equal_the_eager_passes(monkeypatc
     lp, ent = vp.vocab_parallel_log_probs_and_entropy(x, targets[:, :0], vocab_size=290)
     (lp.sum() + ent.sum()).backward()
     assert lp.shape == (2, 0) and x.grad.shape == x.shape
+
+
+def test_kernels_that_fail_their_trial_warn_once_and_the_passes_serve(monkeypatch):
+    """A Triton compile error (another GPU, another Triton) is met at the trial on a small input: a warning
+    naming the cause, then the compiled (here eager) passes with the same results; no second trial."""
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(kernel, "row_stats", broken)
+    logits = torch.randn(1, 6, 40, requires_grad=True)
+    target = torch.randint(0, 40, (1, 6))
+    with pytest.warns(UserWarning, match="no kernel for this GPU"):
+        lp, _ = vp.vocab_parallel_log_probs_and_entropy(logits, target)
+    lp.sum().backward()
+    want = torch.log_softmax(logits.detach(), -1).gather(-1, target[..., None])[..., 0]
+    torch.testing.assert_close(lp, want)
+    assert not kernel.usable(logits[0].detach()) and calls == [1]
