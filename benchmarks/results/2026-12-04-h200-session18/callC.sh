@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Session 18, call C: after the one-exp forward kernel. bench_update_kernels.py again; the 0.5B GRPO step,
-# fixed and spread, before (commit 5e42f90, /tmp/old) and after in this call; 3B fixed and spread after.
+# Session 18, call C (refused: no machine lent; the next session's first call): the landed code as a whole
+# (keep_cache=auto, the Triton log-prob kernels, torch's RMSNorm). bench_update_kernels.py again; the 0.5B
+# GRPO step, fixed and spread, before (commit 5e42f90, /tmp/old: `git archive 5e42f90 | gzip > .carry/old.tgz`)
+# and after in this call; 3B fixed and spread after.
 set -u
 O=$OUT/cC; mkdir -p "$O"
 rm -rf /tmp/old && mkdir -p /tmp/old && tar xzf .carry/old.tgz -C /tmp/old
