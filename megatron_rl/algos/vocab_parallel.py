@@ -236,7 +236,8 @@ def _triton_stats(logits, local, inside, temperature: float, valid: int, group) 
     zmax = _all_reduce(m.clone(), dist.ReduceOp.MAX, group)
     zmax = torch.where(zmax == float("-inf"), 0.0, zmax)  # a row with no valid column on any rank
     s, t = logprob_kernel.combine(m[:, None], s[:, None], t[:, None], zmax)
-    picked = logits.gather(-1, local[:, None])[:, 0].float() / temperature - zmax
+    picked = logits.gather(-1, local[:, None])[:, 0].float() / temperature
+    picked = torch.where(local < valid, picked, _PAD_LOGIT) - zmax  # a padding column: as the eager passes
     sums = torch.stack([s, t, torch.where(inside, picked, 0.0)])
     return zmax, _all_reduce(sums, dist.ReduceOp.SUM, group)
 

@@ -295,6 +295,32 @@ def check_vocab_parallel(tp_group, tp_rank: int, tp: int) -> None:
                 assert_close(ent, want_ent, atol * (10 if triton_on else 1), f"{m} entropy")
                 assert_close(fused.grad, full.grad.chunk(tp, -1)[tp_rank], atol, f"{m} grad")
             logprob_kernel.RUN_ON_CPU = False
+        if dtype == torch.float32:  # vocab padding: rank 0's shard partly valid, the last rank's not at all
+            check_padded_vocab(logits, weights, tp_group, tp_rank, tp, vocab - vocab // tp - 1, gen)
+
+
+def check_padded_vocab(logits, weights, tp_group, tp_rank: int, tp: int, valid: int, gen) -> None:
+    """The fused function over a padded vocabulary (ids >= valid) at TP, eager passes and Triton kernels:
+    the full softmax over the valid ids, gradient 0 on the padding."""
+    targets = torch.randint(0, valid, logits.shape[:2], generator=gen)
+    full = logits[..., :valid].clone().requires_grad_(True)
+    log_softmax = torch.log_softmax(full / 0.7, -1)
+    want_logp = log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    want_ent = -(log_softmax.exp() * log_softmax).sum(-1)
+    (weights[0] * want_logp + weights[1] * want_ent).sum().backward()
+    want_grad = torch.nn.functional.pad(full.grad, (0, logits.shape[-1] - valid)).chunk(tp, -1)[tp_rank]
+    for triton_on in (False, True):
+        logprob_kernel.RUN_ON_CPU = triton_on
+        shard = logits.chunk(tp, -1)[tp_rank].clone().requires_grad_(True)
+        logp, ent = vocab_parallel_log_probs_and_entropy(
+            shard, targets, tp_group=tp_group, temperature=0.7, vocab_size=valid
+        )
+        (weights[0] * logp + weights[1] * ent).sum().backward()
+        msg = f"TP={tp} rank {tp_rank} padded to {valid}{' triton' if triton_on else ''}"
+        assert_close(logp, want_logp, 1e-5, f"{msg} logp")
+        assert_close(ent, want_ent, 1e-5, f"{msg} entropy")
+        assert_close(shard.grad, want_grad, 1e-6, f"{msg} grad")
+    logprob_kernel.RUN_ON_CPU = False
 
 
 def check_metrics(rank: int, world: int) -> None:
