@@ -5,8 +5,9 @@ and the HBM bytes per second they reach, new against what they replace, in one p
   ``kernels.logprob``'s Triton passes against the compiled passes (``MEGATRON_RL_TRITON_LOGPROB`` off),
   bf16 logits of R response rows x 151,936 ids; the largest gap between the two in log-prob, entropy and
   gradient.
-- RMSNorm forward + backward compiled (``compile_rows_dynamic`` of the fp32 formula; tried in session 18 for
-  the trainer's norm and measured slower, not landed) against torch's ``F.rms_norm``, bf16 [N, H].
+- RMSNorm forward + backward against torch's ``F.rms_norm``, bf16 [N, H]: compiled (``compile_rows_dynamic``
+  of the fp32 formula; tried in session 18 for the trainer's norm, measured 3.3x slower, not landed) and
+  ``kernels.rmsnorm``'s Triton backward (torch's forward; off by default until measured here).
 
 Run: ``python benchmarks/bench_update_kernels.py --out $OUT/update_kernels.json`` (CUDA).
 """
@@ -22,6 +23,7 @@ from _timing import timed_us  # benchmarks/, the script's folder
 
 from megatron_rl.algos import vocab_parallel as vp
 from megatron_rl.kernels import logprob as logprob_kernel
+from megatron_rl.kernels import rmsnorm as rmsnorm_kernel
 from megatron_rl.kernels.compile import compile_rows_dynamic
 
 HBM = 4.8e12
@@ -93,16 +95,19 @@ def rmsnorm_case(rows: int, hidden: int) -> dict:
     g = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     res, outs = {"rows": rows, "hidden": hidden}, {}
     fns = {"compiled": lambda x, w: _RMS_COMPILED(x, w, 1e-6),
+           "triton_backward": lambda x, w: rmsnorm_kernel._RMSNorm.apply(x, w, 1e-6),
            "torch": lambda x, w: torch.nn.functional.rms_norm(x, (hidden,), w, 1e-6)}  # fmt: skip
     for name, fn in fns.items():
         outs[name], us = _rmsnorm_variant(fn, x0, g)
         res[name] = {"fwd_bwd_us": round(us, 1),
                      "fraction_of_hbm": round(5 * rows * hidden * 2 / (us / 1e6) / HBM, 3)}  # fmt: skip
-    (a, ax, aw), (b, bx, bw) = outs["compiled"], outs["torch"]
-    res["max_abs_diff"] = {"out": float((a.float() - b.float()).abs().max()),
-                           "dx": float((ax.float() - bx.float()).abs().max()),
-                           "dw_rel": float((aw.float() - bw.float()).abs().max() / bw.float().abs().max())}  # fmt: skip
-    res["speedup"] = round(res["torch"]["fwd_bwd_us"] / res["compiled"]["fwd_bwd_us"], 3)
+    b, bx, bw = outs["torch"]
+    for name in ("compiled", "triton_backward"):
+        a, ax, aw = outs[name]
+        res[name]["max_abs_diff"] = {"out": float((a.float() - b.float()).abs().max()),
+                                     "dx": float((ax.float() - bx.float()).abs().max()),
+                                     "dw_rel": float((aw.float() - bw.float()).abs().max() / bw.float().abs().max())}  # fmt: skip
+        res[name]["speedup"] = round(res["torch"]["fwd_bwd_us"] / res[name]["fwd_bwd_us"], 3)
     return res
 
 

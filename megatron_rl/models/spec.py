@@ -16,6 +16,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_rl.config.schema import LoRAConfig
+from megatron_rl.kernels import rmsnorm as rmsnorm_kernel
 from megatron_rl.kernels.swiglu import SwiGLU
 from megatron_rl.models.lora import apply_to_layer_spec
 from megatron_rl.models.packed_attention import segment_params_attention
@@ -101,6 +102,9 @@ class RMSNorm(torch.nn.RMSNorm):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # torch's forward; kernels.rmsnorm's opt-in backward
+        return rmsnorm_kernel.rms_norm(x, self.weight, self.eps)
 
 
 def uses_te(backend: str) -> bool:

@@ -1,0 +1,125 @@
+"""A Triton backward for the trainer's RMSNorm (``models.spec.RMSNorm``); the forward stays torch's fused
+``F.rms_norm`` (the same bits as before).
+
+Why: torch's backward reduces the weight gradient in its own kernel (``GammaBetaBackward``): measured on an
+H200 in the 0.5B GRPO update (session 18, ``results/2026-12-04-h200-session18/cA/prof``) 187 us per call at
+34,816 x 896 bf16, where reading x and the incoming gradient and writing dx takes ~40 us at the HBM rate;
+inductor's compiled norm was slower still (3.3x torch's, ``bench_update_kernels.py``). Here each program
+walks a run of rows: it recomputes the row's rms from x, writes dx, and adds dy * x_hat into an fp32 partial
+weight gradient it keeps for all its rows; one sum over the programs' partials gives the weight gradient.
+
+Not measured on a GPU yet (no machine was lent after it was written), so it is off by default:
+``MEGATRON_RL_TRITON_RMSNORM=1`` turns it on (``bench_update_kernels.py`` times it against torch's).
+Tests run it on CPU under Triton's interpreter (``RUN_ON_CPU``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron_rl.kernels.compile import trial_once
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _backward_kernel(x_ptr, dy_ptr, w_ptr, dx_ptr, dw_ptr, rows, hidden, stride_x, stride_dy, stride_dx, eps,
+                         rows_per: tl.constexpr, block: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
+        cols = tl.arange(0, block)
+        live = cols < hidden
+        w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+        dw = tl.zeros([block], tl.float32)
+        for i in range(rows_per):
+            row = pid * rows_per + i
+            if row < rows:
+                r = row.to(tl.int64)
+                x = tl.load(x_ptr + r * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + r * stride_dy + cols, mask=live, other=0.0).to(tl.float32)
+                rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / hidden + eps)
+                xhat = x * rstd
+                wdy = w * dy
+                dx = rstd * (wdy - xhat * (tl.sum(wdy * xhat, 0) / hidden))
+                tl.store(dx_ptr + r * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=live)
+                dw += dy * xhat
+        tl.store(dw_ptr + pid * hidden + cols, dw, mask=live)
+
+
+RUN_ON_CPU = False
+ON_CUDA = os.environ.get("MEGATRON_RL_TRITON_RMSNORM", "0").strip().lower() in ("1", "true", "on", "yes")
+PROBE = "the Triton RMSNorm backward"
+
+
+def usable(x: Tensor) -> bool:
+    """Whether ``rms_norm`` takes the Triton backward for x [..., H]: Triton importable, on CUDA with
+    ``ON_CUDA`` (or CPU with ``RUN_ON_CPU``), bf16/fp16/fp32, H <= 16384, and a trial on a small input of
+    that device and dtype ran (a failure warns once; torch's backward serves from then on)."""
+    dev = x.device.type
+    return (
+        HAVE_TRITON
+        and ((ON_CUDA and dev == "cuda") or (RUN_ON_CPU and dev == "cpu"))
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and x.shape[-1] <= 16384
+        and trial_once(
+            f"{PROBE} ({dev}, {x.dtype})",
+            lambda: _trial(x.device, x.dtype),
+            "The Triton RMSNorm backward failed its trial; torch's backward serves (slower, same results).",
+        )
+    )
+
+
+def _trial(device, dtype) -> None:
+    x = torch.randn(3, 64, device=device).to(dtype)
+    backward(x, torch.ones(64, device=device, dtype=dtype), x, 1e-6)
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+
+
+def backward(
+    x: Tensor, weight: Tensor, dy: Tensor, eps: float, programs: int = 1024
+) -> tuple[Tensor, Tensor]:
+    """x, dy [N, H], weight [H] -> (dx [N, H] in x's dtype, dweight [H] in weight's dtype)."""
+    rows, hidden = x.shape
+    x, dy = x if x.stride(-1) == 1 else x.contiguous(), dy if dy.stride(-1) == 1 else dy.contiguous()
+    rows_per = max(1, triton.cdiv(rows, programs))
+    n = max(1, triton.cdiv(rows, rows_per))
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    part = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(hidden)
+    _backward_kernel[(n,)](x, dy, weight, dx, part, rows, hidden, x.stride(0), dy.stride(0), dx.stride(0),
+                           float(eps), rows_per=rows_per, block=block, num_warps=4 if block <= 2048 else 8)  # fmt: skip
+    return dx, part.sum(0).to(weight.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx, dw = backward(x, weight, dy, ctx.eps)
+        return dx, dw, None
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim of x [..., H]: torch's forward; the Triton backward where ``usable``."""
+    if not (weight.requires_grad or x.requires_grad) or not usable(x):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    lead = x.shape[:-1]
+    return _RMSNorm.apply(x.reshape(-1, x.shape[-1]), weight, eps).view(*lead, x.shape[-1])
