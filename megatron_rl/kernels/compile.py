@@ -25,6 +25,13 @@ def compile_enabled(device: torch.device | str) -> bool:
     return flag == "1" or (flag == "auto" and torch.device(device).type == "cuda")
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off environment switch of the kernels: on by default unless set to 0/false/off/no, or off by
+    default unless set to 1/true/on/yes (any other value keeps the default)."""
+    value = os.environ.get(name, "1" if default else "0").strip().lower()
+    return value not in ("0", "false", "off", "no") if default else value in ("1", "true", "on", "yes")
+
+
 def compile_rows_dynamic(fn: Callable) -> Callable:
     """``torch.compile(fn)`` whose tensor arguments are dynamic in dim 0 only.
 

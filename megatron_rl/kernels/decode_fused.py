@@ -17,13 +17,13 @@ where Triton is installed; tests run it on CPU under Triton's interpreter (``RUN
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.kernels.compile import env_switch
 from megatron_rl.kernels.rope import apply_rope
 
 try:
@@ -115,7 +115,7 @@ RUN_ON_CPU = False
 # On by default on CUDA: measured on one H200 (session 9, ``benchmarks/profile_decode_step.py``, batch 512,
 # CUDA graphs) the decode step takes 3.95 -> 3.06 ms at the Qwen2.5-0.5B shape and 10.20 -> 8.97 ms at 3B;
 # MEGATRON_RL_FUSED_DECODE=0 (or false/off/no) keeps the reference ops (each kernel also runs only after its trial passes).
-ON_CUDA = os.environ.get("MEGATRON_RL_FUSED_DECODE", "1").strip().lower() not in ("0", "false", "off", "no")
+ON_CUDA = env_switch("MEGATRON_RL_FUSED_DECODE", True)
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,

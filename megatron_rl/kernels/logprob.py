@@ -23,12 +23,10 @@ CPU under Triton's interpreter (``RUN_ON_CPU``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-from megatron_rl.kernels.compile import trial_once
+from megatron_rl.kernels.compile import env_switch, trial_once
 
 try:
     import triton
@@ -97,7 +95,7 @@ if HAVE_TRITON:
 # Tests run the kernels on CPU under Triton's interpreter: TRITON_INTERPRET=1 must be set before triton
 # is first imported (tests/conftest.py) and this flag turned on.
 RUN_ON_CPU = False
-ON_CUDA = os.environ.get("MEGATRON_RL_TRITON_LOGPROB", "1").strip().lower() not in ("0", "false", "off", "no")
+ON_CUDA = env_switch("MEGATRON_RL_TRITON_LOGPROB", True)
 
 
 def usable(logits: Tensor) -> bool:

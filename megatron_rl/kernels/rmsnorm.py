@@ -15,13 +15,11 @@ Tests run it on CPU under Triton's interpreter (``RUN_ON_CPU``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_rl.kernels.compile import trial_once
+from megatron_rl.kernels.compile import env_switch, trial_once
 
 try:
     import triton
@@ -58,7 +56,7 @@ if HAVE_TRITON:
 
 
 RUN_ON_CPU = False
-ON_CUDA = os.environ.get("MEGATRON_RL_TRITON_RMSNORM", "0").strip().lower() in ("1", "true", "on", "yes")
+ON_CUDA = env_switch("MEGATRON_RL_TRITON_RMSNORM", False)
 PROBE = "the Triton RMSNorm backward"
 
 

@@ -19,13 +19,13 @@ is the transpose rotation in fp32, rounded once (a gradient carries no log-prob)
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 from torch import Tensor
 
 from megatron_rl.kernels import decode_fused
+from megatron_rl.kernels.compile import env_switch
 
 try:
     import triton
@@ -74,7 +74,7 @@ if HAVE_TRITON:
 BLOCK = 64  # (token, head) rows per program on CUDA
 RUN_ON_CPU = False  # tests: the kernel under Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py)
 # MEGATRON_RL_EXACT_ROPE=0 (or false/off/no) keeps the eager ops on CUDA too (same bits; for A/B timing)
-ON_CUDA = os.environ.get("MEGATRON_RL_EXACT_ROPE", "1").strip().lower() not in ("0", "false", "off", "no")
+ON_CUDA = env_switch("MEGATRON_RL_EXACT_ROPE", True)
 _TRIED: dict[tuple, bool] = {}  # (device, dtype, heads, head dim) -> the kernel matched the eager ops
 
 

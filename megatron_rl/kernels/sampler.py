@@ -18,9 +18,9 @@ CPU under Triton's interpreter (``RUN_ON_CPU``).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from megatron_rl.kernels.compile import env_switch
 
 try:
     import triton
@@ -122,7 +122,7 @@ RUN_ON_CPU = False
 # every row count (``usable(..., any_rows=True)``): the kernel rounds as the eager draw does, while inductor
 # may fuse a multiply-add, so one path for every decode bucket keeps a near-tie's token the same.
 # MEGATRON_RL_TRITON_SAMPLER=0 (or false/off/no) turns it off.
-ON_CUDA = os.environ.get("MEGATRON_RL_TRITON_SAMPLER", "1").strip().lower() not in ("0", "false", "off", "no")
+ON_CUDA = env_switch("MEGATRON_RL_TRITON_SAMPLER", True)
 CUDA_MIN_ROWS = 512
 
 

@@ -40,6 +40,17 @@ def test_rope_partial_or_interleaved_uses_megatron_core_path():
     assert torch.equal(fused_apply_rotary_pos_emb(t, freqs), want)
 
 
+def test_kernel_env_switches_keep_their_default_unless_set_to_the_other_word(monkeypatch):
+    for value, on_default, off_default in (("0", False, False), ("off", False, False), ("1", True, True),
+                                           ("yes", True, True), ("2", True, False), (None, True, False)):  # fmt: skip
+        if value is None:
+            monkeypatch.delenv("MEGATRON_RL_TEST_SWITCH", raising=False)
+        else:
+            monkeypatch.setenv("MEGATRON_RL_TEST_SWITCH", value)
+        assert kc.env_switch("MEGATRON_RL_TEST_SWITCH", True) is on_default, value
+        assert kc.env_switch("MEGATRON_RL_TEST_SWITCH", False) is off_default, value
+
+
 def test_compile_switch_rejects_unknown_values_and_probe_falls_back_with_a_warning(monkeypatch):
     monkeypatch.setattr(kc, "_PROBED", set())
     monkeypatch.setattr(kc, "_FAILED", {})
