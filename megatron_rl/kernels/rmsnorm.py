@@ -34,7 +34,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _backward_kernel(x_ptr, dy_ptr, w_ptr, dx_ptr, dw_ptr, rows, hidden, stride_x, stride_dy, stride_dx, eps,
-                         rows_per: tl.constexpr, block: tl.constexpr):  # fmt: skip
+                         rows_per, block: tl.constexpr):  # fmt: skip
+        # rows_per is a runtime value: it follows the row count, which changes with every token-budgeted
+        # micro-batch, and as a constexpr each new value would compile the kernel again
         pid = tl.program_id(0)
         cols = tl.arange(0, block)
         live = cols < hidden

@@ -232,7 +232,7 @@ def plan(
         if cfg.rollout.keep_cache == AUTO:  # no GPU to plan for: no graphs to keep, the cache is freed
             chosen["keep_cache"] = False
         return {"chosen": chosen, "notes": notes}
-    if cfg.rollout.keep_cache != "auto":
+    if cfg.rollout.keep_cache != AUTO:
         _resolve_all(cfg, dims, a, p, total, roles, chosen, notes)
         return {"chosen": chosen, "notes": notes}
     return _resolve_keep_cache(cfg, dims, a, p, total, roles, chosen, notes)
