@@ -36,7 +36,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, for megatron_rl (no install)
-from megatron_rl.models.facts import PEAK_BF16_FLOPS, PEAK_HBM_BYTES_PER_S, roofline_step_s  # noqa: E402
+from megatron_rl.models.facts import (  # noqa: E402
+    PEAK_BF16_FLOPS,
+    PEAK_HBM_BYTES_PER_S,
+    hbm_bytes_per_s,
+    roofline_step_s,
+)
 from megatron_rl.models.shapes import SHAPES, hf_config, tiny_hf_config  # noqa: E402
 
 # the CPU smoke shape: the tiny test model at 2 layers, vocab 1000
@@ -369,6 +374,15 @@ def run(a: argparse.Namespace) -> dict:
             want = sorted(table[step * a.prompts * a.n : (step + 1) * a.prompts * a.n].tolist())
             row["lengths_as_forced"] = sorted(batch.response_lens.tolist()) == want
         row["step_over_roofline"] = seconds / row["roofline"]["total_s"]
+        # on another GPU (an H100 where no H200 was lent) the same arithmetic at that card's HBM rate too
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        slower = PEAK_HBM_BYTES_PER_S / hbm_bytes_per_s(gpu)
+        r = row["roofline"]
+        row["gpu"] = gpu
+        row["step_over_roofline_this_gpu"] = seconds / (
+            r["update_s"] + r["prefill_s"] + r["decode_s"] * slower
+        )
+        row["decode"]["fraction_of_hbm_floor_this_gpu"] = row["decode"]["fraction_of_hbm_floor"] * slower
         row["actor_update_mfu_as_run"] = row["actor_update_mfu"] * (1 - (row["update_shared_frac"] or 0.0))
         steps.append(row)
         if dist.get_rank() == 0:
@@ -381,9 +395,13 @@ def run(a: argparse.Namespace) -> dict:
         "tok_per_s_per_gpu": statistics.median(r["tok_per_s_per_gpu"] for r in timed),
         "actor_update_mfu": statistics.median(r["actor_update_mfu"] for r in timed),
         "step_over_roofline": statistics.median(r["step_over_roofline"] for r in timed),
+        "step_over_roofline_this_gpu": statistics.median(r["step_over_roofline_this_gpu"] for r in timed),
         "decode_tok_per_s": statistics.median(r["decode"]["tok_per_s"] for r in timed),
         "decode_fraction_of_hbm_floor": statistics.median(
             r["decode"]["fraction_of_hbm_floor"] for r in timed
+        ),
+        "decode_fraction_of_hbm_floor_this_gpu": statistics.median(
+            r["decode"]["fraction_of_hbm_floor_this_gpu"] for r in timed
         ),
         "update_pad_frac": statistics.median(r["update_pad_frac"] or 0.0 for r in timed),
         "update_shared_frac": statistics.median(r["update_shared_frac"] or 0.0 for r in timed),

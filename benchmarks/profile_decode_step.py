@@ -41,7 +41,7 @@ def cuda_ms(fn, n: int) -> float:
     return a.elapsed_time(b) / n
 
 
-def _attn_sdpa(q, k, v, mask, positions):
+def _attn_sdpa(q, k, v, mask, positions, prefix=None):  # SDPA reads each slot's own prompt copy
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 

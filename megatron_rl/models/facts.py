@@ -9,6 +9,13 @@ from __future__ import annotations
 
 PEAK_BF16_FLOPS = 790e12  # H200 dense bf16 matmul, measured on random data (vendor: ~990)
 PEAK_HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e, the datasheet figure the decode floors use
+H100_HBM_BYTES_PER_S = 3.35e12  # H100 SXM HBM3 (datasheet; the same dense bf16 rate, ~790 TFLOP/s measured)
+
+
+def hbm_bytes_per_s(device_name: str) -> float:
+    """The HBM bandwidth the roofline of a run on this GPU uses: an H100's where the name says H100, else
+    the H200's (the GPU of the targets)."""
+    return H100_HBM_BYTES_PER_S if "H100" in device_name else PEAK_HBM_BYTES_PER_S
 
 
 def roofline_step_s(n_matmul: int, trained_tokens: float, prompt_tokens: float, decode_bytes: float) -> dict:

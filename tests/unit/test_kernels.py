@@ -178,3 +178,62 @@ def test_decode_attention_reads_each_prompt_from_its_lead_slot(monkeypatch):
     got = decode_attention(q, noisy[0, :b, :, :t], noisy[1, :b, :, :t], pos, prefix=(lead, plen))
     assert torch.equal(got, unshared)
     assert not torch.equal(decode_attention(q, noisy[0, :b, :, :t], noisy[1, :b, :, :t], pos), unshared)
+
+
+def test_share_table_groups_each_sharing_slot_once_under_its_lowest_slot():
+    """``share_table``: every slot with a shared prompt (plen > 0) is listed exactly once, in the row of the
+    lowest slot of its group; a group holds slots of one lead, at most tile // rep of them, in slot order;
+    slots with plen 0 are in no group."""
+    from megatron_rl.kernels.decode_attention import share_table
+
+    lead = torch.tensor([0, 0, 5, 0, 4, 5, 0, 7, 0, 0, 5, 0])
+    plen = torch.tensor([9, 9, 3, 9, 0, 3, 9, 0, 9, 9, 3, 9])
+    members = share_table(lead, plen, rep=16, tile=64)  # groups of 4
+    assert members.shape == (12, 4) and members.dtype == torch.int32
+    rows = {s: [int(m) for m in members[s] if m >= 0] for s in range(12) if members[s, 0] >= 0}
+    assert rows == {0: [0, 1, 3, 6], 8: [8, 9, 11], 2: [2, 5, 10]}
+    assert all((members[s] == -1).all() for s in range(12) if s not in rows)
+
+
+@pytest.mark.parametrize("rep,tile", [(7, 64), (4, 16), (1, 16)])
+def test_decode_attention_runs_each_prompt_once_per_share_group(monkeypatch, rep, tile):
+    """``prefix`` with ``share_table``'s members: the prompt part runs once per group (one tile of its
+    members' query heads, groups split at tile // rep members), then each sample's own keys. Equal to the
+    one-pass kernel to fp32 rounding; reads the prompt from the lead slot only (members' own copies
+    overwritten by noise give the same bits); slots without a shared prompt, positions inside the prompt,
+    prompts that end inside a key block."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import decode_attention as kernel
+    from megatron_rl.kernels.decode_attention import decode_attention, share_table
+
+    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
+    g = torch.Generator().manual_seed(2)
+    groups, dim, t = 2, 32, 150
+    lead = torch.tensor([0, 0, 0, 3, 3, 5, 0, 0, 0, 0, 0, 0, 0, 13])
+    plen = torch.tensor([70, 70, 70, 45, 45, 0, 70, 70, 70, 70, 70, 70, 70, 64])
+    b = lead.shape[0]
+    cache = torch.randn(2, b + 2, groups, 160, dim, generator=g)  # [2, S, G, Tmax, D]
+    for slot in range(b):
+        cache[:, slot, :, : plen[slot]] = cache[:, lead[slot], :, : plen[slot]]
+    k, v = cache[0, :b, :, :t], cache[1, :b, :, :t]
+    q = torch.randn(b, groups, rep + 2, dim, generator=g)[:, :, :rep]  # strided, as the decoder's
+    pos = torch.tensor([69, 100, 149, 44, 80, 30, 10, 70, 71, 127, 128, 129, 140, 63])
+    members = share_table(lead, plen, rep, tile)
+    one_pass = decode_attention(q, k, v, pos, prefix=(lead, plen))
+    launches, prefix_kernel = [], kernel._prefix_kernel
+
+    class Spy:  # the prompt pass runs (once per call) only where the members table is given
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return prefix_kernel[grid]
+
+    monkeypatch.setattr(kernel, "_prefix_kernel", Spy())
+    split = decode_attention(q, k, v, pos, prefix=(lead, plen, members))
+    assert launches == [(b * groups,)]
+    torch.testing.assert_close(split, one_pass, rtol=1e-5, atol=1e-5)
+    noisy = cache.clone()
+    for slot in range(b):
+        if lead[slot] != slot and plen[slot] > 0:
+            noisy[:, slot, :, : plen[slot]] = torch.randn(2, groups, int(plen[slot]), dim, generator=g)
+    got = decode_attention(q, noisy[0, :b, :, :t], noisy[1, :b, :, :t], pos, prefix=(lead, plen, members))
+    assert torch.equal(got, split)
