@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.kernels.compile import env_switch
+from megatron_rl.kernels.compile import env_switch, trial_once
 
 try:
     import triton
@@ -67,8 +67,8 @@ if HAVE_TRITON:
             if shared and not split:
                 src = tl.where(t < plen, lead, b.to(tl.int64))[:, None]  # [block, 1] each key's slot
                 k_rows, v_rows = k_base + src * sk_b, v_base + src * sv_b
-            else:
-                k_rows, v_rows = k_base + b * sk_b, v_base + b * sv_b
+            else:  # int64: slot x (groups x T x D) passes 2^31 in a long cache
+                k_rows, v_rows = k_base + b.to(tl.int64) * sk_b, v_base + b.to(tl.int64) * sv_b
             k = tl.load(
                 k_rows + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0
             )  # [block, dim]
@@ -209,19 +209,49 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 def share_table(lead: torch.Tensor, plen: torch.Tensor, rep: int, tile: int = 64) -> torch.Tensor:
     """lead, plen [S] (``rollout.prompt_kv_sharing``'s: slot s reads its plen[s] prompt positions from slot
     lead[s]) -> members [S, C] int32, C = tile // rep (at least 1), -1 padded: the share groups of
-    ``decode_attention``. The slots with plen > 0 are grouped by lead, in slot order, C to a group; row s
+    ``decode_attention``. The slots with plen > 0 are grouped by (lead, plen), in slot order, C to a group; row s
     lists its group's slots where s is the group's first (lowest) slot, else it is all -1. A group's slots
     are never below its first, so the rows of a decode batch over slots 0..B-1 hold every group of it."""
     S = lead.shape[0]
     C = max(1, tile // rep)
-    slots = torch.arange(S, device=lead.device)
-    key = torch.where(plen > 0, lead, S)  # slots reading no shared prompt sort last, in no group
-    order = torch.argsort(key * S + slots)  # [S] by lead, then slot
+    # one group per (lead, plen): the prefix kernel runs its first slot's plen keys for all of them
+    key = torch.where(plen > 0, lead * (1 << 32) + plen, S * (1 << 32))  # no shared prompt: last, no group
+    order = torch.argsort(key, stable=True)  # [S] by lead and plen, then slot
     skey = key[order]
-    first = torch.searchsorted(skey, skey)  # [S] sorted index of each one's lead's first slot
-    rank = torch.arange(S, device=lead.device) - first  # [S] place within its lead's slots
+    first = torch.searchsorted(skey, skey)  # [S] sorted index of the first slot of its (lead, plen)
+    rank = torch.arange(S, device=lead.device) - first  # [S] place among the slots of its (lead, plen)
     head = order[first + rank // C * C]  # [S] the first slot of its group of C
     members = torch.full((S, C), -1, dtype=torch.int32, device=lead.device)
-    grouped = skey < S
+    grouped = skey < S * (1 << 32)
     members[head[grouped], (rank % C)[grouped]] = order[grouped].to(torch.int32)
     return members
+
+
+def prompt_once_serves(device: torch.device | str, dtype: torch.dtype, head_dim: int, rep: int) -> bool:
+    """``PROMPT_ONCE`` and a trial of the split kernels on this device, dtype and head shape: a small batch
+    of two share groups (one split at its C members) and a slot without a shared prompt against the one-pass
+    kernel; a failure or a gap over bf16 rounding warns once and the one-pass kernel serves."""
+    return PROMPT_ONCE and trial_once(
+        f"the decode kernel's prompt once per share group ({torch.device(device).type}, {dtype}, D={head_dim}, rep={rep})",
+        lambda: _prompt_once_trial(device, dtype, head_dim, rep),
+        "The decode kernel with each prompt once per share group failed its trial; each sample reads its "
+        "prompt from the lead's copy instead (same results, slower).",
+    )
+
+
+def _prompt_once_trial(device, dtype, head_dim: int, rep: int) -> None:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    C = max(1, 64 // rep)
+    b, groups, t, plen = C + 3, 2, 200, 70
+    lead = torch.tensor([0] * (C + 1) + [C + 1, b - 1])  # C + 1 samples of one prompt (two groups), ...
+    lens = torch.tensor([plen] * (C + 1) + [plen, 0])  # ... one alone, one slot without a shared prompt
+    k, v = (torch.randn(b, groups, t, head_dim, generator=g).to(device, dtype) for _ in range(2))
+    k[:, :, :plen], v[:, :, :plen] = k[0, :, :plen], v[0, :, :plen]  # every slot holds the prompt's copy
+    q = torch.randn(b, groups, rep, head_dim, generator=g).to(device, dtype)
+    pos = torch.randint(plen - 5, t, (b,), generator=g)
+    lead, lens, pos = lead.to(device), lens.to(device), pos.to(device)
+    want = decode_attention(q, k, v, pos, prefix=(lead, lens)).float()
+    got = decode_attention(q, k, v, pos, prefix=(lead, lens, share_table(lead, lens, rep))).float()
+    gap = float((got - want).abs().max())
+    if not gap <= 2e-2:  # nan fails too
+        raise RuntimeError(f"largest gap to the one-pass kernel {gap}")

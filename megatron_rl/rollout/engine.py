@@ -320,7 +320,8 @@ class _DecodeState:
         self.plen = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S]
         # the default kernel also runs each shared prompt once per group of samples (``regroup``)
         self.rep = spec.num_attention_heads // spec.num_query_groups
-        once = prompt_kv_sharing and self.reads_live_only and not exact and decode_kernel.PROMPT_ONCE
+        once = prompt_kv_sharing and self.reads_live_only and not exact
+        once = once and decode_kernel.prompt_once_serves(device, dtype, spec.head_dim, self.rep)
         self.members = decode_kernel.share_table(self.lead, self.plen, self.rep) if once else None  # [S, C]
         self.cache = KVCache(plan, spec.num_layers, local_groups, spec.head_dim, dtype, device)
         self.planned_slots = plan.slots  # before ``fit_free_memory`` (set by the engine)

@@ -193,6 +193,10 @@ def test_share_table_groups_each_sharing_slot_once_under_its_lowest_slot():
     rows = {s: [int(m) for m in members[s] if m >= 0] for s in range(12) if members[s, 0] >= 0}
     assert rows == {0: [0, 1, 3, 6], 8: [8, 9, 11], 2: [2, 5, 10]}
     assert all((members[s] == -1).all() for s in range(12) if s not in rows)
+    plen[3] = 8  # another prompt length under the same lead: a group of its own
+    members = share_table(lead, plen, rep=16, tile=64)
+    rows = {s: [int(m) for m in members[s] if m >= 0] for s in range(12) if members[s, 0] >= 0}
+    assert rows == {0: [0, 1, 6, 8], 9: [9, 11], 3: [3], 2: [2, 5, 10]}
 
 
 @pytest.mark.parametrize("rep,tile", [(7, 64), (4, 16), (1, 16)])

@@ -457,6 +457,9 @@ def test_prompt_kv_sharing_gives_the_same_bits_through_retire_reuse_and_compacti
                     grouped.append(len(group))
         return original(*a, prefix=prefix, **k)
 
+    rep = spec.num_attention_heads // spec.num_query_groups
+    # the split kernels' start-up trial (before the spy: it calls the kernel itself)
+    assert kernel.prompt_once_serves("cpu", hf.dtype, spec.head_dim, rep) == once
     monkeypatch.setattr(kernel, "decode_attention", spy)
     runs = {}
     for sharing in (True, False):
