@@ -464,7 +464,8 @@ def exact_gemm_summary() -> dict:
 
 def profile_phases(c, step: int, folder: str, rows: int = 60, update_seqs: int | None = None) -> None:
     """Run training step ``step`` with ``engine.generate`` and ``actor.update`` each under torch.profiler;
-    write their op tables (top ``rows`` by self device time) to ``folder``/{generate,update}_ops.txt.
+    write their op tables (top ``rows`` by self device time) to ``folder``/{generate,update}_ops.txt, and
+    split by input shapes to {generate,update}_ops_by_shape.txt.
     ``update_seqs``: the profiled update runs on the batch's first that many sequences only (whole groups,
     one mini-batch), so that a long update's trace stays small enough to tabulate; its wall time goes
     into ``folder``/update_slice.json beside the table."""
@@ -486,7 +487,7 @@ def profile_phases(c, step: int, folder: str, rows: int = 60, update_seqs: int |
                 batch, mini = args
                 seqs = min(update_seqs, len(batch))
                 args = (batch.select(range(seqs)), min(mini, seqs))
-            with profile(activities=acts) as prof:
+            with profile(activities=acts, record_shapes=True) as prof:
                 t0 = time.perf_counter()
                 out = fn(*args, **kwargs)
                 if torch.cuda.is_available():
@@ -495,6 +496,11 @@ def profile_phases(c, step: int, folder: str, rows: int = 60, update_seqs: int |
             if dist.get_rank() == 0:
                 table = prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=90)
                 (Path(folder) / f"{name}_ops.txt").write_text(table)
+                # the same ops split by input shapes: which tensors the copies and elementwise kernels move
+                by_shape = prof.key_averages(group_by_input_shape=True).table(
+                    sort_by=sort, row_limit=rows, max_name_column_width=60, max_shapes_column_width=120
+                )
+                (Path(folder) / f"{name}_ops_by_shape.txt").write_text(by_shape)
                 if name == "update" and update_seqs is not None:
                     slice_info = {"sequences": len(args[0]), "of": len(batch), "wall_s_under_profiler": wall}
                     (Path(folder) / "update_slice.json").write_text(json.dumps(slice_info))

@@ -8,8 +8,10 @@ inductor's compiled norm was slower still (3.3x torch's, ``bench_update_kernels.
 walks a run of rows: it recomputes the row's rms from x, writes dx, and adds dy * x_hat into an fp32 partial
 weight gradient it keeps for all its rows; one sum over the programs' partials gives the weight gradient.
 
-Not measured on a GPU yet (no machine was lent after it was written), so it is off by default:
-``MEGATRON_RL_TRITON_RMSNORM=1`` turns it on (``bench_update_kernels.py`` times it against torch's).
+Off by default: the first version (one row at a time per program) measured slower than torch's on an H200
+(session 19, ``bench_update_kernels.py``: 368 against 228 us forward + backward at 34,816 x 896, 348 against
+329 us at 34,816 x 2,048); rows now go in tiles (not yet measured). ``MEGATRON_RL_TRITON_RMSNORM=1`` turns it
+on (``bench_update_kernels.py`` times it against torch's).
 Tests run it on CPU under Triton's interpreter (``RUN_ON_CPU``).
 """
 
@@ -34,27 +36,32 @@ if HAVE_TRITON:
 
     @triton.jit
     def _backward_kernel(x_ptr, dy_ptr, w_ptr, dx_ptr, dw_ptr, rows, hidden, stride_x, stride_dy, stride_dx, eps,
-                         rows_per, block: tl.constexpr):  # fmt: skip
+                         rows_per, tile: tl.constexpr, block: tl.constexpr):  # fmt: skip
         # rows_per is a runtime value: it follows the row count, which changes with every token-budgeted
-        # micro-batch, and as a constexpr each new value would compile the kernel again
+        # micro-batch, and as a constexpr each new value would compile the kernel again. Rows go in tiles
+        # of ``tile`` (one load of [tile, block] each): one row at a time, each with two reductions across
+        # the program's warps before its stores, kept too few loads in flight (session 19, H200: 368 us
+        # forward + backward at 34,816 x 896 against torch's 228 us).
         pid = tl.program_id(0)
         cols = tl.arange(0, block)
-        live = cols < hidden
-        w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
-        dw = tl.zeros([block], tl.float32)
-        for i in range(rows_per):
-            row = pid * rows_per + i
-            if row < rows:
-                r = row.to(tl.int64)
-                x = tl.load(x_ptr + r * stride_x + cols, mask=live, other=0.0).to(tl.float32)
-                dy = tl.load(dy_ptr + r * stride_dy + cols, mask=live, other=0.0).to(tl.float32)
-                rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / hidden + eps)
-                xhat = x * rstd
-                wdy = w * dy
-                dx = rstd * (wdy - xhat * (tl.sum(wdy * xhat, 0) / hidden))
-                tl.store(dx_ptr + r * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=live)
-                dw += dy * xhat
-        tl.store(dw_ptr + pid * hidden + cols, dw, mask=live)
+        live_c = cols < hidden
+        w = tl.load(w_ptr + cols, mask=live_c, other=0.0).to(tl.float32)
+        dw = tl.zeros([tile, block], tl.float32)
+        first = pid * rows_per
+        for i in range(0, rows_per, tile):
+            k = i + tl.arange(0, tile)
+            r = first + k  # [tile]
+            m = ((r < rows) & (k < rows_per))[:, None] & live_c[None, :]  # [tile, block]
+            rr = r.to(tl.int64)[:, None]
+            x = tl.load(x_ptr + rr * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + rr * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / hidden + eps)  # [tile]
+            xhat = x * rstd[:, None]
+            wdy = w[None, :] * dy
+            dx = rstd[:, None] * (wdy - xhat * (tl.sum(wdy * xhat, 1) / hidden)[:, None])
+            tl.store(dx_ptr + rr * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
+            dw += dy * xhat  # 0 outside the live rows and columns (loads filled with 0)
+        tl.store(dw_ptr + pid * hidden + cols, tl.sum(dw, 0), mask=live_c)
 
 
 RUN_ON_CPU = False
@@ -98,8 +105,9 @@ def backward(
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     part = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(hidden)
+    tile = max(1, min(8, 4096 // block))  # rows per load: ~4K elements in flight per program
     _backward_kernel[(n,)](x, dy, weight, dx, part, rows, hidden, x.stride(0), dy.stride(0), dx.stride(0),
-                           float(eps), rows_per=rows_per, block=block, num_warps=4 if block <= 2048 else 8)  # fmt: skip
+                           float(eps), rows_per=rows_per, tile=tile, block=block, num_warps=8)  # fmt: skip
     return dx, part.sum(0).to(weight.dtype)
 
 

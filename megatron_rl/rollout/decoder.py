@@ -257,9 +257,7 @@ def decode(
             # the rep query heads of a group share its K/V: they are the query-length axis (no K/V copy)
             q = rot[:, :, :rep]  # [B, Gl, rep, D]
         if exact:
-            a = bi.decode_attention(
-                q, k_cache, v_cache, positions, spec.head_dim**-0.5, prefix and prefix[:2]
-            )
+            a = bi.decode_attention(q, k_cache, v_cache, positions, spec.head_dim**-0.5, prefix)
         else:
             a = decode_attention(q, k_cache, v_cache, mask, positions, prefix)  # [B, Gl, rep, D]
         a = a.reshape(B, 1, -1)  # [B, 1, Hl*D]

@@ -318,11 +318,6 @@ class _DecodeState:
         self.shares_prompts = prompt_kv_sharing  # read by the Triton decode kernels; SDPA reads its own copy
         self.lead = torch.arange(plan.slots, device=device)  # [S]
         self.plen = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S]
-        # the default kernel also runs each shared prompt once per group of samples (``regroup``)
-        self.rep = spec.num_attention_heads // spec.num_query_groups
-        once = prompt_kv_sharing and self.reads_live_only and not exact
-        once = once and decode_kernel.prompt_once_serves(device, dtype, spec.head_dim, self.rep)
-        self.members = decode_kernel.share_table(self.lead, self.plen, self.rep) if once else None  # [S, C]
         self.cache = KVCache(plan, spec.num_layers, local_groups, spec.head_dim, dtype, device)
         self.planned_slots = plan.slots  # before ``fit_free_memory`` (set by the engine)
         self.tok = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S] token fed at `pos`
@@ -345,16 +340,8 @@ class _DecodeState:
             self.graphs, self.pool, self.key = {}, None, key
         self.w, self.capture_s = w, 0.0
 
-    def regroup(self) -> None:
-        """After ``lead`` / ``plen`` changed: the share groups the decode kernel reads (in place, for the
-        graphs)."""
-        if self.members is not None:
-            self.members.copy_(decode_kernel.share_table(self.lead, self.plen, self.rep))
-
     def _eager(self, b: int, kv: int) -> torch.Tensor:
         prefix = (self.lead[:b], self.plen[:b]) if self.shares_prompts else None
-        if prefix is not None and self.members is not None:
-            prefix += (self.members[:b],)
         return decoder.decode(self.w, self.spec, self.cache.data, self.tok[:b], self.pos[:b], kv, self.exact,
                               prefix)  # fmt: skip
 
@@ -454,7 +441,6 @@ class _Runner:
         self.keys = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] sequence noise keys
         state.lead.copy_(self.rows)  # every slot reads its own prompt copy until _admit says otherwise
         state.plen.zero_()
-        state.regroup()
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, V] of slots ``rows`` [B] -> tokens [B], log-probs [B]; tokens identical on every
@@ -534,7 +520,6 @@ class _Runner:
         rows = torch.tensor(unique, device=dev)  # [B]
         self.state.lead[slot_t] = lead_slots[rows]  # the samples of a prompt read the lead's copy
         self.state.plen[slot_t] = lengths[rows]
-        self.state.regroup()
         self.count[slot_t] = 0
         self.keys[slot_t] = torch.tensor([seq.key for seq in batch], device=dev)
         live = torch.ones(len(batch), dtype=torch.bool, device=dev)
@@ -586,7 +571,6 @@ class _Runner:
         orphan = torch.isin(lead, f)
         lead[orphan] = self.rows[orphan]
         self.state.plen[f] = 0
-        self.state.regroup()
 
     def _next_turns(self, ended: list, count: list[int]) -> list:
         """Ask the session what follows each ended turn; prefill the appended ids onto the slots that go
@@ -697,7 +681,6 @@ class _Runner:
         moved_to[src] = dst
         lead.copy_(moved_to[lead])
         lead[src], plen[src] = src, 0
-        self.state.regroup()
         self.live[src] = False
         self.state.pos[src] = 0  # idle, as a released slot
         for a, b in zip(movers, dests):

@@ -409,26 +409,19 @@ def test_engine_with_the_fused_decode_kernels_equals_hf(model, monkeypatch):
         ).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize(
-    "slots,compact,once", [(7, False, False), (18, True, False), (7, False, True), (18, True, True)]
-)
+@pytest.mark.parametrize("slots,compact", [(7, False), (18, True)])
 def test_prompt_kv_sharing_gives_the_same_bits_through_retire_reuse_and_compaction(
-    monkeypatch, slots, compact, once
+    monkeypatch, slots, compact
 ):
     """``rollout.prompt_kv_sharing``: the samples of a prompt read its keys and values from the lead slot
     (the Triton kernel, interpreted). Through continuous batching (leads that stop before their group, their
     slots re-used by other prompts while the group decodes on) and compaction, tokens and log-probs are the
-    unshared engine's bit for bit, and the kernel was handed slots that read another slot's prompt.
-    ``once`` (``MEGATRON_RL_DECODE_PROMPT_ONCE``, the default): each prompt runs once per share group; the
-    tables handed to the kernel group every sharing slot exactly once with slots of its lead and prompt
-    length (kept true by ``regroup`` through admission, retirement and compaction); the same tokens and
-    log-probs to fp32 rounding."""
+    unshared engine's bit for bit, and the kernel was handed slots that read another slot's prompt."""
     pytest.importorskip("triton", reason="triton is in the dev extras")
     from megatron_rl.kernels import decode_attention as kernel
     from megatron_rl.rollout import engine as engine_mod
 
     monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
-    monkeypatch.setattr(kernel, "PROMPT_ONCE", once)
     monkeypatch.setattr(engine_mod, "_SYNC_EVERY", 2)
     monkeypatch.setattr(engine_mod, "_COMPACT", compact)
     hf = tiny_hf("qwen2")
@@ -438,28 +431,15 @@ def test_prompt_kv_sharing_gives_the_same_bits_through_retire_reuse_and_compacti
     stops = tuple(range(100, 140))  # ~12% of the vocabulary: samples of one prompt stop at uneven lengths
     sp = SamplingParams(temperature=1.0, n=3, max_new_tokens=14, seed=4, stop_token_ids=stops,
                         layout_invariant_sampling=True)  # fmt: skip
-    seen, grouped = [], []
+    seen = []
     original = kernel.decode_attention
 
     def spy(*a, prefix=None, **k):
         if prefix is not None:
-            lead, plen = prefix[:2]
+            lead, plen = prefix
             seen.append(int(((lead != torch.arange(len(lead))) & (plen > 0)).sum()))
-            assert (len(prefix) == 3) == once
-            if once:
-                members = prefix[2]
-                listed = sorted(int(m) for m in members.flatten() if m >= 0)
-                assert listed == [s for s in range(len(lead)) if plen[s] > 0]  # each sharing slot once
-                for first in range(len(lead)):
-                    group = [int(m) for m in members[first] if m >= 0]
-                    assert all(lead[m] == lead[first] and plen[m] == plen[first] for m in group)
-                    assert not group or min(group) == first
-                    grouped.append(len(group))
         return original(*a, prefix=prefix, **k)
 
-    rep = spec.num_attention_heads // spec.num_query_groups
-    # the split kernels' start-up trial (before the spy: it calls the kernel itself)
-    assert kernel.prompt_once_serves("cpu", hf.dtype, spec.head_dim, rep) == once
     monkeypatch.setattr(kernel, "decode_attention", spy)
     runs = {}
     for sharing in (True, False):
@@ -467,11 +447,6 @@ def test_prompt_kv_sharing_gives_the_same_bits_through_retire_reuse_and_compacti
         runs[sharing] = (engine.generate(prompts, sp), engine.last_stats)
     (shared, stats), (plain, _) = runs[True], runs[False]
     assert [c.response_ids for c in shared] == [c.response_ids for c in plain]
-    for a, b in zip(shared, plain):
-        if once:
-            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
-        else:
-            assert torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+    assert all(torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs)) for a, b in zip(shared, plain))
     assert len({len(c.response_ids) for c in shared}) >= 4 and max(seen) >= 2  # members read their lead
-    assert not once or max(grouped) >= 2  # groups of several samples ran their prompt once
     assert stats.compactions > 0 if compact else stats.compactions == 0
