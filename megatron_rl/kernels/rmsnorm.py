@@ -34,7 +34,7 @@ except ImportError:
 
 if HAVE_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows", "rows_per"])  # one kernel for every micro-batch's row count
     def _backward_kernel(x_ptr, dy_ptr, w_ptr, dx_ptr, dw_ptr, rows, hidden, stride_x, stride_dy, stride_dx, eps,
                          rows_per, tile: tl.constexpr, block: tl.constexpr):  # fmt: skip
         # rows_per is a runtime value: it follows the row count, which changes with every token-budgeted

@@ -63,7 +63,9 @@ def _kernels(device: torch.device):
 
 if HAVE_TRITON:
 
-    @triton.jit
+    # rows not specialised on (its divisibility by 16 would compile a second kernel for the micro-batches
+    # of the other kind, ~1-2 s each at start-up; the trial's 19 rows then share the real calls' kernel)
+    @triton.jit(do_not_specialize=["rows"])
     def _backward_kernel(y_ptr, g_ptr, dy_ptr, rows, ffn, stride_y, stride_g, stride_dy,
                          block_rows: tl.constexpr, block_cols: tl.constexpr):  # fmt: skip
         # one grid axis, column blocks fastest: neighbouring programs read neighbouring columns of the same
