@@ -62,7 +62,6 @@ def _kernels(device: torch.device):
 
 
 if HAVE_TRITON:
-
     # rows not specialised on (its divisibility by 16 would compile a second kernel for the micro-batches
     # of the other kind, ~1-2 s each at start-up; the trial's 19 rows then share the real calls' kernel)
     @triton.jit(do_not_specialize=["rows"])
