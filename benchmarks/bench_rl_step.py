@@ -283,11 +283,19 @@ def roofline(c, dims, counts, batch) -> dict:
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)
     dist.all_reduce(kv_tokens, group=ps.get_data_parallel_group())  # TP/PP ranks of a replica: one batch
     decode_bytes = float(steps) * weights + kv * float(kv_tokens)
-    r = roofline_step_s(n, (prompt_t + response_t) / dims.world_size, prompt_t / dims.world_size,
-                        decode_bytes / dims.world_size)  # fmt: skip
+    terms = (
+        n,
+        (prompt_t + response_t) / dims.world_size,
+        prompt_t / dims.world_size,
+        decode_bytes / dims.world_size,
+    )
+    r = roofline_step_s(*terms)
+    # on another GPU (an H100 where no H200 was lent) the same arithmetic at that card's HBM rate too
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    this_gpu = roofline_step_s(*terms, hbm_bytes_per_s=hbm_bytes_per_s(gpu))
     formula = (f"6 x {n:.4g} x {prompt_t + response_t:.0f} / {PEAK_BF16_FLOPS:.3g} + 2 x {n:.4g} x {prompt_t:.0f} "
                f"/ {PEAK_BF16_FLOPS:.3g} + {decode_bytes:.4g} B / {PEAK_HBM_BYTES_PER_S:.3g} B/s")  # fmt: skip
-    return r | {"N": n, "trained_tokens": prompt_t + response_t, "prompt_tokens": prompt_t,
+    return r | {"gpu": gpu, "total_s_this_gpu": this_gpu["total_s"], "N": n, "trained_tokens": prompt_t + response_t, "prompt_tokens": prompt_t,
                 "decode_bytes": decode_bytes, "formula": formula}  # fmt: skip
 
 
@@ -374,14 +382,10 @@ def run(a: argparse.Namespace) -> dict:
             want = sorted(table[step * a.prompts * a.n : (step + 1) * a.prompts * a.n].tolist())
             row["lengths_as_forced"] = sorted(batch.response_lens.tolist()) == want
         row["step_over_roofline"] = seconds / row["roofline"]["total_s"]
-        # on another GPU (an H100 where no H200 was lent) the same arithmetic at that card's HBM rate too
-        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        slower = PEAK_HBM_BYTES_PER_S / hbm_bytes_per_s(gpu)
-        r = row["roofline"]
-        row["gpu"] = gpu
-        row["step_over_roofline_this_gpu"] = seconds / (
-            r["update_s"] + r["prefill_s"] + r["decode_s"] * slower
-        )
+        row["step_over_roofline_this_gpu"] = seconds / row["roofline"]["total_s_this_gpu"]
+        slower = PEAK_HBM_BYTES_PER_S / hbm_bytes_per_s(
+            row["roofline"]["gpu"]
+        )  # the floor at this card's rate
         row["decode"]["fraction_of_hbm_floor_this_gpu"] = row["decode"]["fraction_of_hbm_floor"] * slower
         row["actor_update_mfu_as_run"] = row["actor_update_mfu"] * (1 - (row["update_shared_frac"] or 0.0))
         steps.append(row)
@@ -465,7 +469,8 @@ def exact_gemm_summary() -> dict:
 def profile_phases(c, step: int, folder: str, rows: int = 60, update_seqs: int | None = None) -> None:
     """Run training step ``step`` with ``engine.generate`` and ``actor.update`` each under torch.profiler;
     write their op tables (top ``rows`` by self device time) to ``folder``/{generate,update}_ops.txt, and
-    split by input shapes to {generate,update}_ops_by_shape.txt.
+    split by input shapes to {generate,update}_ops_by_shape.txt (recording shapes adds host overhead: the
+    wall time under the profiler is not comparable with runs before session 19).
     ``update_seqs``: the profiled update runs on the batch's first that many sequences only (whole groups,
     one mini-batch), so that a long update's trace stays small enough to tabulate; its wall time goes
     into ``folder``/update_slice.json beside the table."""

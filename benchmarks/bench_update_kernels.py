@@ -26,8 +26,9 @@ from megatron_rl.kernels import logprob as logprob_kernel
 from megatron_rl.kernels import rmsnorm as rmsnorm_kernel
 from megatron_rl.kernels import swiglu as swiglu_kernel
 from megatron_rl.kernels.compile import compile_rows_dynamic
+from megatron_rl.models.facts import hbm_bytes_per_s
 
-HBM = 4.8e12
+HBM = hbm_bytes_per_s(torch.cuda.get_device_name()) if torch.cuda.is_available() else 4.8e12
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -174,7 +175,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "update_kernels.json"))
     a = ap.parse_args()
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "logprob": [], "rmsnorm": []}
+    res = {
+        "device": torch.cuda.get_device_name(),
+        "hbm_bytes_per_s": HBM,
+        "torch": torch.__version__,
+        "logprob": [],
+        "rmsnorm": [],
+    }
     for rows in (32768, 8192):  # the 0.5B update's 64 sequences x 512 responses; a smaller micro-batch
         res["logprob"].append(logprob_case(rows))
         print(json.dumps(res["logprob"][-1]), flush=True)

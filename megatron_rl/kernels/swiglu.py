@@ -7,7 +7,7 @@ size (see ``compile_rows_dynamic``).
 
 A hand-written Triton backward (``triton_backward``) can replace the compiled one outside the exact mode:
 measured on an H200 at the 0.5B shape (fc1 output [34816, 9728] bf16), inductor's compiled backward took
-624 us per call, 56% of the HBM rate for the bytes it must move (read y and the gradient, write dy: 5 N F
+624 us per call in session 18's profile, 56% of the HBM rate for the bytes it must move (read y and the gradient, write dy: 5 N F
 x 2 bytes), likely because its ``cat`` makes each output element load its inputs again. The Triton kernel
 loads gate, up and the gradient of a column once and stores both halves of dy from them. The forward
 (230 us) is near the HBM rate already and stays compiled. Measured on an H200 (session 19,
@@ -121,8 +121,9 @@ def usable(y: Tensor) -> bool:
 def _trial(device, dtype) -> None:
     """The kernel once against the eager ``swiglu_backward``: rows and F (320, divisible by 16 as real FFN
     sizes are; Triton specialises on it) not multiples of the blocks, a row stride wider than 2F."""
-    y = (3 * torch.randn(19, 704, device=device)).to(dtype)[:, :640]
-    grad = torch.randn(19, 320, device=device).to(dtype)
+    g = torch.Generator().manual_seed(0)  # not the device's generator: the trial runs mid-training
+    y = (3 * torch.randn(19, 704, generator=g)).to(device, dtype)[:, :640]
+    grad = torch.randn(19, 320, generator=g).to(device, dtype)
     got, want = triton_backward(grad, y).float(), swiglu_backward(grad, y).float()
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # a fault in the launch surfaces here, not mid-update

@@ -57,3 +57,24 @@ def test_a_backward_that_fails_its_trial_warns_and_torch_serves(monkeypatch):
         out = kernel.rms_norm(x, w, 1e-6)
     out.sum().backward()
     assert x.grad is not None and not kernel.usable(x)
+
+
+def test_wide_rows_take_small_tiles():
+    """Hidden 1100 (block 2048: two rows a tile, the 0.5B/3B kernels' shape class) against autograd."""
+    torch.manual_seed(1)
+    x, dy = torch.randn(9, 1100), torch.randn(9, 1100)
+    w = 0.5 + torch.rand(1100)
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    torch.nn.functional.rms_norm(xr, (1100,), wr, 1e-6).backward(dy)
+    dx, dw = kernel.backward(x, w, dy, 1e-6, programs=2)  # 5 rows a program: a tile of 2, 2, then 1
+    torch.testing.assert_close(dx, xr.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw, wr.grad, rtol=1e-5, atol=1e-4)
+
+
+def test_a_backward_that_disagrees_in_its_trial_warns_and_torch_serves(monkeypatch):
+    """The trial compares with autograd at the real width: a kernel with a wrong dx is refused."""
+    right = kernel.backward
+    monkeypatch.setattr(kernel, "backward", lambda *a, **k: (2 * right(*a, **k)[0], right(*a, **k)[1]))
+    x = torch.randn(4, 40, requires_grad=True)
+    with pytest.warns(UserWarning, match="largest gap"):
+        assert not kernel.usable(x)

@@ -1,5 +1,5 @@
 """kernels/swiglu.py's Triton backward (Triton's interpreter on CPU) against ``swiglu_backward`` and against
-eager autograd of ``swiglu_forward``: bf16 and fp32, row counts and FFN sizes that are not multiples of the
+eager autograd of ``swiglu_forward``: bf16, fp16 and fp32, row counts and FFN sizes that are not multiples of the
 blocks, zero rows, strided rows; the autograd path takes it with the switch on and only outside the exact
 mode; a kernel that fails or disagrees in its trial warns once and the other backward serves.
 
@@ -66,7 +66,7 @@ def test_backward_equals_swiglu_backward(dtype, rows, ffn, blocks):
 
 
 def test_zero_rows_and_strided_inputs():
-    """No rows: an empty dy and no launch. Row strides wider than the row (y a slice of a wider fc1 buffer,
+    """No rows: an empty dy. Row strides wider than the row (y a slice of a wider fc1 buffer,
     as ``swiglu``'s reshape passes one; grad a column slice) and grad with a non-unit column stride: the
     bits of the contiguous call."""
     for dtype in (torch.bfloat16, torch.float32):
@@ -137,6 +137,8 @@ def test_a_kernel_that_fails_its_trial_warns_once_and_the_other_backward_serves(
 
 
 def test_off_where_the_switch_is_off(monkeypatch):
+    """``usable`` is False off the devices the switches allow (CPU without ``RUN_ON_CPU``) and for dtypes
+    the kernel does not take."""
     monkeypatch.setattr(sw, "RUN_ON_CPU", False)
     assert not sw.usable(torch.randn(4, 64))
     monkeypatch.setattr(sw, "RUN_ON_CPU", True)

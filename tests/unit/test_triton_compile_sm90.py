@@ -1,4 +1,6 @@
-"""The Triton kernels compiled for an H100/H200 (sm_90) on this CPU machine: Triton's code generator and
+"""The decode-attention, RMSNorm-backward and SwiGLU-backward Triton kernels (the ones session 19 wrote or
+changed; not yet the log-prob, sampler, fused-decode and exact-mode kernels) compiled for an H100/H200 (sm_90)
+on this CPU machine, without the launch-time specialisation on integers divisible by 16: Triton's code generator and
 ptxas run without a GPU. The other kernel tests run under Triton's interpreter, which accepts programs the
 compiler refuses (session 19: a loop bound typed int32 in one branch and int64 in the other passed every
 interpreter test and failed to compile on the H200). Runs in a subprocess: the test process sets
