@@ -56,7 +56,7 @@ if HAVE_TRITON:
         s_b, s_g, s_r, s_d, sc_b, sc_d, sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t,
         groups: tl.constexpr, rep: tl.constexpr, rows: tl.constexpr, dim: tl.constexpr, exact: tl.constexpr,
     ):  # fmt: skip
-        pid = tl.program_id(0)
+        pid = tl.program_id(0).to(tl.int64)  # slot x (groups x T x D) passes 2^31 in a long cache
         b = pid // groups
         g = pid % groups
         r = tl.arange(0, rows)
