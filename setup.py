@@ -39,7 +39,9 @@ setup(
             "pytest-xdist>=3.5",  # the README's test command runs the suite on 2 workers
             "ruff==0.17.6",
             "hydra-submitit-launcher==1.2.0",
-            "triton>=3.2",
+            # <3.10: tests/unit/test_triton_compile_sm90.py reads Triton's launch-time specialisation through
+            # its internals (checked on 3.9); a newer Triton is taken by moving this bound after that test passes
+            "triton>=3.2,<3.10",
             "mlflow-skinny>=2.16,<4",
             "peft>=0.13",  # the LoRA parity and adapter-export tests compare with PEFT
         ],
