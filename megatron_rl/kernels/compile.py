@@ -68,6 +68,12 @@ def probe(name: str, device: torch.device | str, trial: Callable[[], object]) ->
     return trial_once(name, trial, why)
 
 
+def trial_passed(name: str) -> bool:
+    """Whether ``trial_once`` already ran kernel ``name``'s trial and it succeeded (no trial runs here: for
+    callers that must not start one, e.g. inside a CUDA-graph capture)."""
+    return name in _PROBED
+
+
 def trial_once(name: str, trial: Callable[[], object], fallback: str) -> bool:
     """True when ``trial`` of kernel ``name`` succeeded, now or at an earlier call; a failure (any
     exception) warns once with ``fallback`` (what runs instead) and its cause, and is remembered."""

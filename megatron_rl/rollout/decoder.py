@@ -299,15 +299,21 @@ def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: t
     for i, layer in enumerate(w.layers):
         qkv = _qkv(h[:, None], layer, spec)[:, 0]  # [B, Gl, rep+2, D]
         k_cache, v_cache = cache[i, 0, :B, :, :Tmax], cache[i, 1, :B, :, :Tmax]  # [B, Gl, Tmax, D]
-        if decode_fused.usable("rope_kv_write", qkv):
-            q = decode_fused.rope_kv_write(qkv, cos2, sin2, positions, k_cache, v_cache)  # [B, Gl, rep, D]
+        if decode_fused.usable("rope_kv_write", qkv) and decode_kernel.rope_usable(qkv):  # one kernel
+            a = decode_kernel.rope_decode_attention(qkv, cos2, sin2, k_cache, v_cache, positions, prefix)
         else:
-            rot = apply_rope(qkv, cos[:, 0], sin[:, 0])
-            batch = torch.arange(B, device=tokens.device)
-            k_cache[batch, :, positions] = rot[:, :, rep]
-            v_cache[batch, :, positions] = qkv[:, :, rep + 1]
-            q = rot[:, :, :rep]
-        a = decode_attention(q, k_cache, v_cache, mask, positions, prefix).reshape(B, -1)  # [B, Hl*D]
+            if decode_fused.usable("rope_kv_write", qkv):
+                q = decode_fused.rope_kv_write(
+                    qkv, cos2, sin2, positions, k_cache, v_cache
+                )  # [B, Gl, rep, D]
+            else:
+                rot = apply_rope(qkv, cos[:, 0], sin[:, 0])
+                batch = torch.arange(B, device=tokens.device)
+                k_cache[batch, :, positions] = rot[:, :, rep]
+                v_cache[batch, :, positions] = qkv[:, :, rep + 1]
+                q = rot[:, :, :rep]
+            a = decode_attention(q, k_cache, v_cache, mask, positions, prefix)  # [B, Gl, rep, D]
+        a = a.reshape(B, -1)  # [B, Hl*D]
         x, h = _add_norm(x, _all_reduce(F.linear(a, layer["proj"]), w), layer["ln2"], spec, False)
         y = F.linear(h, layer["fc1"])  # [B, 2F/tp]: gate, then up
         act = decode_fused.swiglu(y) if decode_fused.usable("swiglu", y) else _swiglu_ref(y)

@@ -178,3 +178,39 @@ def test_decode_attention_reads_each_prompt_from_its_lead_slot(monkeypatch):
     got = decode_attention(q, noisy[0, :b, :, :t], noisy[1, :b, :, :t], pos, prefix=(lead, plen))
     assert torch.equal(got, unshared)
     assert not torch.equal(decode_attention(q, noisy[0, :b, :, :t], noisy[1, :b, :, :t], pos), unshared)
+
+
+@pytest.mark.parametrize(
+    "groups,rep,dim,dtype",
+    [(2, 7, 64, torch.bfloat16), (1, 14, 32, torch.float32), (3, 1, 16, torch.bfloat16)],
+)
+def test_rope_in_attention_equals_rope_kv_write_then_attention(monkeypatch, groups, rep, dim, dtype):
+    """``rope_decode_attention`` (``MEGATRON_RL_DECODE_ROPE_IN_ATTENTION``): one kernel for the step's RoPE,
+    its KV-cache write and attention gives ``decode_fused.rope_kv_write`` then ``decode_attention`` bit for
+    bit: the output and the whole cache (this step's key and value at each row's position, nothing else
+    written), with and without prompt KV sharing, positions 0, at and past a key block's end."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import decode_attention as kernel
+    from megatron_rl.kernels import decode_fused
+    from megatron_rl.kernels.rope import rope_cos_sin
+
+    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
+    monkeypatch.setattr(decode_fused, "RUN_ON_CPU", True)
+    g = torch.Generator().manual_seed(3)
+    b, t = 6, 150
+    cache = torch.randn(2, b + 1, groups, 160, dim, generator=g).to(dtype)  # [2, S, G, Tmax, D]
+    qkv = torch.randn(b, groups, rep + 2, dim, generator=g).to(dtype)
+    pos = torch.tensor([0, 63, 64, 149, 100, 70])
+    lead, plen = torch.tensor([0, 1, 1, 1, 4, 4]), torch.tensor([0, 50, 50, 50, 60, 60])
+    for slot in range(b):
+        cache[:, slot, :, : plen[slot]] = cache[:, lead[slot], :, : plen[slot]]
+    cos, sin = rope_cos_sin(pos[:, None], dim, 10000.0, dtype)
+    cos, sin = cos[:, 0, 0, 0], sin[:, 0, 0, 0]  # [B, D]
+    for prefix in (None, (lead, plen)):
+        two, one = cache.clone(), cache.clone()
+        q = decode_fused.rope_kv_write(qkv, cos, sin, pos, two[0, :b, :, :t], two[1, :b, :, :t])
+        want = kernel.decode_attention(q, two[0, :b, :, :t], two[1, :b, :, :t], pos, prefix=prefix)
+        got = kernel.rope_decode_attention(qkv, cos, sin, one[0, :b, :, :t], one[1, :b, :, :t], pos, prefix)
+        assert torch.equal(got, want)
+        assert torch.equal(one, two)
+        assert not torch.equal(one, cache)  # the step's keys and values were written

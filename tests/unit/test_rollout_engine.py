@@ -409,6 +409,31 @@ def test_engine_with_the_fused_decode_kernels_equals_hf(model, monkeypatch):
         ).abs().max() < 1e-5
 
 
+def test_rope_inside_the_decode_attention_kernel_gives_the_engine_the_same_bits(model, monkeypatch):
+    """``MEGATRON_RL_DECODE_ROPE_IN_ATTENTION`` (one kernel for RoPE, the KV write and attention; the fused
+    kernels and the Triton decode kernel interpreted on CPU): it runs, passed its trial, and the engine's
+    sampled tokens and log-probs are the two-kernel decode step's bit for bit, with prompt KV sharing."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import decode_attention as kernel
+    from megatron_rl.kernels import decode_fused
+
+    _, spec, params = model
+    monkeypatch.setattr(decode_fused, "RUN_ON_CPU", True)
+    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
+    calls, original = [], kernel.rope_decode_attention
+    monkeypatch.setattr(kernel, "rope_decode_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    prompts = random_prompts(3, seed=7)
+    sp = SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=2)
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(kernel, "ROPE_IN_ATTENTION", on)
+        engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=6))
+        runs[on] = engine.generate(prompts, sp)
+        assert bool(calls) == on
+    assert [c.response_ids for c in runs[True]] == [c.response_ids for c in runs[False]]
+    assert all(a.logprobs == b.logprobs for a, b in zip(runs[True], runs[False]))
+
+
 @pytest.mark.parametrize("slots,compact", [(7, False), (18, True)])
 def test_prompt_kv_sharing_gives_the_same_bits_through_retire_reuse_and_compaction(
     monkeypatch, slots, compact

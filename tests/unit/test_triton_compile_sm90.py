@@ -6,7 +6,8 @@ and int64 in the other passed every interpreter test and failed to compile on th
 Kernels (module: kernel: constexpr variants), at the Qwen2.5-0.5B shape (hidden 896, 14 heads in 2 KV
 groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
 
-- ``decode_attention``: ``_decode_attention_kernel``: ``shared`` off / on (prompt KV sharing);
+- ``decode_attention``: ``_decode_attention_kernel``: ``shared`` off / on (prompt KV sharing), and
+  ``rope`` on (RoPE and the KV write inside, with sharing);
 - ``rmsnorm``: ``_backward_kernel``: tile 4 x block 1024 (hidden 896), tile 1 x block 4096 (7B's 3584);
 - ``swiglu``: ``_backward_kernel``: 8 x 256;
 - ``logprob``: ``_stats_kernel``: ``splits`` 1 (a training micro-batch) and 32 (a few rows);
@@ -94,12 +95,18 @@ SCRIPT = textwrap.dedent(
     eps = 1e-6
 
     attn = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "pos_ptr": i64, "lead_ptr": i64, "plen_ptr": i64,
-            "out_ptr": bf, "scale": D**-0.5}
-    strides = ("sq_b", "sq_g", "sq_r", "sk_b", "sk_g", "sk_t", "sv_b", "sv_g", "sv_t", "so_b", "so_g", "so_r")
-    attn |= dict(zip(strides, DEC_Q + CACHE + CACHE + DEC_Q))
+            "out_ptr": bf, "cos_ptr": bf, "sin_ptr": bf, "scale": D**-0.5}
+    strides = ("sq_b", "sq_g", "sq_r", "sk_b", "sk_g", "sk_t", "sv_b", "sv_g", "sv_t", "so_b", "so_g", "so_r",
+               "sc_b", "sc_d")
+    attn |= dict(zip(strides, DEC_Q + CACHE + CACHE + DEC_Q + (D, 1)))
     for shared in (False, True):
         add(decode_attention._decode_attention_kernel, attn,
-            {"groups": 2, "rep": 7, "rows": 16, "dim": D, "block": 64, "shared": shared}, num_warps=4)
+            {"groups": 2, "rep": 7, "rows": 16, "dim": D, "block": 64, "shared": shared, "rope": False},
+            num_warps=4)
+    # rope: q_ptr is the step's qkv [B, 2, 9, D] (decode_attention.rope_decode_attention)
+    attn_rope = attn | dict(zip(("sq_b", "sq_g", "sq_r"), (QKV, 9 * D, D)))
+    add(decode_attention._decode_attention_kernel, attn_rope,
+        {"groups": 2, "rep": 7, "rows": 16, "dim": D, "block": 64, "shared": True, "rope": True}, num_warps=4)
 
     norm = {"x_ptr": bf, "dy_ptr": bf, "w_ptr": bf, "dx_ptr": bf, "dw_ptr": f32, "rows": 16384, "hidden": H,
             "stride_x": H, "stride_dy": H, "stride_dx": H, "eps": eps, "rows_per": 16}
@@ -165,7 +172,7 @@ SCRIPT = textwrap.dedent(
     for shared, rows, q_st, kv_st in ((False, 7 * 2048, train_q, train_kv), (True, 7, DEC_Q, CACHE)):
         att = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "pos_ptr": i64, "lead_ptr": i64, "plen_ptr": i64,
                "out_ptr": bf, "scale": D**-0.5, "R": rows}
-        att |= dict(zip(strides + ("sp_b",), q_st + kv_st + kv_st + q_st + (rows,)))
+        att |= dict(zip(strides[:12] + ("sp_b",), q_st + kv_st + kv_st + q_st + (rows,)))
         add(bit._attention_kernel, att, {"groups": 2, "dim": D, "block": 64, "tile": 16, "shared": shared},
             num_warps=4)
 
