@@ -299,10 +299,11 @@ def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: t
     for i, layer in enumerate(w.layers):
         qkv = _qkv(h[:, None], layer, spec)[:, 0]  # [B, Gl, rep+2, D]
         k_cache, v_cache = cache[i, 0, :B, :, :Tmax], cache[i, 1, :B, :, :Tmax]  # [B, Gl, Tmax, D]
-        if decode_fused.usable("rope_kv_write", qkv) and decode_kernel.rope_usable(qkv):  # one kernel
+        fused_rope = decode_fused.usable("rope_kv_write", qkv)
+        if fused_rope and decode_kernel.rope_usable(qkv):  # RoPE, the KV write and attention in one kernel
             a = decode_kernel.rope_decode_attention(qkv, cos2, sin2, k_cache, v_cache, positions, prefix)
         else:
-            if decode_fused.usable("rope_kv_write", qkv):
+            if fused_rope:
                 q = decode_fused.rope_kv_write(
                     qkv, cos2, sin2, positions, k_cache, v_cache
                 )  # [B, Gl, rep, D]
