@@ -214,3 +214,29 @@ def test_rope_in_attention_equals_rope_kv_write_then_attention(monkeypatch, grou
         assert torch.equal(got, want)
         assert torch.equal(one, two)
         assert not torch.equal(one, cache)  # the step's keys and values were written
+
+
+def test_rope_in_attention_that_fails_its_trial_warns_and_the_two_kernels_serve(monkeypatch):
+    """``rope_usable``: a fused kernel that raises in its start-up trial is reported once in a warning that
+    says what runs instead, and the decoder keeps ``rope_kv_write`` then ``decode_attention``."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import compile as kc
+    from megatron_rl.kernels import decode_attention as kernel
+    from megatron_rl.kernels import decode_fused
+
+    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
+    monkeypatch.setattr(decode_fused, "RUN_ON_CPU", True)
+    monkeypatch.setattr(kernel, "ROPE_IN_ATTENTION", True)
+    monkeypatch.setattr(kc, "_PROBED", set())
+    monkeypatch.setattr(kc, "_FAILED", {})
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(kernel, "rope_decode_attention", broken)
+    qkv = torch.randn(3, 2, 9, 64)
+    with pytest.warns(
+        UserWarning, match="RoPE and the KV write run in their own kernel.*no kernel for this GPU"
+    ):
+        assert not kernel.rope_usable(qkv)
+    assert not kernel.rope_usable(qkv)  # remembered: no second trial
