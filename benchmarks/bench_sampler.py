@@ -1,6 +1,7 @@
 """The sampler's draw (tokens + log-sum-exp of one decode step) three ways, at Qwen2.5's vocab in bf16: eager
 ``_draw``, the compiled ``_FUSED_DRAW`` and the Triton kernel (``kernels.sampler``, a few split / block
-settings), against the time to read the logits once. Tokens are compared with the eager draw's over
+settings, with and without the noise filter), against the time to read the logits once; and the kernel on
+logits with one peaked token per row, where the filter skips nearly every block. Tokens are compared with the eager draw's over
 several key sets (mismatch counts; 0 expected for the kernel, which rounds as eager does), and the
 log-sum-exp's largest difference.
 
@@ -29,6 +30,7 @@ def bench(rows: int, vocab: int, key_sets: int) -> dict:
         "eager": lambda k: _draw(logits, k, ids, inv_temp, True),
         "compiled": lambda k: _FUSED_DRAW(logits, k, ids, inv_temp, True),
         "triton": lambda k: kernel.draw(logits, mix64(k) & _M32, inv_temp, True),
+        "triton_unfiltered": lambda k: kernel.draw(logits, mix64(k) & _M32, inv_temp, True, filtered=False),
     }
     d = kernel.splits_for(rows)
     for splits in sorted({max(1, d // 4), d, min(64, 4 * d)}):
@@ -51,6 +53,16 @@ def bench(rows: int, vocab: int, key_sets: int) -> dict:
     out["triton_greedy_token_mismatches"] = int((g_tok != greedy_want[0]).sum())
     out["triton_greedy_lse_max_abs_diff"] = float((g_lse - greedy_want[1]).abs().max())
     out["rows_compared"] = rows * key_sets
+    # one token 20 above the rest per row (a trained model's shape): the noise filter skips nearly every block
+    peaked = logits.clone()
+    peaked[torch.arange(rows, device="cuda"), torch.randint(0, vocab, (rows,), device="cuda")] += 20
+    for name, filt in (("peaked_triton", True), ("peaked_triton_unfiltered", False)):
+        fn = lambda k, f=filt: kernel.draw(peaked, mix64(k) & _M32, inv_temp, True, filtered=f)  # noqa: E731
+        out[f"{name}_us"] = timed_us(lambda fn=fn: fn(keys), n=200, warmup=5)
+        want_p = [_draw(peaked, k, ids, inv_temp, True) for k in key_batches]
+        out[f"{name}_token_mismatches"] = sum(
+            int((fn(k)[0] != w[0]).sum()) for k, w in zip(key_batches, want_p)
+        )
     return out
 
 

@@ -32,6 +32,15 @@ def test_rope_equals_megatron_core_unfused_values_and_grads(monkeypatch, flag):
     tb = t.detach().to(torch.bfloat16)
     diff = (fn(tb, freqs).float() - rope_utils._apply_rotary_pos_emb_bshd(tb, freqs).float()).abs()
     assert diff.max() <= 2 * 2**-8 * tb.float().abs().max()
+    # bf16 gradient (the compiled path's own backward: the gradient rotated back by -angle) against autograd
+    # through the fp32 reference: one rounding each, so at most a bf16 ulp apart
+    tb.requires_grad_(True)
+    tr = tb.detach().clone().requires_grad_(True)
+    gb = g.to(torch.bfloat16)
+    (fn(tb, freqs).float() * gb.float()).sum().backward()
+    (rope_reference(tr, freqs).float() * gb.float()).sum().backward()
+    assert tb.grad.dtype == torch.bfloat16
+    assert (tb.grad.float() - tr.grad.float()).abs().max() <= 2**-8 * tr.grad.float().abs().max()
 
 
 def test_rope_partial_or_interleaved_uses_megatron_core_path():

@@ -13,7 +13,8 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
 - ``logprob``: ``_stats_kernel``: ``splits`` 1 (a training micro-batch) and 32 (a few rows);
   ``_grad_kernel``;
 - ``sampler``: ``_draw_partial_kernel`` (``libdevice.log``, no FMA contraction): ``splits`` 2 (512 rows)
-  and 1 (the ``splits == 1`` store branch), ``noisy`` on / off; ``_draw_combine_kernel``: ``splits`` 2, 64;
+  and 1 (the ``splits == 1`` store branch), ``noisy`` on / off, ``filtered`` on / off (the noise filter's
+  data-dependent branch inside the loop); ``_draw_combine_kernel``: ``splits`` 2, 64;
 - ``decode_fused``: ``_rope_kv_kernel``: ``exact`` off / on, and on in fp16 (``_round_to``'s cast branch);
   ``_swiglu_kernel``; ``_add_rms_norm_kernel``;
 - ``batch_invariant_triton``: ``_matmul_kernel``: bias with BN 64 / 4 warps (qkv), no bias with BN 128 /
@@ -22,7 +23,8 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
   ``_attention_kernel``: ``shared`` off (training rows) / on (decode rows);
 - ``rope_exact``: ``_exact_rope_kernel``: ``backward`` off / on.
 
-The ``triton.jit`` helpers called from these (``sampler._hash_log_noise``, ``decode_fused._round_to``,
+The ``triton.jit`` helpers called from these (``sampler._hash_log_noise`` / ``_hash_bits`` /
+``_exp_noise_lower_bound``, ``decode_fused._round_to``,
 ``batch_invariant_triton._rms_row`` / ``_row_max`` / ``_row_exp_sum``) compile inside their callers.
 
 Each variant compiles twice: generic (every integer an unspecialised int32) and as launched at that shape
@@ -125,12 +127,13 @@ SCRIPT = textwrap.dedent(
             "temperature": 1.0}
     add(logprob._grad_kernel, grad, {"block": 2048}, num_warps=8)
 
-    for splits, noisy, chunk in ((2, True, 38 * 2048), (1, True, 75 * 2048), (2, False, 38 * 2048)):
+    for splits, noisy, chunk, filtered in ((2, True, 38 * 2048, True), (1, True, 75 * 2048, True),
+                                           (2, False, 38 * 2048, True), (2, True, 38 * 2048, False)):
         draw = {"logits_ptr": bf, "keys_ptr": i64, "m_ptr": f32, "l_ptr": f32, "best_ptr": f32,
                 "idx_ptr": "*i32", "tok_ptr": i64, "lse_ptr": f32, "inv_temp": 1 / 0.7, "stride_b": V,
                 "vocab": V, "chunk": chunk}
         add(sampler._draw_partial_kernel, draw,
-            {"splits": splits, "noisy": noisy, "block": 2048, "libdevice_log": True},
+            {"splits": splits, "noisy": noisy, "block": 2048, "libdevice_log": True, "filtered": filtered},
             num_warps=8, enable_fp_fusion=False)
     comb = {"m_ptr": f32, "l_ptr": f32, "best_ptr": f32, "idx_ptr": "*i32", "tok_ptr": i64, "lse_ptr": f32}
     for splits in (2, 64):

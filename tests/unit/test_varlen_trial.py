@@ -44,3 +44,87 @@ def test_the_trial_refuses_a_wrong_kernel_and_says_by_how_much(monkeypatch, shar
 def test_notes_say_why_varlen_is_off_on_cpu():
     assert not pa.varlen_available(torch.device("cpu"), torch.float32)
     assert pa.varlen_notes()["cpu torch.float32"] == "not a CUDA fp16/bf16 tensor"
+
+
+def _fake_flash(seen: list):
+    """CPU stand-ins for aten's flash-attention forward/backward (CUDA only) with their argument order: the
+    per-segment SDPA, keys in segments ``cu_k`` (the gathered rows as they come)."""
+
+    def attend(q, k, v, cu_q, cu_k, scale):
+        return pa.segment_attention(q, k, v, cu_q, scale, kv_index=torch.arange(k.shape[0]), cu_k=cu_k)
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        seen.append((k.shape[1], v.shape[1], max_q, max_k))
+        assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
+        return (
+            attend(q, k, v, cu_q, cu_k, scale),
+            torch.zeros(q.shape[1], q.shape[0]),
+            torch.zeros(2),
+            torch.zeros(0),
+        )
+
+    def backward(g, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, rng, unused, scale):
+        with torch.enable_grad():
+            q2, k2, v2 = (t.detach().requires_grad_() for t in (q, k, v))
+            return torch.autograd.grad(attend(q2, k2, v2, cu_q, cu_k, scale), (q2, k2, v2), g)
+
+    return forward, backward
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_gqa_keys_go_to_flash_attention_unrepeated_where_varlen_attn_has_no_enable_gqa(monkeypatch, shared):
+    """torch 2.11's varlen_attn has no ``enable_gqa``: K/V of G heads then go to aten's flash ops as they are
+    (no repeat per query head), and the output and all three gradients are the per-segment SDPA's."""
+    import torch.nn.attention.varlen as tv
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, scale=None):
+        raise AssertionError("the GQA call must not reach varlen_attn")
+
+    seen: list = []
+    fwd, bwd = _fake_flash(seen)
+    monkeypatch.setattr(tv, "varlen_attn", varlen_attn)
+    monkeypatch.setattr(pa, "_flash_forward", fwd)
+    monkeypatch.setattr(pa, "_flash_backward", bwd)
+    monkeypatch.setattr(pa, "GQA_DIRECT", True)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(24, h, 16, generator=g, dtype=torch.float64, requires_grad=True) for h in (6, 2, 2)
+    )
+    cu = torch.tensor([0, 5, 17, 24])
+    if shared:  # a prompt of 5 tokens shared by two responses of 3 and 4 (rows 0-4, 5-7, 8-11)
+        idx = torch.tensor([*range(5), *range(5), 5, 6, 7, *range(5), 8, 9, 10, 11])
+        cq, ck = torch.tensor([0, 5, 8, 12]), torch.tensor([0, 5, 13, 22])
+        got = pa.shared_attention(q[:12], k[:12], v[:12], cq, idx, ck, 5, 9, 0.3, None, varlen=True)
+        want = pa.segment_attention(q[:12], k[:12], v[:12], cq, 0.3, kv_index=idx, cu_k=ck)
+    else:
+        got = pa.varlen_attention(q, k, v, cu, 12, 0.3)
+        want = pa.segment_attention(q, k, v, cu, 0.3)
+    assert seen == [(2, 2, 5, 9) if shared else (2, 2, 12, 12)]
+    w = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((got * w).sum(), (q, k, v))
+    ref = torch.autograd.grad((want * w).sum(), (q, k, v))
+    torch.testing.assert_close(got, want)
+    for a, b in zip(grads, ref):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b)
+
+
+def test_a_failing_direct_gqa_trial_falls_back_to_repeated_keys_and_says_so(monkeypatch):
+    monkeypatch.setattr(pa, "GQA_DIRECT", True)
+    monkeypatch.setattr(pa, "_GQA_DIRECT_FAILED", set())
+    monkeypatch.setattr(pa, "_VARLEN_OK", {})
+    monkeypatch.setattr(pa, "_VARLEN_WHY", {})
+    calls = []
+
+    def trial(device, dtype, shared):
+        calls.append(pa._gqa_direct(device))
+        if calls[-1]:
+            raise RuntimeError("flash GQA broken here")
+        return True, "largest relative error vs float32: varlen_attn 1e-3, per-segment SDPA 1e-3"
+
+    monkeypatch.setattr(pa, "_trial", trial)
+    dev = torch.device("cuda", 0)  # only the device's name is used: the trial is the stand-in
+    with pytest.warns(UserWarning, match="flash attention's own GQA failed first"):
+        assert pa.varlen_available(dev, torch.bfloat16)
+    assert calls == [True, False] and not pa._gqa_direct(dev)
+    assert "RuntimeError: flash GQA broken here" in pa.varlen_notes()["cuda:0 torch.bfloat16"]
