@@ -114,6 +114,19 @@ def rmsnorm_case(rows: int, hidden: int) -> dict:
                                      "dx": float((ax.float() - bx.float()).abs().max()),
                                      "dw_rel": float((aw.float() - bw.float()).abs().max() / bw.float().abs().max())}  # fmt: skip
         res[name]["speedup"] = round(res["torch"]["fwd_bwd_us"] / res[name]["fwd_bwd_us"], 3)
+    # the Triton backward alone over tiles / warps / programs (the first is the default) against torch's
+    # backward alone (autograd.grad of a kept forward); bytes: x, dy read and dx written
+    w = torch.ones(hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    xt = x0.clone().requires_grad_(True)
+    out = torch.nn.functional.rms_norm(xt, (hidden,), w, 1e-6)
+    res["torch_bwd_us"] = round(timed_us(lambda: torch.autograd.grad(out, (xt, w), g, retain_graph=True)), 1)
+    _, tile0, warps0 = rmsnorm_kernel.blocks_for(hidden)
+    res["triton_bwd"] = []
+    for tile, warps, programs in ((tile0, warps0, 1024), (4, 8, 1024), (4, 4, 1024), (8, 8, 528), (16, 8, 1024),
+                                  (2, 2, 2048), (1, 4, 4096), (8, 8, 264)):  # fmt: skip
+        us = timed_us(lambda t=tile, nw=warps, p=programs: rmsnorm_kernel.backward(x0, w, g, 1e-6, p, t, nw))
+        res["triton_bwd"].append({"tile": tile, "num_warps": warps, "programs": programs, "bwd_us": round(us, 1),
+                                  "fraction_of_hbm": round(3 * rows * hidden * 2 / (us / 1e6) / HBM, 3)})  # fmt: skip
     return res
 
 
@@ -174,7 +187,11 @@ def swiglu_case(rows: int, ffn: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "update_kernels.json"))
+    ap.add_argument(
+        "--cases", default="logprob,rmsnorm,swiglu", help="comma-separated: logprob, rmsnorm, swiglu"
+    )
     a = ap.parse_args()
+    cases = set(a.cases.split(","))
     res = {
         "device": torch.cuda.get_device_name(),
         "hbm_bytes_per_s": HBM,
@@ -182,14 +199,14 @@ def main() -> None:
         "logprob": [],
         "rmsnorm": [],
     }
-    for rows in (32768, 8192):  # the 0.5B update's 64 sequences x 512 responses; a smaller micro-batch
+    for rows in (32768, 8192) if "logprob" in cases else ():  # 0.5B: 64 sequences x 512 responses; fewer
         res["logprob"].append(logprob_case(rows))
         print(json.dumps(res["logprob"][-1]), flush=True)
-    for rows, hidden in ((34816, 896), (34816, 2048)):  # 0.5B and 3B hidden sizes
+    for rows, hidden in ((34816, 896), (34816, 2048)) if "rmsnorm" in cases else ():  # 0.5B and 3B hidden
         res["rmsnorm"].append(rmsnorm_case(rows, hidden))
         print(json.dumps(res["rmsnorm"][-1]), flush=True)
     res["swiglu"] = []
-    for rows, ffn in ((34816, 4864), (34816, 11008)):  # 0.5B and 3B FFN sizes: y 0.7 and 1.5 GB
+    for rows, ffn in ((34816, 4864), (34816, 11008)) if "swiglu" in cases else ():  # 0.5B, 3B: y 0.7, 1.5 GB
         res["swiglu"].append(swiglu_case(rows, ffn))
         print(json.dumps(res["swiglu"][-1]), flush=True)
     with open(a.out, "w") as f:

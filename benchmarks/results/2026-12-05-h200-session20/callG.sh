@@ -4,7 +4,8 @@
 # - the sampler's noise filter (kernels/sampler.py; MEGATRON_RL_SAMPLER_FILTER=0 off): bench_sampler at 512 rows,
 # - GQA keys/values straight into flash attention in the update (MEGATRON_RL_FLASH_GQA=0 off),
 # - RoPE's backward as its own one-kernel compiled rotation (no switch: old tree vs new),
-# then session 19's open question (call F): RoPE inside the decode attention kernel (opt-in) on the new tree.
+# then two opt-ins on the new tree: session 19's RoPE inside the decode attention kernel (its call F) and the
+# Triton RMSNorm backward (a warp per row now; its tile / warps / programs swept in bench_update_kernels).
 set -u
 O=$OUT/cG; mkdir -p "$O"; T0=$SECONDS
 rm -rf /tmp/old && mkdir -p /tmp/old && tar xzf .carry/old.tgz -C /tmp/old
@@ -17,11 +18,14 @@ run() {  # limit, name, tree, extra args
 }
 timeout 80 python3 benchmarks/bench_sampler.py --rows 512 --key-sets 4 --out "$O/sampler.json" > "$O/sampler.log" 2>&1
 echo "sampler rc=$? $((SECONDS - T0))s"
+timeout 60 python3 benchmarks/bench_update_kernels.py --cases rmsnorm --out "$O/rmsnorm.json" > "$O/rmsnorm.log" 2>&1
+echo "rmsnorm rc=$? $((SECONDS - T0))s"
 run 100 fixed_new "$PWD"
 run 100 fixed_old /tmp/old
 run 80 spread_new "$PWD" --lengths spread
 run 80 spread_old /tmp/old --lengths spread
 MEGATRON_RL_SAMPLER_FILTER=0 MEGATRON_RL_FLASH_GQA=0 run 100 fixed_new_filter_gqa_off "$PWD"
+MEGATRON_RL_TRITON_RMSNORM=1 run 100 fixed_new_rmsnorm "$PWD"
 MEGATRON_RL_DECODE_ROPE_IN_ATTENTION=1 run 100 fixed_new_rope_in_attn "$PWD"
 python3 - "$O" <<'PY'
 import json, sys, glob
@@ -31,6 +35,12 @@ try:
         print("sampler", json.dumps({k: v for k, v in r.items() if "triton" in k and ("_s" not in k or "unfiltered" in k) or k == "read_logits_us"}))
 except Exception as e:
     print("sampler unreadable", e)
+try:
+    for r in json.load(open(f"{O}/rmsnorm.json"))["rmsnorm"]:
+        print("rmsnorm", r["hidden"], "torch fwd+bwd", r["torch"]["fwd_bwd_us"], "triton fwd+bwd", r["triton_backward"]["fwd_bwd_us"],
+              "torch bwd", r["torch_bwd_us"], "triton bwd", [(b["tile"], b["num_warps"], b["programs"], b["bwd_us"]) for b in r["triton_bwd"]])
+except Exception as e:
+    print("rmsnorm unreadable", e)
 for f in sorted(glob.glob(O + "/*_*.json")):
     try:
         d = json.load(open(f)); r = d["median_after_warmup"]
