@@ -31,6 +31,8 @@ def bench(rows: int, vocab: int, key_sets: int) -> dict:
         "compiled": lambda k: _FUSED_DRAW(logits, k, ids, inv_temp, True),
         "triton": lambda k: kernel.draw(logits, mix64(k) & _M32, inv_temp, True),
         "triton_unfiltered": lambda k: kernel.draw(logits, mix64(k) & _M32, inv_temp, True, filtered=False),
+        # what the engine calls: keys mixed and the tokens' log-probs read in the kernel
+        "triton_fused": lambda k: kernel.draw(logits, k, inv_temp, True, mix=True, logprobs=True),
     }
     d = kernel.splits_for(rows)
     for splits in sorted({max(1, d // 4), d, min(64, 4 * d)}):

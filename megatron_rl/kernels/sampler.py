@@ -67,15 +67,36 @@ if HAVE_TRITON:
         return w + w * w * (0.5 + w * 0.3333333)
 
     @triton.jit
+    def _row_key(keys_ptr, b, mix: tl.constexpr):
+        """Row b's uint32 noise key: with ``mix`` the raw int64 key through ``sampling.mix64`` (splitmix64's
+        finaliser: logical shifts, products mod 2^64) and its low 32 bits, else the key as given."""
+        if mix:
+            x = tl.load(keys_ptr + b).to(tl.uint64, bitcast=True)
+            x = x ^ (x >> 30)
+            x = x * 0xBF58476D1CE4E5B9
+            x = x ^ (x >> 27)
+            x = x * 0x94D049BB133111EB
+            x = x ^ (x >> 31)
+            return x.to(tl.uint32)
+        return tl.load(keys_ptr + b).to(tl.uint32)
+
+    @triton.jit
+    def _store_logprob(logits_ptr, lp_ptr, b, stride_b, tok, lse, inv_temp):
+        """The drawn token's log-prob: its scaled logit minus the log-sum-exp, the fp32 ops of the eager
+        ``logits.gather(tok).float() * inv_temp - lse``."""
+        z = tl.load(logits_ptr + b.to(tl.int64) * stride_b + tok).to(tl.float32) * inv_temp
+        tl.store(lp_ptr + b, z - lse)
+
+    @triton.jit
     def _draw_partial_kernel(
-        logits_ptr, keys_ptr, m_ptr, l_ptr, best_ptr, idx_ptr, tok_ptr, lse_ptr, inv_temp, stride_b, vocab,
-        chunk, splits: tl.constexpr, noisy: tl.constexpr, block: tl.constexpr, libdevice_log: tl.constexpr,
-        filtered: tl.constexpr,
+        logits_ptr, keys_ptr, m_ptr, l_ptr, best_ptr, idx_ptr, tok_ptr, lse_ptr, lp_ptr, inv_temp, stride_b,
+        vocab, chunk, splits: tl.constexpr, noisy: tl.constexpr, block: tl.constexpr, libdevice_log: tl.constexpr,
+        filtered: tl.constexpr, mix: tl.constexpr, logprobs: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         s = tl.program_id(1)
         row = logits_ptr + b.to(tl.int64) * stride_b
-        key = tl.load(keys_ptr + b).to(tl.uint32)
+        key = _row_key(keys_ptr, b, mix)
         lane = tl.arange(0, block)
         m = tl.full([block], float("-inf"), tl.float32)  # per lane: running max of z
         lsum = tl.zeros([block], tl.float32)  # per lane: sum of exp(z - m)
@@ -130,6 +151,8 @@ if HAVE_TRITON:
         if splits == 1:
             tl.store(tok_ptr + b, top_id.to(tl.int64))
             tl.store(lse_ptr + b, m + tl.log(lsum))
+            if logprobs:
+                _store_logprob(logits_ptr, lp_ptr, b, stride_b, top_id, m + tl.log(lsum), inv_temp)
         else:
             p = b * splits + s
             tl.store(m_ptr + p, m)
@@ -138,7 +161,8 @@ if HAVE_TRITON:
             tl.store(idx_ptr + p, top_id)
 
     @triton.jit
-    def _draw_combine_kernel(m_ptr, l_ptr, best_ptr, idx_ptr, tok_ptr, lse_ptr, splits: tl.constexpr):
+    def _draw_combine_kernel(m_ptr, l_ptr, best_ptr, idx_ptr, tok_ptr, lse_ptr, logits_ptr, lp_ptr, inv_temp,
+                             stride_b, splits: tl.constexpr, logprobs: tl.constexpr):  # fmt: skip
         b = tl.program_id(0)
         s = tl.arange(0, splits)
         m = tl.load(m_ptr + b * splits + s)
@@ -147,10 +171,14 @@ if HAVE_TRITON:
         idx = tl.load(idx_ptr + b * splits + s)
         top_m = tl.max(m, 0)
         m_safe = tl.where(top_m == float("-inf"), 0.0, top_m)
-        tl.store(lse_ptr + b, m_safe + tl.log(tl.sum(lsum * tl.exp(m - m_safe), 0)))
+        lse = m_safe + tl.log(tl.sum(lsum * tl.exp(m - m_safe), 0))
+        tl.store(lse_ptr + b, lse)
         top = tl.max(best, 0)
         first = tl.min(tl.where(best == top, s, splits), 0)  # splits are in id order: lowest split wins
-        tl.store(tok_ptr + b, tl.sum(tl.where(s == first, idx, 0), 0).to(tl.int64))
+        tok = tl.sum(tl.where(s == first, idx, 0), 0)
+        tl.store(tok_ptr + b, tok.to(tl.int64))
+        if logprobs:
+            _store_logprob(logits_ptr, lp_ptr, b, stride_b, tok, lse, inv_temp)
 
 
 # Tests run the kernel on CPU under Triton's interpreter: TRITON_INTERPRET=1 must be set before triton
@@ -195,25 +223,34 @@ def splits_for(rows: int, target_programs: int = 1024, most: int = 64) -> int:
 def draw(
     logits: torch.Tensor, row_keys32: torch.Tensor, inv_temp: float, noisy: bool,
     splits: int | None = None, block: int = 2048, num_warps: int = 8, filtered: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """logits [B, V], row_keys32 [B] int64 (``mix64(row_keys) & 0xFFFFFFFF``) -> tokens [B] int64 (the
-    argmax of ``logits * inv_temp`` minus the counter noise, or without it when not ``noisy``) and the
-    log-sum-exp [B] (fp32) of ``logits * inv_temp``. ``filtered``: ``FILTERED`` when None."""
+    mix: bool = False, logprobs: bool = False,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """logits [B, V], row_keys32 [B] int64 (``mix64(row_keys) & 0xFFFFFFFF``; with ``mix`` the raw row keys,
+    mixed in the kernel) -> tokens [B] int64 (the argmax of ``logits * inv_temp`` minus the counter noise,
+    or without it when not ``noisy``) and the log-sum-exp [B] (fp32) of ``logits * inv_temp``; with
+    ``logprobs`` also the tokens' log-probs [B] (fp32, ``logits[b, token] * inv_temp - lse``, the eager
+    ops). ``filtered``: ``FILTERED`` when None. Mixing the keys and reading the log-probs here saves the
+    decode step ~16 small kernels (``mix64``'s eleven, the gather, the cast, the scale, the difference)."""
     rows, vocab = logits.shape
     splits = splits_for(rows) if splits is None else splits
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block  # each split starts on a block boundary
     dev = logits.device
     tokens = torch.empty(rows, dtype=torch.long, device=dev)
-    lse = torch.empty(rows, dtype=torch.float32, device=dev)
+    out = torch.empty(2 if logprobs else 1, rows, dtype=torch.float32, device=dev)  # lse (and log-probs)
+    lse, lp = out[0], out[-1]
     part = torch.empty(4, rows * splits if splits > 1 else 1, dtype=torch.float32, device=dev)
     part_idx = part[3].view(torch.int32)  # [B * splits] best ids, sharing the one allocation
     on_gpu = dev.type != "cpu"
     opts = {"enable_fp_fusion": False} if on_gpu else {}
     _draw_partial_kernel[(rows, splits)](
-        logits, row_keys32, part[0], part[1], part[2], part_idx, tokens, lse, float(inv_temp),
+        logits, row_keys32, part[0], part[1], part[2], part_idx, tokens, lse, lp, float(inv_temp),
         logits.stride(0), vocab, chunk, splits=splits, noisy=noisy, block=block, libdevice_log=on_gpu,
-        filtered=FILTERED if filtered is None else filtered, num_warps=num_warps, **opts,
+        filtered=FILTERED if filtered is None else filtered, mix=mix, logprobs=logprobs, num_warps=num_warps,
+        **opts,
     )  # fmt: skip
     if splits > 1:
-        _draw_combine_kernel[(rows,)](part[0], part[1], part[2], part_idx, tokens, lse, splits=splits)
-    return tokens, lse
+        _draw_combine_kernel[(rows,)](
+            part[0], part[1], part[2], part_idx, tokens, lse, logits, lp, float(inv_temp), logits.stride(0),
+            splits=splits, logprobs=logprobs, **opts,
+        )  # fmt: skip
+    return (tokens, lse, lp) if logprobs else (tokens, lse)

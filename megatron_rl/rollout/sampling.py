@@ -179,9 +179,9 @@ _FUSED_DRAW = compile_rows_dynamic(_draw)
 
 
 def _kernel_draw(logits: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor, inv_temp: float, noisy: bool):
-    """``_draw`` by the Triton sampler (``kernels.sampler``; ``ids`` unused): the row keys are mixed here,
-    on [B]."""
-    return sampler_kernel.draw(logits, mix64(keys) & _M32, inv_temp, noisy)
+    """``_draw`` by the Triton sampler (``kernels.sampler``; ``ids`` unused), the row keys mixed in the
+    kernel -> tokens, log-sum-exp and the tokens' log-probs (the eager ops' bits)."""
+    return sampler_kernel.draw(logits, keys, inv_temp, noisy, mix=True, logprobs=True)
 
 
 _KERNEL = "the Triton sampler"
@@ -205,11 +205,14 @@ def _kernel_trial(logits: torch.Tensor) -> None:
     rows = logits[:4]
     keys = torch.arange(rows.shape[0], device=logits.device) * 0x5DEECE66D
     for noisy in (True, False):
-        tokens, lse = _kernel_draw(rows, keys, _token_ids(logits), 0.7, noisy)
+        tokens, lse, lp = _kernel_draw(rows, keys, _token_ids(logits), 0.7, noisy)
         want, want_lse = _draw(rows, keys, _token_ids(logits), 0.7, noisy)
         if not torch.equal(tokens, want):
             raise RuntimeError(f"tokens {tokens.tolist()} != the reference's {want.tolist()} (noisy={noisy})")
         torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+        picked = rows.gather(-1, tokens[:, None])[:, 0].float() * 0.7  # inv_temp 0.7, as drawn
+        if not torch.equal(lp, picked - lse):
+            raise RuntimeError(f"log-probs {lp.tolist()} != the eager ops' {(picked - lse).tolist()}")
 
 
 def _fused_ok(logits: torch.Tensor) -> bool:
@@ -266,7 +269,10 @@ def sample_with_logprobs(
         else torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
     )
     inv_temp = 1.0 / logprob_temperature(temperature)
-    tokens, lse = draw(logits, keys, _token_ids(logits), inv_temp, not params.greedy)
+    drawn = draw(logits, keys, _token_ids(logits), inv_temp, not params.greedy)
+    tokens, lse = drawn[0], drawn[1]
+    if share_tokens is None and len(drawn) == 3:  # the Triton draw read its tokens' log-probs
+        return tokens, drawn[2]
     if share_tokens is not None:
         tokens = share_tokens(tokens)
     picked = logits.gather(-1, tokens[:, None])[:, 0].float() * inv_temp

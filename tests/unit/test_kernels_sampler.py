@@ -58,6 +58,26 @@ def test_tokens_and_lse_equal_the_eager_draw(rows, vocab, splits, block):
             torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_keys_mixed_and_log_probs_read_in_the_kernel_are_the_eager_bits(splits, dtype):
+    """``mix=True``: the raw int64 row keys go through ``mix64`` inside the kernel (the same tokens as mixing
+    them in torch); ``logprobs=True``: the tokens' log-probs equal the eager ``gather * inv_temp - lse`` bit
+    for bit, in both store branches (one split: the partial kernel; several: the combine kernel)."""
+    torch.manual_seed(5)
+    logits = (3 * torch.randn(11, 1500)).to(dtype)
+    keys = torch.randint(-(2**63), 2**63 - 1, (11,))
+    keys[:3] = torch.tensor([0, -1, -(2**63)])  # all bits set, sign bit alone: the shifts must be logical
+    for noisy in (True, False):
+        want_tok, want_lse = _kernel(logits, keys, 1 / 0.7, noisy, splits=splits, block=256)
+        tok, lse, lp = kernel.draw(
+            logits, keys, 1 / 0.7, noisy, splits=splits, block=256, mix=True, logprobs=True
+        )
+        assert torch.equal(tok, want_tok) and torch.equal(lse, want_lse)
+        assert torch.equal(tok, _reference(logits.float(), keys, 1 / 0.7, noisy)[0])
+        assert torch.equal(lp, logits.gather(-1, tok[:, None])[:, 0].float() * (1 / 0.7) - lse)
+
+
 @pytest.mark.parametrize("kind", ["peaked", "huge", "flat", "near_ties"])
 def test_the_filtered_draw_gives_the_eager_tokens_on_hard_rows(kind):
     """The noise filter skips only blocks that provably cannot beat the best score so far. Rows where it
