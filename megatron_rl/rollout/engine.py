@@ -467,21 +467,23 @@ class _Runner:
             self.out_tlp[rows, self.count[rows]] = tlp
         return tokens, lps
 
-    def _record(self, rows, tokens, lps, live, next_pos) -> None:
+    def _record(self, rows, tokens, lps, live, next_pos, prefix: bool = False) -> None:
         """On the device: append one sampled token to each live row. rows [R] slot ids; tokens, lps,
-        live, next_pos [R] (next_pos: the position the new token is fed at)."""
-        n = self.count[rows]
+        live, next_pos [R] (next_pos: the position the new token is fed at). ``prefix``: rows are slots
+        0..R-1 (the decode step), read and written as views (a copy each instead of a gather or scatter)."""
+        sel = slice(0, rows.shape[0]) if prefix else rows
+        n = self.count[sel]
         self.out_tok[rows, n] = tokens
         self.out_lp[rows, n] = lps
         n = n + live
-        self.count[rows] = n
+        self.count[sel] = n
         still = live & ~torch.isin(tokens, self.stop_ids) & (n < self.params.max_new_tokens)
-        self.live[rows] = still
-        self.state.tok[rows] = tokens
+        self.live[sel] = still
+        self.state.tok[sel] = tokens
         # a sequence that just finished keeps feeding its last token at that token's own position (the
         # key written there is the right one, and a multi-turn episode continues from that slot's cache);
         # idle rows stay where they are (a released slot is parked at 0, see _retire)
-        self.state.pos[rows] = torch.where(live, next_pos, self.state.pos[rows])
+        self.state.pos[sel] = torch.where(live, next_pos, self.state.pos[sel])
 
     def _admit(self, waiting: deque) -> None:
         """Prefill as many waiting sequences as free slots and the prefill token cap allow. Sequences of
@@ -640,9 +642,10 @@ class _Runner:
     def _step(self) -> None:
         logits = self.state.decode(max(self.active) + 1, self.kv_need)  # [b, V], b a bucket >= max slot + 1
         self.stats.decode_rows += logits.shape[0]
-        rows = self.rows[: logits.shape[0]]
-        live = self.live[rows]
-        self._record(rows, *self._sample(logits, rows), live, self.state.pos[rows] + 1)
+        b = logits.shape[0]
+        rows = self.rows[:b]
+        live = self.live[:b].clone()  # _record overwrites live[:b] and reads this step's values after
+        self._record(rows, *self._sample(logits, rows), live, self.state.pos[:b] + 1, prefix=True)
         for slot in self.left:
             self.left[slot] -= 1
         self.kv_need += 1
