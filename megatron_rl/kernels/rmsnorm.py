@@ -35,8 +35,9 @@ except ImportError:
 if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["rows", "rows_per"])  # one kernel for every micro-batch's row count
-    def _backward_kernel(x_ptr, dy_ptr, w_ptr, dx_ptr, dw_ptr, rows, hidden, stride_x, stride_dy, stride_dx, eps,
-                         rows_per, tile: tl.constexpr, block: tl.constexpr):  # fmt: skip
+    def _backward_kernel(x_ptr, dy_ptr, w_ptr, dx_ptr, dw_ptr, rstd_ptr, rows, hidden, stride_x, stride_dy,
+                         stride_dx, eps, rows_per, tile: tl.constexpr, block: tl.constexpr,
+                         saved_rstd: tl.constexpr):  # fmt: skip
         # rows_per is a runtime value: it follows the row count, which changes with every token-budgeted
         # micro-batch, and as a constexpr each new value would compile the kernel again. Rows go in tiles
         # of ``tile`` (one load of [tile, block] each): one row at a time, each with two reductions across
@@ -54,7 +55,10 @@ if HAVE_TRITON:
             rr = r.to(tl.int64)[:, None]
             x = tl.load(x_ptr + rr * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + rr * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / hidden + eps)  # [tile]
+            if saved_rstd:  # the forward's (torch's fused kernel): one row reduction fewer
+                rstd = tl.load(rstd_ptr + r, mask=(r < rows) & (k < rows_per), other=0.0)  # [tile]
+            else:
+                rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / hidden + eps)  # [tile]
             xhat = x * rstd[:, None]
             wdy = w[None, :] * dy
             dx = rstd[:, None] * (wdy - xhat * (tl.sum(wdy * xhat, 1) / hidden)[:, None])
@@ -92,7 +96,7 @@ def _trial(device, dtype, hidden: int) -> None:
     g = torch.Generator().manual_seed(0)  # not the device's generator: the trial runs mid-training
     x, dy = (torch.randn(37, hidden, generator=g).to(device, dtype) for _ in range(2))
     w = (0.5 + torch.rand(hidden, generator=g)).to(device, dtype)
-    dx, dw = backward(x, w, dy, 1e-6, programs=3)
+    dx, dw = backward(x, w, dy, 1e-6, programs=3, rstd=_forward(x, w, 1e-6)[1])
     xr, wr = x.float().requires_grad_(True), w.float().requires_grad_(True)
     F.rms_norm(xr, (hidden,), wr, 1e-6).backward(dy.float())
     tol = 1e-4 if dtype == torch.float32 else 3e-2
@@ -104,46 +108,67 @@ def _trial(device, dtype, hidden: int) -> None:
         raise RuntimeError(f"largest gap to autograd through F.rms_norm {gap:.3g}")
 
 
-def blocks_for(hidden: int) -> tuple[int, int, int]:
-    """(block, tile, num_warps) for rows of ``hidden``: up to 1024 columns a warp per row (8 rows of a tile,
-    8 warps: both row sums stay inside a warp, no shared-memory round trip; session 19's 4 rows over 8
-    warps split each row over two), wider rows ~4K elements per load over 8 warps."""
+def blocks_for(hidden: int) -> tuple[int, int, int, int]:
+    """(block, tile, num_warps, programs) for rows of ``hidden``, from the sweep of session 20 (H100,
+    34,816 rows, ``bench_update_kernels.py``; backward alone, torch's 197 / 300 us): 896 columns 2 rows x
+    2 warps over 2048 programs 112 us (8 x 8 over 1024: 138 us; 1 x 4 over 4096: 109 us), 2048 columns
+    4 x 4 over 1024 programs 200 us. Wider rows (not swept): one row over 8 warps."""
     block = triton.next_power_of_2(hidden)
     if block <= 1024:
-        return block, 8, 8
-    return block, max(1, 4096 // block), 8
+        return block, 2, 2, 2048
+    if block <= 2048:
+        return block, 4, 4, 1024
+    return block, 1, 8, 1024
 
 
 def backward(
-    x: Tensor, weight: Tensor, dy: Tensor, eps: float, programs: int = 1024,
-    tile: int | None = None, num_warps: int | None = None,
+    x: Tensor, weight: Tensor, dy: Tensor, eps: float, programs: int | None = None,
+    tile: int | None = None, num_warps: int | None = None, rstd: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """x, dy [N, H], weight [H] -> (dx [N, H] in x's dtype, dweight [H] in weight's dtype). ``tile`` /
-    ``num_warps``: ``blocks_for``'s unless given (the benchmark's sweep)."""
+    """x, dy [N, H], weight [H] -> (dx [N, H] in x's dtype, dweight [H] in weight's dtype). ``programs`` /
+    ``tile`` / ``num_warps``: ``blocks_for``'s unless given (the benchmark's sweep). ``rstd`` [N] fp32: the
+    forward's 1/rms per row (else recomputed from x)."""
     rows, hidden = x.shape
     x, dy = x if x.stride(-1) == 1 else x.contiguous(), dy if dy.stride(-1) == 1 else dy.contiguous()
+    block, tile0, warps0, programs0 = blocks_for(hidden)
+    tile, num_warps, programs = tile or tile0, num_warps or warps0, programs or programs0
     rows_per = max(1, triton.cdiv(rows, programs))
     n = max(1, triton.cdiv(rows, rows_per))
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     part = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
-    block, tile0, warps0 = blocks_for(hidden)
-    tile, num_warps = tile or tile0, num_warps or warps0
-    _backward_kernel[(n,)](x, dy, weight, dx, part, rows, hidden, x.stride(0), dy.stride(0), dx.stride(0),
-                           float(eps), rows_per=rows_per, tile=tile, block=block, num_warps=num_warps)  # fmt: skip
+    saved = rstd is not None
+    _backward_kernel[(n,)](x, dy, weight, dx, part, rstd.reshape(rows).float() if saved else part, rows, hidden,
+                           x.stride(0), dy.stride(0), dx.stride(0), float(eps), rows_per=rows_per, tile=tile,
+                           block=block, saved_rstd=saved, num_warps=num_warps)  # fmt: skip
     return dx, part.sum(0).to(weight.dtype)
+
+
+def _forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor | None]:
+    """torch's fused RMSNorm forward and its per-row 1/rms where this torch has the op: inside an autograd
+    Function (grad off) ``F.rms_norm`` took a composite path of several kernels (H100, 34,816 x 896: the
+    Triton backward's forward + backward 622 us against torch's 251, its backward alone 138 us)."""
+    op = getattr(torch.ops.aten, "_fused_rms_norm", None)
+    if op is not None:
+        try:
+            out, rstd = op(x, [x.shape[-1]], weight, eps)
+            return out, rstd
+        except (RuntimeError, NotImplementedError):  # a build without the kernel on this device
+            pass
+    return F.rms_norm(x, (x.shape[-1],), weight, eps), None
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        ctx.save_for_backward(x, weight)
+        out, rstd = _forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, *(() if rstd is None else (rstd,)))
         ctx.eps = eps
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return out
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dx, dw = backward(x, weight, dy, ctx.eps)
+        x, weight, *rstd = ctx.saved_tensors
+        dx, dw = backward(x, weight, dy, ctx.eps, rstd=rstd[0] if rstd else None)
         return dx, dw, None
 
 
