@@ -120,9 +120,9 @@ def rmsnorm_case(rows: int, hidden: int) -> dict:
     xt = x0.clone().requires_grad_(True)
     out = torch.nn.functional.rms_norm(xt, (hidden,), w, 1e-6)
     res["torch_bwd_us"] = round(timed_us(lambda: torch.autograd.grad(out, (xt, w), g, retain_graph=True)), 1)
-    _, tile0, warps0 = rmsnorm_kernel.blocks_for(hidden)
+    _, tile0, warps0, programs0 = rmsnorm_kernel.blocks_for(hidden)
     res["triton_bwd"] = []
-    for tile, warps, programs in ((tile0, warps0, 1024), (4, 8, 1024), (4, 4, 1024), (8, 8, 528), (16, 8, 1024),
+    for tile, warps, programs in ((tile0, warps0, programs0), (4, 8, 1024), (4, 4, 1024), (8, 8, 528), (16, 8, 1024),
                                   (2, 2, 2048), (1, 4, 4096), (8, 8, 264)):  # fmt: skip
         us = timed_us(lambda t=tile, nw=warps, p=programs: rmsnorm_kernel.backward(x0, w, g, 1e-6, p, t, nw))
         res["triton_bwd"].append({"tile": tile, "num_warps": warps, "programs": programs, "bwd_us": round(us, 1),

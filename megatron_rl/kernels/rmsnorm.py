@@ -1,18 +1,19 @@
-"""A Triton backward for the trainer's RMSNorm (``models.spec.RMSNorm``); the forward stays torch's fused
-``F.rms_norm`` (the same bits as before).
+"""A Triton backward for the trainer's RMSNorm (``models.spec.RMSNorm``); the forward is torch's fused kernel
+(``aten._fused_rms_norm``, what ``F.rms_norm`` runs on the GPU: the same bits as before), whose saved 1/rms
+per row the backward reads.
 
 Why: torch's backward reduces the weight gradient in its own kernel (``GammaBetaBackward``): measured on an
 H200 in the 0.5B GRPO update (session 18, ``results/2026-12-04-h200-session18/cA/prof``) 187 us per call at
 34,816 x 896 bf16, where reading x and the incoming gradient and writing dx takes ~40 us at the HBM rate;
 inductor's compiled norm was slower still (3.3x torch's, ``bench_update_kernels.py``). Here each program
-walks a run of rows: it recomputes the row's rms from x, writes dx, and adds dy * x_hat into an fp32 partial
-weight gradient it keeps for all its rows; one sum over the programs' partials gives the weight gradient.
+walks a run of rows in tiles: it writes dx and adds dy * x_hat into an fp32 partial weight gradient it keeps
+for all its rows; one sum over the programs' partials gives the weight gradient.
 
-Off by default: the first version (one row at a time per program) measured slower than torch's on an H200
-(session 19, ``bench_update_kernels.py``: 368 against 228 us forward + backward at 34,816 x 896, 348 against
-329 us at 34,816 x 2,048); rows now go in tiles (not yet measured). ``MEGATRON_RL_TRITON_RMSNORM=1`` turns it
-on (``bench_update_kernels.py`` times it against torch's).
-Tests run it on CPU under Triton's interpreter (``RUN_ON_CPU``).
+Measured (session 20, H100, ``results/2026-12-05-h200-session20``): the backward alone 112 against torch's 197
+us at 34,816 x 896 and 200 against 300 us at 34,816 x 2,048 (call G's sweep); in the 0.5B GRPO step the update
+2.146 s against 2.177 s (call H, three timed steps each: 2.135-2.151 against 2.176-2.178). On by default up to
+2,048 columns (the widths measured); ``MEGATRON_RL_TRITON_RMSNORM=1`` takes it at every width up to 16,384,
+``=0`` turns it off. Tests run it on CPU under Triton's interpreter (``RUN_ON_CPU``).
 """
 
 from __future__ import annotations
@@ -68,20 +69,23 @@ if HAVE_TRITON:
 
 
 RUN_ON_CPU = False
-ON_CUDA = env_switch("MEGATRON_RL_TRITON_RMSNORM", False)
+ON_CUDA = env_switch("MEGATRON_RL_TRITON_RMSNORM", True)
+# widest rows taken by default (the widths measured); set to 1, the switch takes every width up to 16,384
+MEASURED_HIDDEN = 16384 if env_switch("MEGATRON_RL_TRITON_RMSNORM", False) else 2048
 PROBE = "the Triton RMSNorm backward"
 
 
 def usable(x: Tensor) -> bool:
     """Whether ``rms_norm`` takes the Triton backward for x [..., H]: Triton importable, on CUDA with
-    ``ON_CUDA`` (or CPU with ``RUN_ON_CPU``), bf16/fp16/fp32, H <= 16384, and a trial at that device, dtype
+    ``ON_CUDA`` and H <= ``MEASURED_HIDDEN`` (or CPU with ``RUN_ON_CPU``, H <= 16384), bf16/fp16/fp32, and a
+    trial at that device, dtype
     and H agreed with autograd (a failure warns once; torch's backward serves from then on)."""
     dev = x.device.type
     return (
         HAVE_TRITON
         and ((ON_CUDA and dev == "cuda") or (RUN_ON_CPU and dev == "cpu"))
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and x.shape[-1] <= 16384
+        and x.shape[-1] <= (16384 if dev == "cpu" else MEASURED_HIDDEN)
         and trial_once(
             f"{PROBE} ({dev}, {x.dtype}, H={x.shape[-1]})",
             lambda: _trial(x.device, x.dtype, x.shape[-1]),
