@@ -49,7 +49,7 @@ if HAVE_TRITON:
         """log(-log(u)) for uint32 row keys and int32 token ids: ``counter_log_exponential``'s bits.
         ``libdevice_log`` off: ``tl.log`` (Triton's interpreter has no libdevice)."""
         x = _hash_bits(key, ids)
-        u = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # 24 uniform bits -> (0, 1)
+        u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # 23 uniform bits -> (0, 1), exact
         if libdevice_log:
             return libdevice.log(-libdevice.log(u))
         return tl.log(-tl.log(u))
@@ -57,13 +57,13 @@ if HAVE_TRITON:
     @triton.jit
     def _exp_noise_lower_bound(key, ids):
         """A lower bound of E = -log(u) (u as in ``_hash_log_noise``) without a logarithm or an int-to-float
-        conversion: u's top 23 bits as the mantissa of f in [1, 2) give u <= f - 1 + 1.5 * 2^-24, so
-        w = (2 - f) - 2^-23 <= 1 - u (both steps exact: multiples of 2^-23 in [0, 1]), and
-        -log(1 - w) = w + w^2/2 + w^3/3 + ... >= w + w^2/2 + w^3/3. Tight where the noise is large
-        (u near 1: the draws that win), loose where it is small."""
+        conversion: u's 23 bits as the mantissa of f in [1, 2) give u = f - 1 + 2^-24, so w = (2 - f) - 2^-24
+        is 1 - u exactly (multiples of 2^-24 in (0, 1)), and -log(1 - w) = w + w^2/2 + w^3/3 + ... >=
+        w + w^2/2 + w^3/3 (up to fp32 rounding, inside the filter's margin). Tight where the noise is large
+        (u near 1: the draws that win), loose where it is small; never below 2^-24."""
         x = _hash_bits(key, ids)
         f = ((x >> 9) | 0x3F800000).to(tl.float32, bitcast=True)
-        w = (2.0 - f) - 1.1920928955078125e-07
+        w = (2.0 - f) - 5.9604644775390625e-08
         return w + w * w * (0.5 + w * 0.3333333)
 
     @triton.jit
@@ -126,7 +126,8 @@ if HAVE_TRITON:
                 # The margin (0.01 + |top| / 1024) covers every rounding of both sides. Later ids lose ties,
                 # so a skipped element that could only equal top changes nothing.
                 margin = 0.01 + tl.abs(top) * 0.0009765625
-                maybe = _exp_noise_lower_bound(key, ids) < tl.exp(z - top + margin)  # masked: exp(-inf) = 0
+                # masked lanes: exp(-inf) = 0 < the bound (>= 2^-24); "<=" also keeps an underflowed exp safe
+                maybe = _exp_noise_lower_bound(key, ids) <= tl.exp(z - top + margin)
                 if tl.max(maybe.to(tl.int32), 0) > 0:
                     score = z - _hash_log_noise(key, ids, libdevice_log)
                     take = live & (score > best)  # strict: a lane's earlier (lower) id keeps a tie

@@ -159,7 +159,8 @@ def _trial(device: torch.device, dtype: torch.dtype, shared: bool) -> tuple[bool
     with key segments longer than the query ones (a prompt of 5, responses of 3 and 4). Both run at
     ``dtype`` and are measured against the loop in float32 on the same inputs: varlen_attn passes when its
     largest relative error (output, dq, dk) is within twice the loop's, or 2e-2. Gradients are on whatever
-    context the first packed forward runs in (a no-grad log-prob pass, say). Returns (ok, the errors)."""
+    context the first packed forward runs in (a no-grad log-prob pass, say); the errors cover the output and
+    the q, k and v gradients. Returns (ok, the errors)."""
     with torch.inference_mode(False), torch.enable_grad():
         g = torch.Generator(device=device).manual_seed(0)
         base = [torch.randn(24, h, 64, generator=g, device=device) for h in (4, 2, 2)]
@@ -174,8 +175,8 @@ def _trial(device: torch.device, dtype: torch.dtype, shared: bool) -> tuple[bool
                      else segment_attention(q[:12], k[:12], v[:12], cq, 0.1, kv_index=idx, cu_k=ck))  # fmt: skip
             else:
                 o = varlen_attention(q, k, v, cu, 12, 0.1) if varlen else segment_attention(q, k, v, cu, 0.1)
-            dq, dk = torch.autograd.grad(o.float().square().sum(), (q, k))
-            return [o.float(), dq.float(), dk.float()]
+            dq, dk, dv = torch.autograd.grad(o.float().square().sum(), (q, k, v))
+            return [o.float(), dq.float(), dk.float(), dv.float()]
 
         ref = run(torch.float32, False)
 
@@ -205,7 +206,8 @@ def varlen_available(device: torch.device, dtype: torch.dtype, shared: bool = Fa
             if not ok and _gqa_direct(device):  # again with K/V repeated per query head
                 _GQA_DIRECT_FAILED.add(str(device))
                 first, (ok, why) = why, _guarded_trial(device, dtype, shared)
-                why = f"{why}; flash attention's own GQA failed first ({first}): K/V repeated per query head"
+                why = (f"{why}; the trial with K/V unrepeated (flash attention's own GQA) failed first ({first}): "
+                       "K/V repeated per query head on this device from now on")  # fmt: skip
                 if ok:
                     warnings.warn(f"packed attention: {why}", stacklevel=2)
             if not ok:

@@ -124,7 +124,7 @@ def test_a_failing_direct_gqa_trial_falls_back_to_repeated_keys_and_says_so(monk
 
     monkeypatch.setattr(pa, "_trial", trial)
     dev = torch.device("cuda", 0)  # only the device's name is used: the trial is the stand-in
-    with pytest.warns(UserWarning, match="flash attention's own GQA failed first"):
+    with pytest.warns(UserWarning, match=r"K/V unrepeated \(flash attention's own GQA\) failed first"):
         assert pa.varlen_available(dev, torch.bfloat16)
     assert calls == [True, False] and not pa._gqa_direct(dev)
     assert "RuntimeError: flash GQA broken here" in pa.varlen_notes()["cuda:0 torch.bfloat16"]
