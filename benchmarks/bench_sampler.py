@@ -33,6 +33,9 @@ def bench(rows: int, vocab: int, key_sets: int) -> dict:
         "triton_unfiltered": lambda k: kernel.draw(logits, mix64(k) & _M32, inv_temp, True, filtered=False),
         # what the engine calls: keys mixed and the tokens' log-probs read in the kernel
         "triton_fused": lambda k: kernel.draw(logits, k, inv_temp, True, mix=True, logprobs=True),
+        "triton_block_skip": lambda k: kernel.draw(
+            logits, k, inv_temp, True, mix=True, logprobs=True, block_skip=True
+        ),
     }
     d = kernel.splits_for(rows)
     for splits in sorted({max(1, d // 4), d, min(64, 4 * d)}):
@@ -55,16 +58,23 @@ def bench(rows: int, vocab: int, key_sets: int) -> dict:
     out["triton_greedy_token_mismatches"] = int((g_tok != greedy_want[0]).sum())
     out["triton_greedy_lse_max_abs_diff"] = float((g_lse - greedy_want[1]).abs().max())
     out["rows_compared"] = rows * key_sets
-    # one token 20 above the rest per row (a trained model's shape): the noise filter skips nearly every block
-    peaked = logits.clone()
-    peaked[torch.arange(rows, device="cuda"), torch.randint(0, vocab, (rows,), device="cuda")] += 20
-    for name, filt in (("peaked_triton", True), ("peaked_triton_unfiltered", False)):
-        fn = lambda k, f=filt: kernel.draw(peaked, mix64(k) & _M32, inv_temp, True, filtered=f)  # noqa: E731
-        out[f"{name}_us"] = timed_us(lambda fn=fn: fn(keys), n=200, warmup=5)
-        want_p = [_draw(peaked, k, ids, inv_temp, True) for k in key_batches]
-        out[f"{name}_token_mismatches"] = sum(
-            int((fn(k)[0] != w[0]).sum()) for k, w in zip(key_batches, want_p)
-        )
+    # one token 20 (and 40) above the rest per row, a trained model's shape: the noise filter skips the exact
+    # logarithms in nearly every block; the block skip (opt-in) also the hash where a block's max + 16.64 < best
+    hot = torch.randint(0, vocab, (rows,), device="cuda")
+    for tag, peak in (("peaked", 20), ("peaked40", 40)):
+        peaked = logits.clone()
+        peaked[torch.arange(rows, device="cuda"), hot] += peak
+        for name, filt, skip in ((f"{tag}_triton", True, False), (f"{tag}_triton_unfiltered", False, False),
+                                 (f"{tag}_triton_block_skip", True, True)):  # fmt: skip
+
+            def fn(k, f=filt, b=skip, x=peaked):
+                return kernel.draw(x, mix64(k) & _M32, inv_temp, True, filtered=f, block_skip=b)
+
+            out[f"{name}_us"] = timed_us(lambda fn=fn: fn(keys), n=200, warmup=5)
+            want_p = [_draw(peaked, k, ids, inv_temp, True) for k in key_batches]
+            out[f"{name}_token_mismatches"] = sum(
+                int((fn(k)[0] != w[0]).sum()) for k, w in zip(key_batches, want_p)
+            )
     return out
 
 

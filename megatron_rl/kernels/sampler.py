@@ -88,10 +88,29 @@ if HAVE_TRITON:
         tl.store(lp_ptr + b, z - lse)
 
     @triton.jit
+    def _filtered_block(key, ids, z, live, best, best_id, top, libdevice_log: tl.constexpr):
+        """One block of the filtered noisy draw -> (best, best_id, top) updated.
+
+        z - log(E) > top needs E < exp(z - top), so E's cheap lower bound decides whether any element of the
+        block may beat the best score so far; only then the block pays for the two exact logarithms. The margin
+        (0.01 + |top| / 1024) covers every rounding of both sides. Later ids lose ties, so a skipped element
+        that could only equal top changes nothing. Masked lanes: exp(-inf) = 0 < the bound (>= 2^-24); "<="
+        also keeps an underflowed exp safe."""
+        margin = 0.01 + tl.abs(top) * 0.0009765625
+        maybe = _exp_noise_lower_bound(key, ids) <= tl.exp(z - top + margin)
+        if tl.max(maybe.to(tl.int32), 0) > 0:
+            score = z - _hash_log_noise(key, ids, libdevice_log)
+            take = live & (score > best)  # strict: a lane's earlier (lower) id keeps a tie
+            best = tl.where(take, score, best)
+            best_id = tl.where(take, ids, best_id)
+            top = tl.max(best, 0)
+        return best, best_id, top
+
+    @triton.jit
     def _draw_partial_kernel(
         logits_ptr, keys_ptr, m_ptr, l_ptr, best_ptr, idx_ptr, tok_ptr, lse_ptr, lp_ptr, inv_temp, stride_b,
         vocab, chunk, splits: tl.constexpr, noisy: tl.constexpr, block: tl.constexpr, libdevice_log: tl.constexpr,
-        filtered: tl.constexpr, mix: tl.constexpr, logprobs: tl.constexpr,
+        filtered: tl.constexpr, mix: tl.constexpr, logprobs: tl.constexpr, block_skip: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         s = tl.program_id(1)
@@ -103,13 +122,20 @@ if HAVE_TRITON:
         best = tl.full([block], float("-inf"), tl.float32)  # per lane: best score, its (lowest) id
         best_id = tl.zeros([block], tl.int32)
         top = float("-inf")  # filtered: the program's best score so far (the max over lanes of best)
+        big = float("-inf")  # block_skip: the program's running max of z (one for all lanes)
         start = s * chunk
         end = tl.minimum(start + chunk, vocab)
         for off in range(start, end, block):
             ids = off + lane
             live = ids < end
             z = tl.load(row + ids, mask=live, other=float("-inf")).to(tl.float32) * inv_temp
-            if filtered:  # one exp per element: exp(-|z - m|) rescales the sum or is the new term
+            if block_skip:  # the block's max (one reduction) as every lane's base: one exp per element
+                zmax = tl.max(z, 0)
+                big_new = tl.maximum(big, zmax)
+                big_safe = tl.where(big_new == float("-inf"), 0.0, big_new)  # no -inf - -inf
+                lsum = lsum * tl.exp(big - big_safe) + tl.exp(z - big_safe)
+                big = big_new
+            elif filtered:  # one exp per element: exp(-|z - m|) rescales the sum or is the new term
                 up = z > m
                 d = tl.where(up, m - z, z - m)
                 e = tl.exp(tl.where(z == float("-inf"), float("-inf"), d))  # no -inf - -inf
@@ -121,19 +147,15 @@ if HAVE_TRITON:
                 lsum = lsum * tl.exp(m - m_safe) + tl.exp(z - m_safe)
                 m = m_new
             if noisy and filtered:
-                # z - log(E) > top needs E < exp(z - top), so E's cheap lower bound decides which blocks
-                # cannot beat the best score so far; only the others pay for the two exact logarithms.
-                # The margin (0.01 + |top| / 1024) covers every rounding of both sides. Later ids lose ties,
-                # so a skipped element that could only equal top changes nothing.
-                margin = 0.01 + tl.abs(top) * 0.0009765625
-                # masked lanes: exp(-inf) = 0 < the bound (>= 2^-24); "<=" also keeps an underflowed exp safe
-                maybe = _exp_noise_lower_bound(key, ids) <= tl.exp(z - top + margin)
-                if tl.max(maybe.to(tl.int32), 0) > 0:
-                    score = z - _hash_log_noise(key, ids, libdevice_log)
-                    take = live & (score > best)  # strict: a lane's earlier (lower) id keeps a tie
-                    best = tl.where(take, score, best)
-                    best_id = tl.where(take, ids, best_id)
-                    top = tl.max(best, 0)
+                if (
+                    block_skip
+                ):  # the noise is at most 16.6355 (u <= 1 - 2^-24): no hash where zmax + that < top
+                    if zmax + (16.64 + 0.01 + tl.abs(top) * 0.0009765625) >= top:
+                        best, best_id, top = _filtered_block(
+                            key, ids, z, live, best, best_id, top, libdevice_log
+                        )
+                else:
+                    best, best_id, top = _filtered_block(key, ids, z, live, best, best_id, top, libdevice_log)
             else:  # no cross-lane reduction (and barrier) inside the loop
                 if noisy:
                     score = z - _hash_log_noise(key, ids, libdevice_log)
@@ -142,6 +164,8 @@ if HAVE_TRITON:
                 take = live & (score > best)  # strict: a lane's earlier (lower) id keeps a tie
                 best = tl.where(take, score, best)
                 best_id = tl.where(take, ids, best_id)
+        if block_skip:  # every lane's sum is on the one base
+            m = tl.where(lane >= 0, big, m)
         row_m = tl.max(m, 0)
         m_safe = tl.where(row_m == float("-inf"), 0.0, row_m)
         lsum = tl.sum(lsum * tl.exp(m - m_safe), 0)  # lanes that saw no live value hold lsum = 0
@@ -198,6 +222,11 @@ CUDA_MIN_ROWS = 512
 # are skipped), and the log-sum-exp with one exp per element. Before (H100, bf16 [512, 151936]): 270 us per
 # draw in the decode step, bound by the per-element logf pair. MEGATRON_RL_SAMPLER_FILTER=0: every element.
 FILTERED = env_switch("MEGATRON_RL_SAMPLER_FILTER", True)
+# Opt-in, not yet measured: each block's max logit (one reduction) first; a block whose max plus the largest
+# possible noise (16.64) cannot reach the best score so far skips the hash and the bound too (most blocks of a
+# trained model's peaked rows), and the log-sum-exp runs on the one running max (one exp per element).
+# MEGATRON_RL_SAMPLER_BLOCK_SKIP=1 turns it on (with the filter).
+BLOCK_SKIP = env_switch("MEGATRON_RL_SAMPLER_BLOCK_SKIP", False)
 
 
 def usable(logits: torch.Tensor, any_rows: bool = False) -> bool:
@@ -224,15 +253,18 @@ def splits_for(rows: int, target_programs: int = 1024, most: int = 64) -> int:
 def draw(
     logits: torch.Tensor, row_keys32: torch.Tensor, inv_temp: float, noisy: bool,
     splits: int | None = None, block: int = 2048, num_warps: int = 8, filtered: bool | None = None,
-    mix: bool = False, logprobs: bool = False,
+    mix: bool = False, logprobs: bool = False, block_skip: bool | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """logits [B, V], row_keys32 [B] int64 (``mix64(row_keys) & 0xFFFFFFFF``; with ``mix`` the raw row keys,
     mixed in the kernel) -> tokens [B] int64 (the argmax of ``logits * inv_temp`` minus the counter noise,
     or without it when not ``noisy``) and the log-sum-exp [B] (fp32) of ``logits * inv_temp``; with
     ``logprobs`` also the tokens' log-probs [B] (fp32, ``logits[b, token] * inv_temp - lse``, the eager
-    ops). ``filtered``: ``FILTERED`` when None. Mixing the keys and reading the log-probs here saves the
-    decode step ~16 small kernels (``mix64``'s eleven, the gather, the cast, the scale, the difference)."""
+    ops). ``filtered`` / ``block_skip``: ``FILTERED`` / ``BLOCK_SKIP`` when None (the skip only with the
+    filter). Mixing the keys and reading the log-probs here saves the decode step ~16 small kernels
+    (``mix64``'s eleven, the gather, the cast, the scale, the difference)."""
     rows, vocab = logits.shape
+    filtered = FILTERED if filtered is None else filtered
+    block_skip = filtered and (BLOCK_SKIP if block_skip is None else block_skip)  # the skip needs the filter
     splits = splits_for(rows) if splits is None else splits
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block  # each split starts on a block boundary
     dev = logits.device
@@ -246,8 +278,7 @@ def draw(
     _draw_partial_kernel[(rows, splits)](
         logits, row_keys32, part[0], part[1], part[2], part_idx, tokens, lse, lp, float(inv_temp),
         logits.stride(0), vocab, chunk, splits=splits, noisy=noisy, block=block, libdevice_log=on_gpu,
-        filtered=FILTERED if filtered is None else filtered, mix=mix, logprobs=logprobs, num_warps=num_warps,
-        **opts,
+        filtered=filtered, mix=mix, logprobs=logprobs, block_skip=block_skip, num_warps=num_warps, **opts,
     )  # fmt: skip
     if splits > 1:
         _draw_combine_kernel[(rows,)](
