@@ -78,8 +78,8 @@ PROBE = "the Triton RMSNorm backward"
 def usable(x: Tensor) -> bool:
     """Whether ``rms_norm`` takes the Triton backward for x [..., H]: Triton importable, on CUDA with
     ``ON_CUDA`` and H <= ``MEASURED_HIDDEN`` (or CPU with ``RUN_ON_CPU``, H <= 16384), bf16/fp16/fp32, and a
-    trial at that device, dtype
-    and H agreed with autograd (a failure warns once; torch's backward serves from then on)."""
+    trial at that device, dtype and H agreed with autograd (a failure warns once; torch's backward serves
+    from then on)."""
     dev = x.device.type
     return (
         HAVE_TRITON

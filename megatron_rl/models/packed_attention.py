@@ -136,22 +136,20 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
 
     params = inspect.signature(varlen_attn).parameters
     kwargs, q_factor = _varlen_kwargs(params, scale, q.shape[-1])
+    cu = cu_seqlens.to(torch.int32)
+    cu_k = cu if cu_k is None else cu_k.to(torch.int32)
+    max_k = max_seqlen if max_k is None else max_k
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
         elif _gqa_direct(q.device):  # flash attention's own GQA: no repeated K/V
-            cu = cu_seqlens.to(torch.int32)
-            ck = cu if cu_k is None else cu_k.to(torch.int32)
-            mk = max_seqlen if max_k is None else max_k
-            return _FlashVarlenGQA.apply(q, k, v, cu, ck, max_seqlen, mk, scale)
+            return _FlashVarlenGQA.apply(q, k, v, cu, cu_k, max_seqlen, max_k, scale)
         else:  # query head h reads kv head h // (H / G)
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [S, H, D]
     if q_factor != 1.0:
         q = q * q_factor
-    cu = cu_seqlens.to(torch.int32)
-    cu_k = cu if cu_k is None else cu_k.to(torch.int32)
-    return varlen_attn(q, k, v, cu, cu_k, max_seqlen, max_seqlen if max_k is None else max_k, **kwargs)
+    return varlen_attn(q, k, v, cu, cu_k, max_seqlen, max_k, **kwargs)
 
 
 def _trial(device: torch.device, dtype: torch.dtype, shared: bool) -> tuple[bool, str]:
