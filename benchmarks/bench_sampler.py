@@ -29,10 +29,10 @@ def bench(rows: int, vocab: int, key_sets: int) -> dict:
     ways = {
         "eager": lambda k: _draw(logits, k, ids, inv_temp, True),
         "compiled": lambda k: _FUSED_DRAW(logits, k, ids, inv_temp, True),
-        "triton": lambda k: kernel.draw(logits, mix64(k) & _M32, inv_temp, True),
+        "triton": lambda k: kernel.draw(logits, mix64(k) & _M32, inv_temp, True, block_skip=False),
         "triton_unfiltered": lambda k: kernel.draw(logits, mix64(k) & _M32, inv_temp, True, filtered=False),
-        # what the engine calls: keys mixed and the tokens' log-probs read in the kernel
-        "triton_fused": lambda k: kernel.draw(logits, k, inv_temp, True, mix=True, logprobs=True),
+        # what the engine calls: keys mixed and the tokens' log-probs read in the kernel (block skip: its default)
+        "triton_fused": lambda k: kernel.draw(logits, k, inv_temp, True, mix=True, logprobs=True, block_skip=False),
         "triton_block_skip": lambda k: kernel.draw(
             logits, k, inv_temp, True, mix=True, logprobs=True, block_skip=True
         ),
@@ -59,7 +59,7 @@ def bench(rows: int, vocab: int, key_sets: int) -> dict:
     out["triton_greedy_lse_max_abs_diff"] = float((g_lse - greedy_want[1]).abs().max())
     out["rows_compared"] = rows * key_sets
     # one token 20 (and 40) above the rest per row, a trained model's shape: the noise filter skips the exact
-    # logarithms in nearly every block; the block skip (opt-in) also the hash where a block's max + 16.64 < best
+    # logarithms in nearly every block; the block skip (on by default) also the hash where a block's max + 16.64 < best
     hot = torch.randint(0, vocab, (rows,), device="cuda")
     for tag, peak in (("peaked", 20), ("peaked40", 40)):
         peaked = logits.clone()

@@ -12,23 +12,27 @@ from megatron_rl.models.weights import unwrap
 
 def _head_pre_hook(module, args, kwargs):
     """Forward pre-hook of the LM head: with ``module._head_positions`` [B, R] set, keep only those
-    positions of the hidden states [T, B, h] (as [B*R, 1, h]); the model then returns logits [1, B*R, V/tp]
-    (its transpose to batch-major is free for a size-1 dim). One-shot: cleared on use."""
+    positions of the hidden states [T, B, h] (as [B*R, 1, h]; with ``module._head_cells`` [N] set, only
+    those flat (b, r) cells: [N, 1, h]); the model then returns logits [1, B*R | N, V/tp] (its transpose to
+    batch-major is free for a size-1 dim). One-shot: cleared on use."""
     pos = getattr(module, "_head_positions", None)
     if pos is None:
         return None
-    module._head_positions = None
+    cells, module._head_positions, module._head_cells = getattr(module, "_head_cells", None), None, None
     hidden = args[0]
     t, b, h = hidden.shape
     rows = (pos * b + torch.arange(b, device=pos.device)[:, None]).reshape(-1)  # [B*R] in (b, r) order
+    if cells is not None:
+        rows = rows.index_select(0, cells)  # [N]
     return (hidden.reshape(t * b, h).index_select(0, rows).unsqueeze(1), *args[1:]), kwargs
 
 
-def set_head_positions(model: torch.nn.Module, positions: torch.Tensor) -> None:
+def set_head_positions(model: torch.nn.Module, positions: torch.Tensor, cells: torch.Tensor | None = None) -> None:
     """Make the next forward of ``model`` compute LM-head logits only at ``positions`` [B, R] of each row
     (the response-scoring positions): the RL losses never read the prompt's logits, so their matmul, their
-    [B, T, V/tp] tensor and its gradient are skipped. Not for sequence parallelism (the head would see
-    a sequence shard). No-op on stages without the head."""
+    [B, T, V/tp] tensor and its gradient are skipped. ``cells`` [N] (flat b * R + r, ascending): only those
+    (the response tokens; past a response's end the frame is padding). Not for sequence parallelism (the
+    head would see a sequence shard). No-op on stages without the head."""
     core = unwrap(model)
     if not core.post_process:
         return
@@ -36,7 +40,7 @@ def set_head_positions(model: torch.nn.Module, positions: torch.Tensor) -> None:
     if not getattr(head, "_head_hook_installed", False):
         head.register_forward_pre_hook(_head_pre_hook, with_kwargs=True)
         head._head_hook_installed = True
-    head._head_positions = positions
+    head._head_positions, head._head_cells = positions, cells
 
 
 def _rope_hook(module, args, output):

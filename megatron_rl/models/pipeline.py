@@ -9,6 +9,7 @@ loss functions hand back ``loss * num_micro_batches`` to cancel it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
@@ -38,6 +39,43 @@ class MicroBatch(Protocol):
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
+@dataclass
+class ResponseLogits:
+    """The logits the RL losses read (``run_micro_batches(..., response_logits=True)``): ``values`` [N, V/tp]
+    at the response tokens of a micro-batch's [B, R] frame, in (b, r) order. ``cells`` [N] (flat b * R + r,
+    ascending): which cells those are; None: all B * R. Cells past a response's end are padding, so the LM
+    head, its gradient and the log-prob kernels skip them: on batches of spread-out lengths most of the
+    frame (rows x the longest response)."""
+
+    values: torch.Tensor  # [N, V/tp]
+    cells: torch.Tensor | None  # [N] long, or None: every cell
+    rows: int  # B
+    width: int  # R
+
+    def pick(self, frame: torch.Tensor) -> torch.Tensor:
+        """A [B, R, ...] tensor at the cells -> [N, ...]."""
+        flat = frame.reshape(self.rows * self.width, *frame.shape[2:])
+        return flat if self.cells is None else flat.index_select(0, self.cells)
+
+    def frame(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-cell values x [N, ...] -> [B, R, ...], zero on padding cells (differentiable in x)."""
+        if self.cells is not None:
+            x = x.new_zeros(self.rows * self.width, *x.shape[1:]).index_copy(0, self.cells, x)
+        return x.view(self.rows, self.width, *x.shape[1:])
+
+
+def response_cells(mb: MicroBatch) -> torch.Tensor | None:
+    """The flat cells (b * R + r) of ``mb``'s response frame that hold response tokens (r < its length), or
+    None where every cell does (or ``mb`` has no ``response_lens``). One host sync: run before the schedule."""
+    lens = getattr(mb, "response_lens", None)
+    if lens is None:
+        return None
+    b, r = mb.score_pos.shape
+    live = (torch.arange(r, device=lens.device)[None, :] < lens[:, None]).reshape(-1)
+    cells = live.nonzero().squeeze(1)
+    return None if cells.numel() == b * r else cells.to(mb.score_pos.device)
+
+
 def _positions(input_ids: torch.Tensor) -> torch.Tensor:
     b, t = input_ids.shape
     return torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)  # [B, T]
@@ -61,12 +99,12 @@ def model_shape(mb: MicroBatch) -> tuple[int, int]:
     return (1, mb.packed.total) if mb.packed is not None else (len(mb), mb.seq_len)
 
 
-def _forward(model_chunk, mb: MicroBatch, at_response: bool):
+def _forward(model_chunk, mb: MicroBatch, at_response: bool, cells: torch.Tensor | None):
     """One micro-batch through the model: its rows, or its packed row with the THD layout (the response
     scoring positions then index the packed row)."""
     lay = mb.packed
     if at_response:
-        set_head_positions(model_chunk, mb.score_pos if lay is None else lay.score_pos)
+        set_head_positions(model_chunk, mb.score_pos if lay is None else lay.score_pos, cells)
     if lay is None:
         return model_chunk(mb.input_ids, _positions(mb.input_ids), attention_mask=None)
     set_rope_positions(model_chunk, lay.positions[0])
@@ -82,9 +120,10 @@ def run_micro_batches(
 ) -> list[dict]:
     """Run ``micro_batches`` (same T on every pipeline stage) through the schedule.
 
-    ``response_logits``: the loss function receives logits [B, R, V/tp] at ``score_pos``; the LM head
-    computes only those where ``head_on_response`` allows, otherwise they are gathered from all positions.
-    Returns the list of per-micro-batch dicts from ``loss_fn`` on the last stage, [] elsewhere.
+    ``response_logits``: the loss function receives ``ResponseLogits`` (logits at the response tokens
+    only); the LM head computes only those where ``head_on_response`` allows, otherwise they are gathered
+    from all positions. Returns the list of per-micro-batch dicts from ``loss_fn`` on the last stage, []
+    elsewhere.
     """
     n = len(micro_batches)
     config = unwrap(model).config
@@ -96,20 +135,22 @@ def run_micro_batches(
         micro_batches = [pad_to_length(mb, -(-mb.seq_len // tp) * tp, pad_id=0) for mb in micro_batches]
     # micro-batches of different shapes (dynamic batch size): stages exchange each activation's shape
     config.variable_seq_lengths = len({model_shape(mb) for mb in micro_batches}) > 1
+    # the response cells of every micro-batch up front: their host syncs before any of the schedule's work
+    cells = [response_cells(mb) if response_logits else None for mb in micro_batches]
 
     def forward_step(data_iterator, model_chunk):
-        mb = next(data_iterator)
+        mb, mb_cells = next(data_iterator)
         at_response = response_logits and head_on_response(model_chunk, mb)
-        out = _forward(model_chunk, mb, at_response)
+        out = _forward(model_chunk, mb, at_response, mb_cells)
         if unwrap(model_chunk).post_process:
-            out = _loss_frame(out, mb, response_logits, at_response)
+            out = _loss_frame(out, mb, response_logits, at_response, mb_cells)
         return out, partial(_scaled, loss_fn, mb, n)
 
     config.pipeline_dtype = next(model.parameters()).dtype
     rows, tokens = model_shape(micro_batches[0])
     return get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(micro_batches),
+        data_iterator=iter(list(zip(micro_batches, cells))),
         model=model,
         num_microbatches=n,
         seq_length=tokens,
@@ -118,21 +159,24 @@ def run_micro_batches(
     )
 
 
-def _loss_frame(out: torch.Tensor, mb: MicroBatch, response_logits: bool, at_response: bool) -> torch.Tensor:
-    """The last stage's output in the frame the loss functions read: logits [B, R, V/tp] at the response
-    positions (``response_logits``), else per-row outputs [B, T, ...] (a packed row unpacked)."""
+def _loss_frame(
+    out: torch.Tensor, mb: MicroBatch, response_logits: bool, at_response: bool, cells: torch.Tensor | None
+) -> torch.Tensor | ResponseLogits:
+    """The last stage's output in the frame the loss functions read: ``ResponseLogits`` at the response
+    tokens (``response_logits``), else per-row outputs [B, T, ...] (a packed row unpacked)."""
     lay = mb.packed
     if response_logits:
-        r = mb.score_pos.shape[1]  # [1, B*R, V/tp] from the response-only head, else [B|1, T|S, V/tp]
-        if at_response:
-            return out.view(len(mb), r, -1)
-        if lay is None:
-            return gather_positions(out, mb.score_pos)
-        return gather_positions(out, lay.score_pos.reshape(1, -1)).view(len(mb), r, -1)  # [B, R, V/tp]
+        b, r = mb.score_pos.shape
+        if at_response:  # [1, N | B*R, V/tp] from the response-only head
+            return ResponseLogits(out.view(out.shape[1], -1), cells, b, r)
+        # [B|1, T|S, V/tp] at every position: the scoring positions gathered
+        pos = mb.score_pos if lay is None else lay.score_pos.reshape(1, -1)
+        values = gather_positions(out, pos).reshape(b * r, -1)
+        return ResponseLogits(values if cells is None else values.index_select(0, cells), cells, b, r)
     return out if lay is None else unpack(out, lay, mb.seq_len)  # [B, T, ...]
 
 
-def _scaled(loss_fn: LossFn, mb: MicroBatch, n: int, output: torch.Tensor):
+def _scaled(loss_fn: LossFn, mb: MicroBatch, n: int, output):
     loss, info = loss_fn(mb, output)
     return loss * n, info
 

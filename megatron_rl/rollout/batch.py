@@ -152,8 +152,8 @@ def split_micro_batches(batch: RolloutBatch, micro_size: int) -> list[RolloutBat
 
 def trim(batch: RolloutBatch) -> RolloutBatch:
     """Drop the padding columns past the longest sequence of ``batch`` (positions past it are clamped),
-    and the response-frame columns [B, R] past its longest response: the LM head then scores
-    B x (that length) positions, not B x R (callers pad per-row outputs back to R, ``pad_response``)."""
+    and the response-frame columns [B, R] past its longest response (callers pad per-row outputs back to R,
+    ``pad_response``)."""
     t = int((batch.prompt_lens + batch.response_lens).max())
     if t < batch.seq_len:
         batch.input_ids = batch.input_ids[:, :t]
@@ -178,22 +178,23 @@ def token_budget_groups(
     """Dynamic batch size, padded rows: indices of ``lengths`` grouped longest first, each group filled
     greedily while (its size + 1) x its longest (the first) fits ``max_tokens``. A single sequence longer
     than ``max_tokens`` gets a group of its own (the config check prevents it). ``max_scored``: also at
-    most that many LM-head rows (group size x its longest of ``responses``): the memory model's bound, which
-    short prompts would otherwise pass (more sequences of the same padded length, each scoring more rows)."""
+    most that many LM-head rows (the group's ``responses`` summed: the head scores response tokens only,
+    ``models.pipeline.ResponseLogits``): the memory model's bound, which short prompts would otherwise pass
+    (more sequences of the same padded length, each scoring more rows)."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     groups: list[list[int]] = []
-    longest = 0
+    scored = 0
     for i in order:
         r = responses[i] if responses is not None else 0
         fits = groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens
         if fits and max_scored is not None:
-            fits = (len(groups[-1]) + 1) * max(longest, r) <= max_scored
+            fits = scored + r <= max_scored
         if fits:
             groups[-1].append(i)
-            longest = max(longest, r)
+            scored += r
         else:
             groups.append([i])
-            longest = r
+            scored = r
     return groups
 
 
@@ -202,22 +203,22 @@ def packed_groups(
 ) -> list[list[int]]:
     """Dynamic batch size, packed sequences: as ``token_budget_groups`` but a group holds sequences whose
     lengths sum to at most ``max_tokens`` (no padding to count), longest first. ``max_scored``: also at
-    most that many LM-head rows (group size x its longest of ``responses``), the bound the padded split
-    keeps and the memory model assumes."""
+    most that many LM-head rows (the group's ``responses`` summed), the bound the padded split keeps and
+    the memory model assumes."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     groups: list[list[int]] = []
-    total = longest = 0
+    total = scored = 0
     for i in order:
         r = responses[i] if responses is not None else 0
         fits = groups and total + lengths[i] <= max_tokens
         if fits and max_scored is not None:
-            fits = (len(groups[-1]) + 1) * max(longest, r) <= max_scored
+            fits = scored + r <= max_scored
         if fits:
             groups[-1].append(i)
-            total, longest = total + lengths[i], max(longest, r)
+            total, scored = total + lengths[i], scored + r
         else:
             groups.append([i])
-            total, longest = lengths[i], r
+            total, scored = lengths[i], r
     return groups
 
 

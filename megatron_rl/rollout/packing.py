@@ -132,7 +132,7 @@ def token_counts(mbs: list[RolloutBatch]) -> tuple[int, int, int]:
 
 
 def max_scored_rows(batch: RolloutBatch, max_tokens: int) -> int:
-    """The LM-head rows (sequences x longest response) a packed micro-batch of ``batch`` may score: no more
+    """The LM-head rows (response tokens) a packed micro-batch of ``batch`` may score: no more
     than padded rows of its longest sequences give within ``max_tokens`` (the memory model's bound)."""
     return max(1, max_tokens // batch.seq_len) * batch.responses.shape[1]
 

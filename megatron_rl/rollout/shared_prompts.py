@@ -93,17 +93,16 @@ def shared_groups(groups: list[int], prompts: list[int], responses: list[int], m
                   max_scored: int) -> list[list[int]]:  # fmt: skip
     """Micro-batches (lists of row indices) of rows with group ids ``groups`` and prompt / response lengths,
     whole groups where they fit: first-fit decreasing by a group's packed tokens (its prompt once plus its
-    responses) within ``max_tokens``, and LM-head rows (rows x longest response) within ``max_scored``.
+    responses) within ``max_tokens``, and LM-head rows (the response tokens) within ``max_scored``.
     A group too big for an empty micro-batch is split row by row over new ones, each with its prompt."""
     members: dict[int, list[int]] = {}
     for i, g in enumerate(groups):
         members.setdefault(g, []).append(i)
     cost = {g: prompts[rows[0]] + sum(responses[i] for i in rows) for g, rows in members.items()}
-    bins: list[list] = []  # [rows, tokens, longest response]
+    bins: list[list] = []  # [rows, tokens, response tokens]
 
     def fits(b: list, rows: list[int], tokens: int) -> bool:
-        longest = max([b[2]] + [responses[i] for i in rows])
-        return b[1] + tokens <= max_tokens and (len(b[0]) + len(rows)) * longest <= max_scored
+        return b[1] + tokens <= max_tokens and b[2] + sum(responses[i] for i in rows) <= max_scored
 
     def put(b: list | None, rows: list[int], tokens: int) -> list:
         if b is None:  # a new micro-batch
@@ -111,7 +110,7 @@ def shared_groups(groups: list[int], prompts: list[int], responses: list[int], m
             bins.append(b)
         b[0] += rows
         b[1] += tokens
-        b[2] = max([b[2]] + [responses[i] for i in rows])
+        b[2] += sum(responses[i] for i in rows)
         return b
 
     for g in sorted(members, key=lambda g: (-cost[g], g)):
@@ -136,7 +135,7 @@ def shared_seq_tokens(prompt_len: int, response_len: int, n: int) -> int:
 
 
 def shared_max_scored(batch: RolloutBatch, max_tokens: int) -> int:
-    """The LM-head rows (sequences x longest response) a shared micro-batch of ``batch`` may score: as many
+    """The LM-head rows (response tokens) a shared micro-batch of ``batch`` may score: as many
     sequences as ``max_tokens`` holds at ``shared_seq_tokens`` each (the memory model's bound; the unshared
     bound, ``packing.max_scored_rows``, would stop a micro-batch at the sequences of full length that fit)."""
     r = batch.responses.shape[1]

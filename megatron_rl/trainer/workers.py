@@ -35,7 +35,12 @@ from megatron_rl.logging.metric_names import (
     PERF_UPDATE_SHARED_FRAC,
 )
 from megatron_rl.models.lora import adapters_disabled
-from megatron_rl.models.pipeline import broadcast_from_last_stage, gather_positions, run_micro_batches
+from megatron_rl.models.pipeline import (
+    ResponseLogits,
+    broadcast_from_last_stage,
+    gather_positions,
+    run_micro_batches,
+)
 from megatron_rl.optim import build_optimizer
 from megatron_rl.rollout.batch import RolloutBatch, pad_response, split_by_tokens, split_micro_batches, trim
 from megatron_rl.rollout.packing import pack, split_packed, token_counts
@@ -44,29 +49,30 @@ from megatron_rl.rollout.shared_prompts import share, split_shared
 
 
 def response_log_probs(
-    logits, mb: RolloutBatch, temperature: float, vocab_size: int, with_entropy: bool, exact: bool = False
-):
-    """logits [B, R, V/tp] at ``score_pos`` (``run_micro_batches(..., response_logits=True)``) -> log-probs
-    [B, R] of the response tokens (and entropy [B, R] if asked).
+    logits: ResponseLogits, mb: RolloutBatch, temperature: float, vocab_size: int, with_entropy: bool,
+    exact: bool = False,
+):  # fmt: skip
+    """Logits at the response tokens (``run_micro_batches(..., response_logits=True)``) -> log-probs [B, R]
+    of the response tokens (and entropy [B, R] if asked), 0 on the frame's padding cells.
 
     Vocab rows past the true vocabulary (padding to a multiple of 128*TP) are excluded, as the engine
-    excludes them when sampling; the fused kernel works in fp32 chunks and keeps no fp32 [B, R, V/tp]
+    excludes them when sampling; the fused kernel works in fp32 chunks and keeps no fp32 [N, V/tp]
     tensor for backward. ``exact`` (``rollout.exact_logprobs``): the values are the engine's
     batch-invariant log-softmax (``kernels.batch_invariant_tp.vocab_parallel_token_logprobs``: at TP>1 the
     shards' pieces combined in rank order), the gradient the fused kernel's."""
+    targets = logits.pick(mb.responses)  # [N]
     lp, ent = vocab_parallel_log_probs_and_entropy(
-        logits, mb.responses, tp_group=ps.get_tensor_model_parallel_group(), temperature=temperature,
-        vocab_size=vocab_size,
+        logits.values[None], targets[None], tp_group=ps.get_tensor_model_parallel_group(),
+        temperature=temperature, vocab_size=vocab_size,
     )  # fmt: skip
+    lp, ent = lp[0], ent[0]  # [N]
     if exact:
-        b, r, v = logits.shape
         with torch.no_grad():
             flat = vocab_parallel_token_logprobs(
-                logits.reshape(b * r, v), mb.responses.reshape(-1), temperature, vocab_size,
-                ps.get_tensor_model_parallel_group(),
-            )  # fmt: skip
-        lp = _ValueOf.apply(lp, flat.view(b, r).to(lp.dtype))
-    return lp, (ent if with_entropy else None)
+                logits.values, targets, temperature, vocab_size, ps.get_tensor_model_parallel_group()
+            )
+        lp = _ValueOf.apply(lp, flat.to(lp.dtype))
+    return logits.frame(lp), (logits.frame(ent) if with_entropy else None)
 
 
 class _ValueOf(torch.autograd.Function):
@@ -248,7 +254,7 @@ class PolicyWorker(_TrainedModel):
 
         def loss_fn(mb, logits):
             lp, _ = response_log_probs(logits, mb, self.temperature, self.vocab_size, False, self.exact)
-            return logits.new_zeros(()), {"lp": lp}
+            return lp.new_zeros(()), {"lp": lp}
 
         if self.offload:  # the frozen reference lives on CPU between uses (ref.offload_to_cpu)
             self.model.to(batch.input_ids.device)
@@ -311,19 +317,18 @@ class PolicyWorker(_TrainedModel):
     def update(self, batch: RolloutBatch, mini_seqs: int) -> dict[str, float]:
         return self._update(batch, self._loss, mini_seqs, "actor")
 
-    def truncated_gap(self, logits: torch.Tensor, mb: RolloutBatch) -> dict:
+    def truncated_gap(self, logits: ResponseLogits, mb: RolloutBatch) -> dict:
         """The rollout gap of the sampled tokens' log-probs under the top-k/top-p renormalised distribution,
-        recomputed from logits [B, R, V/tp] by the engine's own function on the whole row (the TP shards
-        all-gathered, as the engine gathers them). Only on the on-policy update's forward, whose weights are
-        the rollout's."""
-        b, r, _ = logits.shape
+        recomputed from the response tokens' logits by the engine's own function on the whole row (the TP
+        shards all-gathered, as the engine gathers them). Only on the on-policy update's forward, whose
+        weights are the rollout's."""
         with torch.no_grad():
+            values = logits.values  # [N, V/tp]
             if ps.get_tensor_model_parallel_world_size() > 1:
-                logits = gather_from_tensor_model_parallel_region(logits)  # [B, R, Vp]
-            flat = logits[..., : self.vocab_size].reshape(b * r, -1)  # [B*R, V]
-            lp = truncated_token_logprobs(flat, mb.responses.reshape(-1), self.temperature, *self.truncation,
-                                          exact=self.exact).view(b, r)  # fmt: skip
-        gap = rollout_gap_metrics(mb.rollout_truncated_log_probs, lp, mb.response_mask)
+                values = gather_from_tensor_model_parallel_region(values)  # [N, Vp]
+            lp = truncated_token_logprobs(values[:, : self.vocab_size], logits.pick(mb.responses), self.temperature,
+                                          *self.truncation, exact=self.exact)  # fmt: skip
+        gap = rollout_gap_metrics(mb.rollout_truncated_log_probs, logits.frame(lp), mb.response_mask)
         return {k.replace("rollout_", "rollout_truncated_", 1): v for k, v in gap.items()}
 
 

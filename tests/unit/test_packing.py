@@ -85,9 +85,10 @@ def test_thd_rope_restarts_positions_per_sequence():
 
 def test_packed_groups_keep_lm_head_rows_within_the_padded_bound():
     lengths, responses = [10, 7, 7, 6, 5, 5, 5], [4, 2, 4, 4, 1, 3, 2]
-    groups = packed_groups(lengths, 33, responses, max_scored=12)
-    assert groups == [[0, 1, 2], [3, 4, 5], [6]]
-    assert all(len(g) * max(responses[i] for i in g) <= 12 for g in groups)
+    groups = packed_groups(lengths, 33, responses, max_scored=9)  # the head scores response tokens only
+    assert groups == [[0, 1], [2, 3, 4], [5, 6]]
+    assert all(sum(responses[i] for i in g) <= 9 for g in groups)
+    assert packed_groups(lengths, 33, responses, max_scored=12) == [[0, 1, 2], [3, 4, 5, 6]]
 
 
 def test_trim_cuts_the_response_frame_to_the_longest_response():

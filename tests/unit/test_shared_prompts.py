@@ -99,7 +99,9 @@ def test_the_split_keeps_groups_together_within_the_budget():
             cost += responses[i] + (0 if groups[i] in seen else prompts[i])
             seen.add(groups[i])
         assert cost <= 8
-    assert shared_groups(groups, prompts, responses, 100, 8) == [[5], [0, 1], [2], [3, 4]]  # LM-head rows
+    # LM-head rows: a micro-batch's response tokens (the head scores those only)
+    assert shared_groups(groups, prompts, responses, 100, 8) == [[5], [0, 1, 2], [3, 4]]
+    assert shared_groups(groups, prompts, responses, 100, 6) == [[5], [0, 1], [2, 3, 4]]  # group 0 (7) split
 
 
 def test_split_shared_counts_prompts_once():
