@@ -32,66 +32,11 @@ except ImportError:  # CPU-only installs without triton: SDPA serves
 if HAVE_TRITON:
 
     @triton.jit
-    def _attend(q, m_i, l_i, acc, k_rows, v_rows, lo, hi, sk_t, sv_t, scale, d, block: tl.constexpr):
-        """The online softmax of q [rows, dim] over keys lo..hi-1 at k_rows / v_rows (a slot's [T, D] rows),
-        in blocks of ``block`` from lo, continuing from (m_i, l_i, acc)."""
-        for start in range(lo, hi, block):
-            t = start + tl.arange(0, block)
-            live = t < hi
-            k = tl.load(k_rows + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0)  # [block, dim]
-            s = tl.dot(q, tl.trans(k)) * scale  # [rows, block] fp32
-            s = tl.where(live[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_rows + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0)  # [block, dim]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        return m_i, l_i, acc
-
-    @triton.jit
-    def _prefix_kernel(
-        q_ptr, k_ptr, v_ptr, plen_ptr, mem_ptr, m_ptr, l_ptr, acc_ptr, scale,
-        sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, ss_b, ss_g, sa_b, sa_g, sa_r,
-        groups: tl.constexpr, rep: tl.constexpr, width: tl.constexpr, rows: tl.constexpr, dim: tl.constexpr,
-        block: tl.constexpr,
-    ):  # fmt: skip
-        # one program per (lead slot, KV group): the prompt's keys 0..plen-1, read once from the lead's copy,
-        # against the query heads of all its members (row = member x rep + head); each member's softmax
-        # state (max, sum, unnormalised output) goes to m / l / acc for _decode_attention_kernel to finish
-        pid = tl.program_id(0)
-        lead = pid // groups
-        g = pid % groups
-        plen = tl.load(plen_ptr + lead)
-        first = tl.load(mem_ptr + lead * width)
-        if (first >= 0) & (plen > 0):
-            i = tl.arange(0, rows)
-            member, head = i // rep, i % rep
-            slot = tl.load(mem_ptr + lead * width + member, mask=member < width, other=-1)
-            on = slot >= 0
-            slot = tl.where(on, slot, 0).to(tl.int64)
-            d = tl.arange(0, dim)
-            q = tl.load(q_ptr + slot[:, None] * sq_b + g * sq_g + head[:, None] * sq_r + d[None, :],
-                        mask=on[:, None], other=0.0)  # fmt: skip
-            m_i = tl.full([rows], float("-inf"), tl.float32)
-            l_i = tl.zeros([rows], tl.float32)
-            acc = tl.zeros([rows, dim], tl.float32)
-            own = lead.to(tl.int64)
-            m_i, l_i, acc = _attend(q, m_i, l_i, acc, k_ptr + g * sk_g + own * sk_b, v_ptr + g * sv_g + own * sv_b,
-                                    0, plen, sk_t, sv_t, scale, d, block)  # fmt: skip
-            st = slot * ss_b + g * ss_g + head
-            tl.store(m_ptr + st, m_i, mask=on)
-            tl.store(l_ptr + st, l_i, mask=on)
-            tl.store(acc_ptr + (slot * sa_b + g * sa_g + head * sa_r)[:, None] + d[None, :], acc, mask=on[:, None])
-
-    @triton.jit
     def _decode_attention_kernel(
         q_ptr, k_ptr, v_ptr, pos_ptr, lead_ptr, plen_ptr, out_ptr, cos_ptr, sin_ptr, scale,
         sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, sc_b, sc_d,
-        cov_ptr, m_ptr, l_ptr, acc_ptr, ss_b, ss_g, sa_b, sa_g, sa_r,
         groups: tl.constexpr, rep: tl.constexpr, rows: tl.constexpr, dim: tl.constexpr, block: tl.constexpr,
-        shared: tl.constexpr, rope: tl.constexpr, cascade: tl.constexpr,
+        shared: tl.constexpr, rope: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         b = pid // groups
@@ -125,47 +70,32 @@ if HAVE_TRITON:
         acc = tl.zeros([rows, dim], tl.float32)
         k_base = k_ptr + g * sk_g
         v_base = v_ptr + g * sv_g
-        if cascade:  # keys split at plen: the prompt's (the prefix kernel's state, else here from the lead's
-            # copy), then the slot's own from plen (the same block boundaries either way)
-            own = b.to(tl.int64)
-            if tl.load(cov_ptr + b) != 0:
-                st = own * ss_b + g * ss_g + r
-                m_i = tl.load(m_ptr + st, mask=r < rep, other=float("-inf"))
-                l_i = tl.load(l_ptr + st, mask=r < rep, other=0.0)
-                acc = tl.load(acc_ptr + (own * sa_b + g * sa_g + r * sa_r)[:, None] + d[None, :],
-                              mask=(r < rep)[:, None], other=0.0)  # fmt: skip
-            else:
-                m_i, l_i, acc = _attend(q, m_i, l_i, acc, k_base + lead * sk_b, v_base + lead * sv_b, 0, plen,
-                                        sk_t, sv_t, scale, d, block)  # fmt: skip
-            m_i, l_i, acc = _attend(q, m_i, l_i, acc, k_base + own * sk_b, v_base + own * sv_b, plen, n_kv,
-                                    sk_t, sv_t, scale, d, block)  # fmt: skip
-        else:
-            for start in range(0, n_kv, block):
-                t = start + tl.arange(0, block)
-                live = t < n_kv
-                if shared:
-                    src = tl.where(t < plen, lead, b.to(tl.int64))[:, None]  # [block, 1] each key's slot
-                    k_rows, v_rows = k_base + src * sk_b, v_base + src * sv_b
-                else:  # int64: slot x (groups x T x D) passes 2^31 in a long cache (8B at T = 8192: from slot 256)
-                    k_rows, v_rows = k_base + b.to(tl.int64) * sk_b, v_base + b.to(tl.int64) * sv_b
-                k = tl.load(
-                    k_rows + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0
-                )  # [block, dim]
-                if rope:  # this step's key from registers (its store above need not be visible yet)
-                    k = tl.where((t == n_kv - 1)[:, None], k_new[None, :], k)
-                s = tl.dot(q, tl.trans(k)) * scale  # [rows, block] fp32
-                s = tl.where(live[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.exp(s - m_new[:, None])
-                alpha = tl.exp(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(
-                    v_rows + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0
-                )  # [block, dim]
-                if rope:
-                    v = tl.where((t == n_kv - 1)[:, None], v_new[None, :], v)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
+        for start in range(0, n_kv, block):
+            t = start + tl.arange(0, block)
+            live = t < n_kv
+            if shared:
+                src = tl.where(t < plen, lead, b.to(tl.int64))[:, None]  # [block, 1] each key's slot
+                k_rows, v_rows = k_base + src * sk_b, v_base + src * sv_b
+            else:  # int64: slot x (groups x T x D) passes 2^31 in a long cache (8B at T = 8192: from slot 256)
+                k_rows, v_rows = k_base + b.to(tl.int64) * sk_b, v_base + b.to(tl.int64) * sv_b
+            k = tl.load(
+                k_rows + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0
+            )  # [block, dim]
+            if rope:  # this step's key from registers (its store above need not be visible yet)
+                k = tl.where((t == n_kv - 1)[:, None], k_new[None, :], k)
+            s = tl.dot(q, tl.trans(k)) * scale  # [rows, block] fp32
+            s = tl.where(live[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_rows + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0
+            )  # [block, dim]
+            if rope:
+                v = tl.where((t == n_kv - 1)[:, None], v_new[None, :], v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + b * so_b + g * so_g + r[:, None] * so_r + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r[:, None] < rep)
@@ -177,34 +107,6 @@ RUN_ON_CPU = False
 # MEGATRON_RL_DECODE_ROPE_IN_ATTENTION=1: the decode step's RoPE and KV-cache write run inside the attention
 # kernel (``rope_decode_attention``: one launch per layer fewer; off until measured on a GPU)
 ROPE_IN_ATTENTION = env_switch("MEGATRON_RL_DECODE_ROPE_IN_ATTENTION", False)
-# Cascade decode attention (with ``rollout.prompt_kv_sharing``'s lead slots and ``group_table``): one program
-# per (prompt, KV group) reads the prompt's keys and values once against the query heads of all the samples
-# decoding it (up to ``CASCADE_WIDTH``, as one tile), and each sample's program goes on from that softmax
-# state over its own response keys. MEGATRON_RL_DECODE_CASCADE=0: one program per sample reads the whole
-# attended length (the prompt from its lead's copy, shared through the L2 cache at best).
-CASCADE = env_switch("MEGATRON_RL_DECODE_CASCADE", True)
-CASCADE_WIDTH = 8  # members per group the prefix program takes (a GRPO group of 8); more go the long way
-
-
-def group_table(
-    lead: torch.Tensor, plen: torch.Tensor, width: int = CASCADE_WIDTH
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cascade's groups from the slots' lead [S] and prompt length plen [S] (0: no prompt, an idle slot):
-    members [S, width] int32 (row L: the slots reading their prompt from lead slot L, ascending, -1 past
-    them) and covered [S] int32 (1: the slot's prompt part is its group's prefix program's: among the first
-    ``width`` of its group, with its lead's prompt length). Device ops only (no host sync)."""
-    s = lead.numel()
-    ar = torch.arange(s, device=lead.device)
-    lead = torch.where(plen > 0, lead, ar)  # idle slots are no one's members
-    order = torch.argsort(lead * s + ar)  # slots by lead, then slot
-    by_lead = lead[order]
-    rank = ar - torch.searchsorted(by_lead, by_lead)  # place within its group
-    ok = rank < width
-    flat = torch.full((s * width + 1,), -1, dtype=torch.int32, device=lead.device)
-    flat.scatter_(0, torch.where(ok, by_lead * width + rank, s * width), order.to(torch.int32))
-    covered = torch.zeros(s, dtype=torch.int32, device=lead.device)
-    covered[order] = (ok & (plen[order] > 0) & (plen[by_lead] == plen[order])).to(torch.int32)
-    return flat[:-1].view(s, width), covered
 
 
 def serves(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
@@ -223,18 +125,15 @@ def usable(q: torch.Tensor) -> bool:
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      scale: float | None = None, block: int = 64, num_warps: int = 4,
                      num_stages: int | None = None, prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+                     ) -> torch.Tensor:  # fmt: skip
     """q [B, G, rep, D] (a group's query heads), k / v [B, G, T, D] (unit stride in D), positions [B]:
     sequence b attends to keys 0..positions[b] (< T) -> [B, G, rep, D] in q's dtype.
 
     ``prefix`` (lead [B], plen [B], int64; ``rollout.prompt_kv_sharing``): sequence b reads its keys and
     values before position plen[b] from row lead[b] (< B) instead of its own. The samples of one prompt
-    point at one slot's copy of it; every slot still holds its own copy, so the values are the same either
-    way. ``groups`` (``group_table(lead, plen)`` [:B] rows; with ``prefix`` and ``CASCADE``): the cascade, a
-    prefix program per lead reading the prompt once for all its members; the result does not depend on
-    which slots share (the keys split at plen the same way for every slot), only on ``CASCADE``."""
-    cascade = groups if CASCADE and prefix is not None else None
-    return _launch(q, q.shape[2], k, v, positions, scale, block, num_warps, num_stages, prefix, cascade=cascade)
+    point at one slot's copy of it: the GPU reads it from HBM once and the others hit the L2 cache; every
+    slot still holds its own copy, so the values and the result are the same bits either way."""
+    return _launch(q, q.shape[2], k, v, positions, scale, block, num_warps, num_stages, prefix)
 
 
 def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
@@ -247,38 +146,21 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return _launch(qkv, qkv.shape[2] - 2, k, v, positions, None, 64, 4, None, prefix, (cos, sin))
 
 
-def _launch(q, rep: int, k, v, positions, scale, block, num_warps, num_stages, prefix, rope=None, cascade=None):
+def _launch(q, rep: int, k, v, positions, scale, block, num_warps, num_stages, prefix, rope=None):
     """One ``_decode_attention_kernel`` launch over the [B x G] (slot, KV group) programs; q holds rep query
-    rows per group (with ``rope`` = (cos, sin): the step's qkv, rep + 2 rows). ``cascade`` (members [B, W],
-    covered [B]; not with ``rope``): ``_prefix_kernel`` first, its softmax states in fp32 scratch."""
+    rows per group (with ``rope`` = (cos, sin): the step's qkv, rep + 2 rows)."""
     bsz, groups, _, dim = q.shape
     out = torch.empty(bsz, groups, rep, dim, dtype=q.dtype, device=q.device)
     rows = max(16, triton.next_power_of_2(rep + 2 if rope is not None else rep))
     lead, plen = prefix if prefix is not None else (positions, positions)  # unused when not shared
     cos, sin = rope if rope is not None else (q, q)  # unused without rope
-    scale = dim**-0.5 if scale is None else scale
-    opts = {} if num_stages is None else {"num_stages": num_stages}
-    if cascade is not None:
-        members, covered = cascade
-        width = members.shape[1]
-        m = torch.empty(bsz, groups, rep, dtype=torch.float32, device=q.device)
-        l = torch.empty_like(m)
-        acc = torch.empty(bsz, groups, rep, dim, dtype=torch.float32, device=q.device)
-        _prefix_kernel[(bsz * groups,)](
-            q, k, v, plen, members, m, l, acc, scale, q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), m.stride(0), m.stride(1),
-            acc.stride(0), acc.stride(1), acc.stride(2), groups=groups, rep=rep, width=width,
-            rows=max(16, triton.next_power_of_2(width * rep)), dim=dim, block=block, num_warps=num_warps, **opts,
-        )  # fmt: skip
-    else:
-        covered = m = l = acc = q  # unused
     _decode_attention_kernel[(bsz * groups,)](
-        q, k, v, positions, lead, plen, out, cos, sin, scale,
+        q, k, v, positions, lead, plen, out, cos, sin, dim**-0.5 if scale is None else scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        cos.stride(0), cos.stride(-1), covered, m, l, acc, m.stride(0), m.stride(1), acc.stride(0),
-        acc.stride(1), acc.stride(2), groups=groups, rep=rep, rows=rows, dim=dim, block=block,
-        shared=prefix is not None, rope=rope is not None, cascade=cascade is not None, num_warps=num_warps, **opts,
+        cos.stride(0), cos.stride(-1), groups=groups, rep=rep, rows=rows, dim=dim, block=block,
+        shared=prefix is not None, rope=rope is not None, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     return out
 

@@ -133,16 +133,15 @@ def _mlp(x: torch.Tensor, layer: dict, w: GenWeights, exact: bool = False) -> to
     return _all_reduce(F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), layer["fc2"]), w)
 
 
-def decode_attention(q, k, v, mask, positions, prefix=None, groups=None) -> torch.Tensor:
+def decode_attention(q, k, v, mask, positions, prefix=None) -> torch.Tensor:
     """q [B, Gl, rep, D] (a group's query heads as the query axis), k / v [B, Gl, T, D], additive mask
     [B, 1, 1, T] hiding keys past ``positions`` [B] -> [B, Gl, rep, D].
 
     The Triton kernel (``kernels.decode_attention``) where it runs (bf16/fp16 on CUDA); SDPA with the
     mask otherwise. ``prefix`` (lead [B], plen [B]): the kernel reads each row's prompt from its lead
-    slot's copy (``rollout.prompt_kv_sharing``); SDPA reads the row's own copy, the same values.
-    ``groups``: the kernel's cascade (``kernels.decode_attention.group_table``)."""
+    slot's copy (``rollout.prompt_kv_sharing``); SDPA reads the row's own copy, the same values."""
     if decode_kernel.usable(q):
-        return decode_kernel.decode_attention(q, k, v, positions, prefix=prefix, groups=groups)
+        return decode_kernel.decode_attention(q, k, v, positions, prefix=prefix)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -223,19 +222,18 @@ def decode(
     kv_len: int | None = None,
     exact: bool = False,
     prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
-    groups: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One decode step for slots 0..B-1 (static shapes, CUDA-graph capturable).
 
     tokens [B] (the token at ``positions``), positions [B]; cache [L, 2, S, Gl, Tmax, D] with S >= B.
     Writes each slot's new key/value at its position and attends to keys 0..position, reading only the
     first ``kv_len`` cache positions (default all; every position must be < kv_len).
-    ``prefix`` (lead [B], plen [B]), ``groups``: ``decode_attention``'s. Returns logits [B, V] (weights' dtype).
+    ``prefix`` (lead [B], plen [B]): ``decode_attention``'s. Returns logits [B, V] (weights' dtype).
     """
     B = tokens.shape[0]
     Tmax = cache.shape[4] if kv_len is None else kv_len
     if not exact and decode_fused.enabled(w.embed):
-        return _decode_fused(w, spec, cache, tokens, positions, Tmax, prefix, groups)
+        return _decode_fused(w, spec, cache, tokens, positions, Tmax, prefix)
     rep = spec.num_attention_heads // spec.num_query_groups
     batch = torch.arange(B, device=tokens.device)
     cos, sin = rope_cos_sin(positions[:, None], spec.head_dim, spec.rope_theta, w.embed.dtype)
@@ -261,7 +259,7 @@ def decode(
         if exact:
             a = bi.decode_attention(q, k_cache, v_cache, positions, spec.head_dim**-0.5, prefix)
         else:
-            a = decode_attention(q, k_cache, v_cache, mask, positions, prefix, groups)  # [B, Gl, rep, D]
+            a = decode_attention(q, k_cache, v_cache, mask, positions, prefix)  # [B, Gl, rep, D]
         a = a.reshape(B, 1, -1)  # [B, 1, Hl*D]
         nxt = w.layers[i + 1]["ln1"] if i + 1 < len(w.layers) else w.final_norm
         x, h = _add_norm(
@@ -285,8 +283,7 @@ def _add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, spec: Mode
 
 
 def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: torch.Tensor,
-                  positions: torch.Tensor, Tmax: int, prefix=None,
-                  groups=None) -> torch.Tensor:  # fmt: skip
+                  positions: torch.Tensor, Tmax: int, prefix=None) -> torch.Tensor:  # fmt: skip
     """``decode`` with the fused Triton kernels (``kernels.decode_fused``, on by default on CUDA, ``MEGATRON_RL_FUSED_DECODE=0`` off),
     each where its trial passed (else that step's reference ops): RoPE + the KV-cache write in one kernel,
     each residual add with the RMSNorm after it, SwiGLU on one fc1 GEMM's output. Not the exact path."""
@@ -316,7 +313,7 @@ def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: t
                 k_cache[batch, :, positions] = rot[:, :, rep]
                 v_cache[batch, :, positions] = qkv[:, :, rep + 1]
                 q = rot[:, :, :rep]
-            a = decode_attention(q, k_cache, v_cache, mask, positions, prefix, groups)  # [B, Gl, rep, D]
+            a = decode_attention(q, k_cache, v_cache, mask, positions, prefix)  # [B, Gl, rep, D]
         a = a.reshape(B, -1)  # [B, Hl*D]
         x, h = _add_norm(x, _all_reduce(F.linear(a, layer["proj"]), w), layer["ln2"], spec, False)
         y = F.linear(h, layer["fc1"])  # [B, 2F/tp]: gate, then up

@@ -318,12 +318,6 @@ class _DecodeState:
         self.shares_prompts = prompt_kv_sharing  # read by the Triton decode kernels; SDPA reads its own copy
         self.lead = torch.arange(plan.slots, device=device)  # [S]
         self.plen = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S]
-        self.own = torch.arange(plan.slots, device=device)  # [S] every slot its own lead (sharing off)
-        # the cascade decode attention's groups (``decode_attention.group_table``; refresh_groups after every
-        # change of lead / plen): a prefix program per lead reads the prompt once for its members
-        self.cascade = self.reads_live_only and decode_kernel.CASCADE and not exact
-        self.members = torch.full((plan.slots, decode_kernel.CASCADE_WIDTH), -1, dtype=torch.int32, device=device)
-        self.covered = torch.zeros(plan.slots, dtype=torch.int32, device=device)
         self.cache = KVCache(plan, spec.num_layers, local_groups, spec.head_dim, dtype, device)
         self.planned_slots = plan.slots  # before ``fit_free_memory`` (set by the engine)
         self.tok = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S] token fed at `pos`
@@ -346,21 +340,10 @@ class _DecodeState:
             self.graphs, self.pool, self.key = {}, None, key
         self.w, self.capture_s = w, 0.0
 
-    def refresh_groups(self) -> None:
-        """The cascade's group table from lead / plen (in place: the decode graphs read these buffers)."""
-        if self.cascade:
-            members, covered = decode_kernel.group_table(self.lead if self.shares_prompts else self.own, self.plen)
-            self.members.copy_(members)
-            self.covered.copy_(covered)
-
     def _eager(self, b: int, kv: int) -> torch.Tensor:
         prefix = (self.lead[:b], self.plen[:b]) if self.shares_prompts else None
-        groups = None
-        if self.cascade:  # sharing off: every slot its own group (the same bits as with sharing)
-            prefix = prefix or (self.own[:b], self.plen[:b])
-            groups = (self.members[:b], self.covered[:b])
         return decoder.decode(self.w, self.spec, self.cache.data, self.tok[:b], self.pos[:b], kv, self.exact,
-                              prefix, groups)  # fmt: skip
+                              prefix)  # fmt: skip
 
     def _capture(self, b: int, kv: int) -> None:
         t0 = time.perf_counter()
@@ -458,7 +441,6 @@ class _Runner:
         self.keys = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] sequence noise keys
         state.lead.copy_(self.rows)  # every slot reads its own prompt copy until _admit says otherwise
         state.plen.zero_()
-        state.refresh_groups()
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, V] of slots ``rows`` [B] -> tokens [B], log-probs [B]; tokens identical on every
@@ -540,7 +522,6 @@ class _Runner:
         rows = torch.tensor(unique, device=dev)  # [B]
         self.state.lead[slot_t] = lead_slots[rows]  # the samples of a prompt read the lead's copy
         self.state.plen[slot_t] = lengths[rows]
-        self.state.refresh_groups()
         self.count[slot_t] = 0
         self.keys[slot_t] = torch.tensor([seq.key for seq in batch], device=dev)
         live = torch.ones(len(batch), dtype=torch.bool, device=dev)
@@ -592,7 +573,6 @@ class _Runner:
         orphan = torch.isin(lead, f)
         lead[orphan] = self.rows[orphan]
         self.state.plen[f] = 0
-        self.state.refresh_groups()
 
     def _next_turns(self, ended: list, count: list[int]) -> list:
         """Ask the session what follows each ended turn; prefill the appended ids onto the slots that go
@@ -704,7 +684,6 @@ class _Runner:
         moved_to[src] = dst
         lead.copy_(moved_to[lead])
         lead[src], plen[src] = src, 0
-        self.state.refresh_groups()
         self.live[src] = False
         self.state.pos[src] = 0  # idle, as a released slot
         for a, b in zip(movers, dests):

@@ -189,58 +189,6 @@ def test_decode_attention_reads_each_prompt_from_its_lead_slot(monkeypatch):
     assert not torch.equal(decode_attention(q, noisy[0, :b, :, :t], noisy[1, :b, :, :t], pos), unshared)
 
 
-def test_group_table_lists_each_leads_members():
-    from megatron_rl.kernels.decode_attention import group_table
-
-    lead = torch.tensor([0, 0, 0, 3, 3, 0, 6, 1])  # slot 5: a freed member (plen 0); slot 7 reads slot 1's copy
-    plen = torch.tensor([70, 70, 70, 45, 45, 0, 9, 70])
-    members, covered = group_table(lead, plen, width=2)
-    assert members.tolist() == [[0, 1], [7, -1], [-1, -1], [3, 4], [-1, -1], [5, -1], [6, -1], [-1, -1]]
-    assert covered.tolist() == [1, 1, 0, 1, 1, 0, 1, 1]  # slot 2: its group's third (past width 2)
-    plen[7] = 30  # another prompt length than its lead's: not the lead's prefix program's
-    assert group_table(lead, plen, width=2)[1].tolist() == [1, 1, 0, 1, 1, 0, 1, 0]
-
-
-@pytest.mark.parametrize("width", [8, 2])
-def test_cascade_decode_attention_reads_each_prompt_once_with_the_same_bits(monkeypatch, width):
-    """``groups`` (the cascade): a prefix program per lead attends over the prompt for all its members, each
-    member's program goes on over its own keys. Against SDPA over the slot's own copy (close); with the
-    members' copies replaced by noise, the same bits; and the same bits whoever shares (every slot its
-    own lead, one program per slot: the keys split at plen either way), width 2 leaving some members to
-    read their prompt themselves."""
-    pytest.importorskip("triton", reason="triton is in the dev extras")
-    from megatron_rl.kernels import decode_attention as kernel
-    from megatron_rl.kernels.decode_attention import decode_attention, group_table
-
-    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
-    g = torch.Generator().manual_seed(2)
-    b, groups, rep, dim, t = 7, 2, 7, 64, 150
-    cache = torch.randn(2, 8, groups, 160, dim, generator=g)  # [2, S, G, Tmax, D]
-    lead = torch.tensor([0, 0, 0, 3, 3, 5, 6])  # prompts of 70 and 45 tokens; slot 5 idle, 6 alone
-    plen = torch.tensor([70, 70, 70, 45, 45, 0, 64])
-    for slot in range(b):
-        cache[:, slot, :, : plen[slot]] = cache[:, lead[slot], :, : plen[slot]]
-    k, v = cache[0, :b, :, :t], cache[1, :b, :, :t]
-    q = torch.randn(b, groups, rep, dim, generator=g)
-    pos = torch.tensor([70, 100, 149, 45, 80, 0, 64])  # the first response position, inside / past a block
-    table = group_table(lead, plen, width)
-    got = decode_attention(q, k, v, pos, prefix=(lead, plen), groups=table)
-    mask = torch.zeros(b, 1, 1, t).masked_fill(~(torch.arange(t)[None] <= pos[:, None])[:, None, None], float("-inf"))
-    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    own = torch.arange(b)
-    alone = decode_attention(q, k, v, pos, prefix=(own, plen), groups=group_table(own, plen, width))
-    assert torch.equal(got, alone)
-    noisy = cache.clone()
-    for slot in (1, 2, 4):  # the members' own copies of the prompt are gone
-        noisy[:, slot, :, : plen[slot]] = torch.randn(2, groups, int(plen[slot]), dim, generator=g)
-    assert torch.equal(decode_attention(q, noisy[0, :b, :, :t], noisy[1, :b, :, :t], pos, prefix=(lead, plen),
-                                        groups=table), got)  # fmt: skip
-    monkeypatch.setattr(kernel, "CASCADE", False)  # the one-pass kernel: close, other block boundaries
-    torch.testing.assert_close(decode_attention(q, k, v, pos, prefix=(lead, plen), groups=table), got,
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
-
-
 @pytest.mark.parametrize(
     "groups,rep,dim,dtype",
     [(2, 7, 64, torch.bfloat16), (1, 14, 32, torch.float32), (3, 1, 16, torch.bfloat16)],

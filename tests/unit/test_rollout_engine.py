@@ -412,8 +412,7 @@ def test_engine_with_the_fused_decode_kernels_equals_hf(model, monkeypatch):
 def test_rope_inside_the_decode_attention_kernel_gives_the_engine_the_same_bits(model, monkeypatch):
     """``MEGATRON_RL_DECODE_ROPE_IN_ATTENTION`` (one kernel for RoPE, the KV write and attention; the fused
     kernels and the Triton decode kernel interpreted on CPU): it runs, passed its trial, and the engine's
-    sampled tokens and log-probs are the two-kernel decode step's bit for bit, with prompt KV sharing (the
-    one-pass attention kernel: the RoPE kernel has no cascade)."""
+    sampled tokens and log-probs are the two-kernel decode step's bit for bit, with prompt KV sharing."""
     pytest.importorskip("triton", reason="triton is in the dev extras")
     from megatron_rl.kernels import decode_attention as kernel
     from megatron_rl.kernels import decode_fused
@@ -421,7 +420,6 @@ def test_rope_inside_the_decode_attention_kernel_gives_the_engine_the_same_bits(
     _, spec, params = model
     monkeypatch.setattr(decode_fused, "RUN_ON_CPU", True)
     monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
-    monkeypatch.setattr(kernel, "CASCADE", False)
     calls, original = [], kernel.rope_decode_attention
     monkeypatch.setattr(kernel, "rope_decode_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
     prompts = random_prompts(3, seed=7)
@@ -441,7 +439,7 @@ def test_prompt_kv_sharing_gives_the_same_bits_through_retire_reuse_and_compacti
     monkeypatch, slots, compact
 ):
     """``rollout.prompt_kv_sharing``: the samples of a prompt read its keys and values from the lead slot
-    (the Triton kernel, interpreted; its cascade: one prefix program per lead). Through continuous batching (leads that stop before their group, their
+    (the Triton kernel, interpreted). Through continuous batching (leads that stop before their group, their
     slots re-used by other prompts while the group decodes on) and compaction, tokens and log-probs are the
     unshared engine's bit for bit, and the kernel was handed slots that read another slot's prompt."""
     pytest.importorskip("triton", reason="triton is in the dev extras")
@@ -458,16 +456,14 @@ def test_prompt_kv_sharing_gives_the_same_bits_through_retire_reuse_and_compacti
     stops = tuple(range(100, 140))  # ~12% of the vocabulary: samples of one prompt stop at uneven lengths
     sp = SamplingParams(temperature=1.0, n=3, max_new_tokens=14, seed=4, stop_token_ids=stops,
                         layout_invariant_sampling=True)  # fmt: skip
-    seen, shared_programs = [], []
+    seen = []
     original = kernel.decode_attention
 
-    def spy(*a, prefix=None, groups=None, **k):
+    def spy(*a, prefix=None, **k):
         if prefix is not None:
             lead, plen = prefix
             seen.append(int(((lead != torch.arange(len(lead))) & (plen > 0)).sum()))
-        if groups is not None:  # the cascade: prefix programs of more than one member
-            shared_programs.append(int((groups[0][:, 1] >= 0).sum()))
-        return original(*a, prefix=prefix, groups=groups, **k)
+        return original(*a, prefix=prefix, **k)
 
     monkeypatch.setattr(kernel, "decode_attention", spy)
     runs = {}
@@ -478,5 +474,4 @@ def test_prompt_kv_sharing_gives_the_same_bits_through_retire_reuse_and_compacti
     assert [c.response_ids for c in shared] == [c.response_ids for c in plain]
     assert all(torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs)) for a, b in zip(shared, plain))
     assert len({len(c.response_ids) for c in shared}) >= 4 and max(seen) >= 2  # members read their lead
-    assert max(shared_programs) >= 1  # and the cascade read a prompt once for several (sharing off: none)
     assert stats.compactions > 0 if compact else stats.compactions == 0

@@ -6,9 +6,8 @@ and int64 in the other passed every interpreter test and failed to compile on th
 Kernels (module: kernel: constexpr variants), at the Qwen2.5-0.5B shape (hidden 896, 14 heads in 2 KV
 groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
 
-- ``decode_attention``: ``_decode_attention_kernel``: ``shared`` off / on (prompt KV sharing), ``cascade``
-  on (the prompt's softmax state from ``_prefix_kernel``), and ``rope`` on (RoPE and the KV write inside,
-  with sharing); ``_prefix_kernel`` (a GRPO group of 8: 56 query rows in a 64-row tile);
+- ``decode_attention``: ``_decode_attention_kernel``: ``shared`` off / on (prompt KV sharing), and
+  ``rope`` on (RoPE and the KV write inside, with sharing);
 - ``rmsnorm``: ``_backward_kernel``: ``blocks_for`` 896, 2048 (the forward's 1/rms) and 3584 (7B, recomputed);
 - ``swiglu``: ``_backward_kernel``: 8 x 256;
 - ``logprob``: ``_stats_kernel``: ``splits`` 1 (a training micro-batch) and 32 (a few rows);
@@ -26,7 +25,7 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
   ``_attention_kernel``: ``shared`` off (training rows) / on (decode rows);
 - ``rope_exact``: ``_exact_rope_kernel``: ``backward`` off / on.
 
-The ``triton.jit`` helpers called from these (``decode_attention._attend``, ``sampler._hash_log_noise`` / ``_hash_bits`` /
+The ``triton.jit`` helpers called from these (``sampler._hash_log_noise`` / ``_hash_bits`` /
 ``_exp_noise_lower_bound`` / ``_row_key`` / ``_store_logprob`` / ``_filtered_block``, ``decode_fused._round_to``,
 ``batch_invariant_triton._rms_row`` / ``_row_max`` / ``_row_exp_sum``) compile inside their callers.
 
@@ -104,24 +103,14 @@ SCRIPT = textwrap.dedent(
     strides = ("sq_b", "sq_g", "sq_r", "sk_b", "sk_g", "sk_t", "sv_b", "sv_g", "sv_t", "so_b", "so_g", "so_r",
                "sc_b", "sc_d")
     attn |= dict(zip(strides, DEC_Q + CACHE + CACHE + DEC_Q + (D, 1)))
-    STATE = (2 * 7, 7, 2 * 7 * D, 7 * D, D)  # the cascade's fp32 states m / l [B, 2, 7], acc [B, 2, 7, D]
-    attn |= {"cov_ptr": "*i32", "m_ptr": f32, "l_ptr": f32, "acc_ptr": f32}
-    attn |= dict(zip(("ss_b", "ss_g", "sa_b", "sa_g", "sa_r"), STATE))
-    for shared, cascade in ((False, False), (True, False), (True, True)):
+    for shared in (False, True):
         add(decode_attention._decode_attention_kernel, attn,
-            {"groups": 2, "rep": 7, "rows": 16, "dim": D, "block": 64, "shared": shared, "rope": False,
-             "cascade": cascade}, num_warps=4)
+            {"groups": 2, "rep": 7, "rows": 16, "dim": D, "block": 64, "shared": shared, "rope": False},
+            num_warps=4)
     # rope: q_ptr is the step's qkv [B, 2, 9, D] (decode_attention.rope_decode_attention)
     attn_rope = attn | dict(zip(("sq_b", "sq_g", "sq_r"), (QKV, 9 * D, D)))
     add(decode_attention._decode_attention_kernel, attn_rope,
-        {"groups": 2, "rep": 7, "rows": 16, "dim": D, "block": 64, "shared": True, "rope": True,
-         "cascade": False}, num_warps=4)
-    prefix = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "plen_ptr": i64, "mem_ptr": "*i32", "m_ptr": f32,
-              "l_ptr": f32, "acc_ptr": f32, "scale": D**-0.5}
-    prefix |= dict(zip(("sq_b", "sq_g", "sq_r", "sk_b", "sk_g", "sk_t", "sv_b", "sv_g", "sv_t", "ss_b", "ss_g",
-                        "sa_b", "sa_g", "sa_r"), DEC_Q + CACHE + CACHE + STATE))
-    add(decode_attention._prefix_kernel, prefix,
-        {"groups": 2, "rep": 7, "width": 8, "rows": 64, "dim": D, "block": 64}, num_warps=4)
+        {"groups": 2, "rep": 7, "rows": 16, "dim": D, "block": 64, "shared": True, "rope": True}, num_warps=4)
 
     norm = {"x_ptr": bf, "dy_ptr": bf, "w_ptr": bf, "dx_ptr": bf, "dw_ptr": f32, "rstd_ptr": f32, "rows": 16384, "hidden": H,
             "stride_x": H, "stride_dy": H, "stride_dx": H, "eps": eps, "rows_per": 16}
@@ -249,6 +238,6 @@ def test_every_triton_kernel_compiles_for_sm90():
         name for line in out.stdout.splitlines() if line.startswith("compiled ") for name in line.split()[1:]
     }
     kernels = launched_kernels()
-    assert len(kernels) >= 19 and compiled == kernels, (
+    assert len(kernels) >= 18 and compiled == kernels, (
         f"launched, not compiled here: {sorted(kernels - compiled)}; not found: {sorted(compiled - kernels)}"
     )
