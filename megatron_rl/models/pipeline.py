@@ -73,6 +73,8 @@ def response_cells(mb: MicroBatch) -> torch.Tensor | None:
     b, r = mb.score_pos.shape
     live = (torch.arange(r, device=lens.device)[None, :] < lens[:, None]).reshape(-1)
     cells = live.nonzero().squeeze(1)
+    if cells.numel() == 0:  # no response token at all: one padding cell (masked by every loss), so N > 0
+        cells = live.new_zeros(1, dtype=torch.long)
     return None if cells.numel() == b * r else cells.to(mb.score_pos.device)
 
 
@@ -89,8 +91,9 @@ def gather_positions(out: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 
 def head_on_response(model: torch.nn.Module, mb: MicroBatch) -> bool:
-    """Whether the LM head runs only at ``mb.score_pos`` (logits [B, R, V/tp] in response order) instead of
-    every position: yes unless sequence parallelism is on or R >= T (short responses: nothing to save)."""
+    """Whether the LM head runs only at ``mb.score_pos`` (logits at the response tokens, ``ResponseLogits``)
+    instead of every position: yes unless sequence parallelism is on or R >= T (short responses: nothing to
+    save)."""
     return not unwrap(model).config.sequence_parallel and mb.score_pos.shape[1] < mb.seq_len
 
 
@@ -168,11 +171,15 @@ def _loss_frame(
     if response_logits:
         b, r = mb.score_pos.shape
         if at_response:  # [1, N | B*R, V/tp] from the response-only head
-            return ResponseLogits(out.view(out.shape[1], -1), cells, b, r)
-        # [B|1, T|S, V/tp] at every position: the scoring positions gathered
-        pos = mb.score_pos if lay is None else lay.score_pos.reshape(1, -1)
-        values = gather_positions(out, pos).reshape(b * r, -1)
-        return ResponseLogits(values if cells is None else values.index_select(0, cells), cells, b, r)
+            return ResponseLogits(out.reshape(-1, out.shape[-1]), cells, b, r)
+        # [B|1, T|S, V/tp] at every position: the response tokens' rows taken straight out (no [B*R, V/tp]
+        # frame first: on a packed row of spread lengths that is far more than the N rows)
+        pos = mb.score_pos if lay is None else lay.score_pos
+        row = torch.arange(b, device=pos.device)[:, None] if lay is None else pos.new_zeros(b, 1)
+        row, pos = row.expand(b, r).reshape(-1), pos.reshape(-1)
+        if cells is not None:
+            row, pos = row.index_select(0, cells), pos.index_select(0, cells)
+        return ResponseLogits(out[row, pos], cells, b, r)  # [N, V/tp]
     return out if lay is None else unpack(out, lay, mb.seq_len)  # [B, T, ...]
 
 

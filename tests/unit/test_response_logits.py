@@ -70,15 +70,21 @@ def _run(model, args, mb):
     return out["lp"], out["ent"], grads, seen[0]
 
 
+@pytest.mark.parametrize("head", ["response", "every_position"])
 @pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
-def test_the_head_scores_response_tokens_only_with_the_full_frames_results(setup, layout, monkeypatch):
+def test_the_head_scores_response_tokens_only_with_the_full_frames_results(setup, layout, head, monkeypatch):
+    """``every_position``: the head over every position (as under sequence parallelism), the response
+    tokens' rows taken out of its output."""
     model, args = setup
     ways = {"padded": lambda mb: mb, "packed": pack, "shared": share}
     mb = ways[layout](trim(_batch(args.vocab_size)))
+    if head == "every_position":
+        monkeypatch.setattr(pipeline, "head_on_response", lambda model, mb: False)
     lp, ent, grads, rows = _run(model, args, mb)
     monkeypatch.setattr(pipeline, "response_cells", lambda mb: None)  # the whole [B, R] frame, as before
     lp_all, ent_all, grads_all, rows_all = _run(model, args, mb)
-    assert rows == sum(RESPONSE_LENS) == 27 and rows_all == len(RESPONSE_LENS) * R == 54
+    if head == "response":
+        assert rows == sum(RESPONSE_LENS) == 27 and rows_all == len(RESPONSE_LENS) * R == 54
     live = mb.response_mask.bool()
     assert torch.allclose(lp[live], lp_all[live], atol=1e-6, rtol=0)
     assert torch.allclose(ent[live], ent_all[live], atol=1e-6, rtol=0)
@@ -86,6 +92,16 @@ def test_the_head_scores_response_tokens_only_with_the_full_frames_results(setup
     for name, g in grads.items():
         assert torch.allclose(g, grads_all[name], atol=1e-6, rtol=1e-5), name
     assert any(g.abs().sum() > 0 for g in grads.values())
+
+
+def test_a_micro_batch_without_response_tokens_runs(setup):
+    """Every response empty: one padding cell is scored (masked by the loss), so no kernel sees 0 rows."""
+    model, args = setup
+    done = [Completion(0, i, [5, 6, 7], [], [], "stop") for i in range(2)]
+    mb = trim(build_batch(done, [None], 0, R, 0, torch.device("cpu")))
+    lp, ent, grads, rows = _run(model, args, mb)
+    assert rows == 1 and lp.shape == ent.shape == (2, 1)
+    assert all(torch.isfinite(g).all() and not g.any() for g in grads.values())
 
 
 def test_cells_are_the_response_tokens_of_each_row():
@@ -96,6 +112,8 @@ def test_cells_are_the_response_tokens_of_each_row():
     assert pipeline.response_cells(MB()).tolist() == [0, 1, 6, 7, 8]
     MB.response_lens = torch.tensor([3, 3, 3])
     assert pipeline.response_cells(MB()) is None  # nothing to drop: the frame as it is
+    MB.response_lens = torch.tensor([0, 0, 0])
+    assert pipeline.response_cells(MB()).tolist() == [0]  # one padding cell: no kernel sees 0 rows
     logits = pipeline.ResponseLogits(torch.arange(5.0)[:, None], torch.tensor([0, 1, 6, 7, 8]), 3, 3)
     assert logits.frame(logits.values)[..., 0].tolist() == [[0, 1, 0], [0, 0, 0], [2, 3, 4]]
     assert logits.pick(torch.arange(9).view(3, 3)).tolist() == [0, 1, 6, 7, 8]
