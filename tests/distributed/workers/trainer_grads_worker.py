@@ -1,7 +1,8 @@
 """World 2: the trainer's gradient reduction gives TP=2 the same gradients as TP=1 (x DP=2), including the
 q/k norms of Qwen3 (each TP rank holds only some heads) and the tied embedding of Qwen2 at PP=2; and the
 policy worker's LM head on response positions only gives the same log-probs, losses and gradients as the
-full head (TP=1 and TP=2); and micro-batches by token budget equal fixed-size ones at PP=2."""
+full head (TP=1 and TP=2) and sequence parallelism's every-position head the same as without it; and
+micro-batches by token budget equal fixed-size ones at PP=2."""
 
 import sys
 from functools import partial
@@ -85,6 +86,38 @@ def head_parity(path: Path, tp: int) -> None:
         assert torch.allclose(g0[name], g1[name], atol=1e-12), (tp, name, (g0[name] - g1[name]).abs().max())
 
 
+def sequence_parallel_parity(path: Path) -> None:
+    """TP=2 with sequence parallelism (the LM head over every position, the response tokens' rows taken
+    out of its output: ``pipeline.ResponseLogits``) == without it, padded and packed micro-batches of
+    uneven response lengths: log-probs, loss and every gradient after the trainer's reduction (float64)."""
+    from megatron_rl.rollout.batch import trim
+    from megatron_rl.rollout.packing import pack
+
+    results = []
+    for sp in (False, True):
+        init_distributed(2, 1, seed=0)
+        args = ModelArgs.from_hf_config(path, tp=2)
+        model = build_model(args, "actor", torch.float64, sequence_parallel=sp)
+        load_hf_weights(model, path, args)
+        model = model.double()
+        assert head_on_response(model, ragged_batch(args.vocab_size)) is not sp
+        worker = PolicyWorker(model, ActorConfig(ppo_micro_batch_size_per_gpu=3), 0.7, args.vocab_size, 10, 4,
+                              trainable=False)  # fmt: skip
+        for packed in (False, True):
+            batch = ragged_batch(args.vocab_size, (3, 5, 2), (4, 1, 3))
+            mb = pack(trim(batch)) if packed else batch
+            lp = worker.log_probs(batch) * batch.response_mask
+            model.zero_grad(set_to_none=True)
+            outs = run_micro_batches(model, [mb], partial(worker._loss, (8, 3)), False, True)
+            reduce_gradients(model)
+            results.append((lp, outs[0]["pg_loss"], {n: p.grad.clone() for n, p in model.named_parameters()}))
+    for (lp0, loss0, g0), (lp1, loss1, g1) in zip(results[:2], results[2:]):
+        assert torch.allclose(lp0, lp1, atol=1e-12), (lp0 - lp1).abs().max()
+        assert torch.allclose(loss0, loss1, atol=1e-12) and loss0 != 0
+        for name in g0:
+            assert torch.allclose(g0[name], g1[name], atol=1e-12), (name, (g0[name] - g1[name]).abs().max())
+
+
 def dynamic_bsz_parity(path: Path) -> None:
     """PP=2: micro-batches by token budget (different shapes, reordered rows) give the fixed-size split's
     log-probs (back in batch order), loss and gradients (float64)."""
@@ -139,6 +172,7 @@ if __name__ == "__main__":
         assert any("q_layernorm" in n for n in got) == (kind == "qwen3")
     for tp in (1, 2):
         head_parity(root / "qwen2", tp)
+    sequence_parallel_parity(root / "qwen2")
     dynamic_bsz_parity(root / "qwen2")
     if dist.get_rank() == 0:
         print("trainer gradient checks passed")
