@@ -101,14 +101,15 @@ def sequence_parallel_parity(path: Path) -> None:
         load_hf_weights(model, path, args)
         model = model.double()
         assert head_on_response(model, ragged_batch(args.vocab_size)) is not sp
-        worker = PolicyWorker(model, ActorConfig(ppo_micro_batch_size_per_gpu=3), 0.7, args.vocab_size, 10, 4,
-                              trainable=False)  # fmt: skip
         for packed in (False, True):
-            batch = ragged_batch(args.vocab_size, (3, 5, 2), (4, 1, 3))
-            mb = pack(trim(batch)) if packed else batch
-            lp = worker.log_probs(batch) * batch.response_mask
+            cfg = ActorConfig(ppo_micro_batch_size_per_gpu=3, pack_sequences=packed)
+            worker = PolicyWorker(model, cfg, 0.7, args.vocab_size, 10, 4, trainable=False)
+            batch = ragged_batch(args.vocab_size, (3, 5, 2), (3, 1, 3))  # T = 7, packed S = 17: both padded
+            mb = pack(trim(ragged_batch(args.vocab_size, (3, 5, 2), (3, 1, 3)))) if packed else batch
+            assert (mb.packed.total if packed else mb.seq_len) % 2 == 1  # sequence parallelism pads to TP
+            lp = worker.log_probs(batch) * batch.response_mask  # packed rows with pack_sequences
             model.zero_grad(set_to_none=True)
-            outs = run_micro_batches(model, [mb], partial(worker._loss, (8, 3)), False, True)
+            outs = run_micro_batches(model, [mb], partial(worker._loss, (7, 3)), False, True)
             reduce_gradients(model)
             results.append((lp, outs[0]["pg_loss"], {n: p.grad.clone() for n, p in model.named_parameters()}))
     for (lp0, loss0, g0), (lp1, loss1, g1) in zip(results[:2], results[2:]):
