@@ -15,7 +15,7 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
 - ``sampler``: ``_draw_partial_kernel`` (``libdevice.log``, no FMA contraction): ``splits`` 2 (512 rows)
   and 1 (the ``splits == 1`` store branch), ``noisy`` on / off, ``filtered`` on / off (the noise filter's
   data-dependent branch inside the loop), ``mix`` / ``logprobs`` (the engine's call) on / off, ``block_skip``
-  on (opt-in: the block-max skip, noisy and greedy);
+  on (the default: the block-max skip, noisy and greedy);
   ``_draw_combine_kernel``: ``splits`` 2, 64, ``logprobs`` on / off;
 - ``decode_fused``: ``_rope_kv_kernel``: ``exact`` off / on, and on in fp16 (``_round_to``'s cast branch);
   ``_swiglu_kernel``; ``_add_rms_norm_kernel``;
