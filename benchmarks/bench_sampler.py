@@ -32,7 +32,9 @@ def bench(rows: int, vocab: int, key_sets: int) -> dict:
         "triton": lambda k: kernel.draw(logits, mix64(k) & _M32, inv_temp, True, block_skip=False),
         "triton_unfiltered": lambda k: kernel.draw(logits, mix64(k) & _M32, inv_temp, True, filtered=False),
         # what the engine calls: keys mixed and the tokens' log-probs read in the kernel (block skip: its default)
-        "triton_fused": lambda k: kernel.draw(logits, k, inv_temp, True, mix=True, logprobs=True, block_skip=False),
+        "triton_fused": lambda k: kernel.draw(
+            logits, k, inv_temp, True, mix=True, logprobs=True, block_skip=False
+        ),
         "triton_block_skip": lambda k: kernel.draw(
             logits, k, inv_temp, True, mix=True, logprobs=True, block_skip=True
         ),

@@ -27,7 +27,9 @@ def _head_pre_hook(module, args, kwargs):
     return (hidden.reshape(t * b, h).index_select(0, rows).unsqueeze(1), *args[1:]), kwargs
 
 
-def set_head_positions(model: torch.nn.Module, positions: torch.Tensor, cells: torch.Tensor | None = None) -> None:
+def set_head_positions(
+    model: torch.nn.Module, positions: torch.Tensor, cells: torch.Tensor | None = None
+) -> None:
     """Make the next forward of ``model`` compute LM-head logits only at ``positions`` [B, R] of each row
     (the response-scoring positions): the RL losses never read the prompt's logits, so their matmul, their
     [B, T, V/tp] tensor and its gradient are skipped. ``cells`` [N] (flat b * R + r, ascending): only those

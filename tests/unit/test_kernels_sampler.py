@@ -98,7 +98,7 @@ def test_the_filtered_draw_gives_the_eager_tokens_on_hard_rows(kind):
         logits[:, ::7] = torch.nextafter(logits[:, ::7], torch.tensor(float("inf")))
     keys = torch.randint(-(2**62), 2**62, (rows,))
     want, want_lse = _reference(logits, keys, 1.0, True)
-    for skip in (False, True):  # the block skip (default on): whole blocks whose max logit cannot reach the best
+    for skip in (False, True):  # block skip (default on): whole blocks whose max logit cannot reach the best
         tokens, lse = _kernel(logits, keys, 1.0, True, splits=2, block=256, filtered=True, block_skip=skip)
         assert torch.equal(tokens, want), skip
         torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-4 if kind == "huge" else 1e-5)
