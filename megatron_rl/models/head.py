@@ -21,10 +21,19 @@ def _head_pre_hook(module, args, kwargs):
     cells, module._head_positions, module._head_cells = getattr(module, "_head_cells", None), None, None
     hidden = args[0]
     t, b, h = hidden.shape
-    rows = (pos * b + torch.arange(b, device=pos.device)[:, None]).reshape(-1)  # [B*R] in (b, r) order
+    row, at = cell_rows(pos, b, cells)
+    return (hidden.reshape(t * b, h).index_select(0, at * b + row).unsqueeze(1), *args[1:]), kwargs
+
+
+def cell_rows(pos: torch.Tensor, batch: int, cells: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row [N], position [N]) of the scored cells of an output with ``batch`` rows (B, or 1 for a packed
+    row): ``pos`` [B, R] the cells' positions, in (b, r) order; ``cells`` [N] (flat b * R + r): only those,
+    else all B * R."""
+    row = torch.arange(batch, device=pos.device)[:, None].expand_as(pos).reshape(-1)
+    pos = pos.reshape(-1)
     if cells is not None:
-        rows = rows.index_select(0, cells)  # [N]
-    return (hidden.reshape(t * b, h).index_select(0, rows).unsqueeze(1), *args[1:]), kwargs
+        row, pos = row.index_select(0, cells), pos.index_select(0, cells)
+    return row, pos
 
 
 def set_head_positions(

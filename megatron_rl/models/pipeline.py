@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_rl.models.head import set_head_positions, set_rope_positions
+from megatron_rl.models.head import cell_rows, set_head_positions, set_rope_positions
 from megatron_rl.models.weights import unwrap
 from megatron_rl.rollout.packing import PackedLayout, pad_layout, unpack
 
@@ -153,7 +153,7 @@ def run_micro_batches(
     rows, tokens = model_shape(micro_batches[0])
     return get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(list(zip(micro_batches, cells))),
+        data_iterator=zip(micro_batches, cells),
         model=model,
         num_microbatches=n,
         seq_length=tokens,
@@ -174,11 +174,7 @@ def _loss_frame(
             return ResponseLogits(out.reshape(-1, out.shape[-1]), cells, b, r)
         # [B|1, T|S, V/tp] at every position: the response tokens' rows taken straight out (no [B*R, V/tp]
         # frame first: on a packed row of spread lengths that is far more than the N rows)
-        pos = mb.score_pos if lay is None else lay.score_pos
-        row = torch.arange(b, device=pos.device)[:, None] if lay is None else pos.new_zeros(b, 1)
-        row, pos = row.expand(b, r).reshape(-1), pos.reshape(-1)
-        if cells is not None:
-            row, pos = row.index_select(0, cells), pos.index_select(0, cells)
+        row, pos = cell_rows(mb.score_pos if lay is None else lay.score_pos, out.shape[0], cells)
         return ResponseLogits(out[row, pos], cells, b, r)  # [N, V/tp]
     return out if lay is None else unpack(out, lay, mb.seq_len)  # [B, T, ...]
 
