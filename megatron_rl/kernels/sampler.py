@@ -207,14 +207,18 @@ if HAVE_TRITON:
 # Tests run the kernel on CPU under Triton's interpreter: TRITON_INTERPRET=1 must be set before triton
 # is first imported (tests/conftest.py) and this flag turned on.
 RUN_ON_CPU = False
-# On CUDA from CUDA_MIN_ROWS rows: measured on one H200 (session 9, ``benchmarks/bench_sampler.py``, bf16
-# logits over 151,936 ids, 0 token mismatches against the eager draw) it takes 310 us at 512 rows against the
-# compiled draw's 495 us, but 195-370 us at 64 rows against 152 us. Layout-invariant sampling takes it at
-# every row count (``usable(..., any_rows=True)``): the kernel rounds as the eager draw does, while inductor
-# may fuse a multiply-add, so one path for every decode bucket keeps a near-tie's token the same.
+# On CUDA from CUDA_MIN_ROWS rows. Session 9 (H200, ``benchmarks/bench_sampler.py``, bf16 logits over
+# 151,936 ids) measured it slower than the compiled draw below 512 rows (195-370 us at 64 rows against 152
+# us) and set 512. Session 22 (H100, the kernel as it is now: mixed keys, log-probs, block skip) measured it
+# faster at every row count: 74 / 95 / 111 / 127 / 139 / 249 us at 16 / 32 / 64 / 128 / 256 / 512 rows
+# against the compiled draw's 107 / 114 / 127 / 150 / 257 / 485 (``results/2026-12-05-h200-session22/cN``),
+# so it now serves every row count (the decode's finer batch buckets run 320-448 rows, where the compiled
+# draw took 0.4-0.5 ms a step). Layout-invariant sampling takes it at every row count in any case
+# (``usable(..., any_rows=True)``): the kernel rounds as the eager draw does, while inductor may fuse a
+# multiply-add, so one path for every decode bucket keeps a near-tie's token the same.
 # MEGATRON_RL_TRITON_SAMPLER=0 (or false/off/no) turns it off.
 ON_CUDA = env_switch("MEGATRON_RL_TRITON_SAMPLER", True)
-CUDA_MIN_ROWS = 512
+CUDA_MIN_ROWS = 1
 # The noisy draw computes the two exact logarithms of an element's noise only in blocks where a cheap lower
 # bound of the noise says some element may beat the best score so far (the same tokens: only provable losers
 # are skipped), and the log-sum-exp with one exp per element. Measured (session 20, H100, bf16 [512, 151936]):

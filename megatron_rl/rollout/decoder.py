@@ -97,10 +97,17 @@ def embed(tokens: torch.Tensor, w: GenWeights) -> torch.Tensor:
     return _all_reduce(h, w)
 
 
-def logits(h: torch.Tensor, w: GenWeights, spec: ModelArgs, exact: bool = False) -> torch.Tensor:
+def logits(h: torch.Tensor, w: GenWeights, spec: ModelArgs, exact: bool = False,
+           out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """h [B, h] (already final-normed) -> logits [B, V] over the true vocab in the weights' dtype (the
-    samplers upcast), gathered across TP."""
-    local = bi.matmul(h, w.output) if exact else h @ w.output.t()  # [B, Vp/tp]
+    samplers upcast), gathered across TP. ``out`` [>= B, Vp] (TP 1, not exact): the GEMM writes its first
+    B rows (the decode graphs' one logits buffer) and the result is a view of them."""
+    if out is not None and w.tp == 1 and not exact:
+        # detached: ``out=`` takes no autograd input (generation needs no gradients; tied weights are the
+        # actor's parameters)
+        local = torch.mm(h.detach(), w.output.detach().t(), out=out[: h.shape[0]])  # [B, Vp]
+    else:
+        local = bi.matmul(h, w.output) if exact else h @ w.output.t()  # [B, Vp/tp]
     if w.tp > 1:
         parts = [torch.empty_like(local) for _ in range(w.tp)]
         dist.all_gather(parts, local.contiguous(), group=w.group)
@@ -222,18 +229,20 @@ def decode(
     kv_len: int | None = None,
     exact: bool = False,
     prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+    logits_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step for slots 0..B-1 (static shapes, CUDA-graph capturable).
 
     tokens [B] (the token at ``positions``), positions [B]; cache [L, 2, S, Gl, Tmax, D] with S >= B.
     Writes each slot's new key/value at its position and attends to keys 0..position, reading only the
     first ``kv_len`` cache positions (default all; every position must be < kv_len).
-    ``prefix`` (lead [B], plen [B]): ``decode_attention``'s. Returns logits [B, V] (weights' dtype).
+    ``prefix`` (lead [B], plen [B]): ``decode_attention``'s; ``logits_out``: ``logits``' ``out``. Returns
+    logits [B, V] (weights' dtype).
     """
     B = tokens.shape[0]
     Tmax = cache.shape[4] if kv_len is None else kv_len
     if not exact and decode_fused.enabled(w.embed):
-        return _decode_fused(w, spec, cache, tokens, positions, Tmax, prefix)
+        return _decode_fused(w, spec, cache, tokens, positions, Tmax, prefix, logits_out)
     rep = spec.num_attention_heads // spec.num_query_groups
     batch = torch.arange(B, device=tokens.device)
     cos, sin = rope_cos_sin(positions[:, None], spec.head_dim, spec.rope_theta, w.embed.dtype)
@@ -266,7 +275,7 @@ def decode(
             x, _all_reduce(_linear(a, layer["proj"], exact=exact), w, exact), layer["ln2"], spec, exact
         )
         x, h = _add_norm(x, _mlp(h, layer, w, exact), nxt, spec, exact)
-    return logits(h[:, 0], w, spec, exact)
+    return logits(h[:, 0], w, spec, exact, logits_out)
 
 
 def _add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, spec: ModelArgs, exact: bool):
@@ -283,7 +292,7 @@ def _add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, spec: Mode
 
 
 def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: torch.Tensor,
-                  positions: torch.Tensor, Tmax: int, prefix=None) -> torch.Tensor:  # fmt: skip
+                  positions: torch.Tensor, Tmax: int, prefix=None, logits_out=None) -> torch.Tensor:  # fmt: skip
     """``decode`` with the fused Triton kernels (``kernels.decode_fused``, on by default on CUDA, ``MEGATRON_RL_FUSED_DECODE=0`` off),
     each where its trial passed (else that step's reference ops): RoPE + the KV-cache write in one kernel,
     each residual add with the RMSNorm after it, SwiGLU on one fc1 GEMM's output. Not the exact path."""
@@ -322,7 +331,7 @@ def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: t
         x, h = _add_norm(x, _all_reduce(F.linear(act, layer["fc2"]), w), nxt, spec, False)
     if not w.layers:
         h = rms_norm(x, w.final_norm, eps)
-    return logits(h, w, spec)
+    return logits(h, w, spec, out=logits_out)
 
 
 def _swiglu_ref(y: torch.Tensor) -> torch.Tensor:

@@ -223,7 +223,7 @@ class RolloutEngine:
             dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=lay.gen_group)
             plan = replace(plan, slots=int(fewest.item()))
         state = _DecodeState(spec, plan, groups, w.embed.dtype, dev, dev.type == "cuda" and cfg.cuda_graphs,
-                             cfg.exact_logprobs, cfg.prompt_kv_sharing)  # fmt: skip
+                             cfg.exact_logprobs, cfg.prompt_kv_sharing, fine_buckets=bool(cfg.keep_cache))  # fmt: skip
         # a cache cut to the free memory still "fits" the calls it was planned for
         state.planned_slots = planned
         state.bind(w)
@@ -308,9 +308,12 @@ class _DecodeState:
 
     def __init__(
         self, spec: ModelArgs, plan, local_groups: int, dtype, device, use_graphs: bool, exact: bool,
-        prompt_kv_sharing: bool = False,
+        prompt_kv_sharing: bool = False, fine_buckets: bool = False,
     ):  # fmt: skip
         self.spec, self.use_graphs, self.exact = spec, use_graphs, exact
+        # graphs kept between generate calls (keep_cache): each batch bucket is captured once per run, so the
+        # finer ``batch_bucket`` ladder costs its extra captures once; otherwise every call captures again
+        self.fine_buckets = fine_buckets
         # the Triton decode kernel stops at each sequence's own position: no length buckets needed
         self.reads_live_only = decode_kernel.serves(device, dtype, spec.head_dim)
         # rollout.prompt_kv_sharing: slot s reads positions < plen[s] from slot lead[s] (``_Runner`` keeps
@@ -324,6 +327,9 @@ class _DecodeState:
         self.pos = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        # every graph writes its logits into the first rows of this one buffer (TP 1, not exact: the LM head
+        # GEMM's ``out``): a graph's output would otherwise hold [bucket, V] of the pool for the whole run
+        self.logits_buf: torch.Tensor | None = None
         self.stream: torch.cuda.Stream | None = None  # warm-ups and captures (``_capture``)
         self.w: GenWeights | None = None
         self.key: tuple | None = None
@@ -340,10 +346,20 @@ class _DecodeState:
             self.graphs, self.pool, self.key = {}, None, key
         self.w, self.capture_s = w, 0.0
 
-    def _eager(self, b: int, kv: int) -> torch.Tensor:
+    def _eager(self, b: int, kv: int, logits_out: torch.Tensor | None = None) -> torch.Tensor:
         prefix = (self.lead[:b], self.plen[:b]) if self.shares_prompts else None
         return decoder.decode(self.w, self.spec, self.cache.data, self.tok[:b], self.pos[:b], kv, self.exact,
-                              prefix)  # fmt: skip
+                              prefix, logits_out)  # fmt: skip
+
+    def _logits_out(self) -> torch.Tensor | None:
+        """The shared logits buffer [slots, Vp] where the decoder can write into it, allocated at the first
+        capture (outside the graphs' pool), else None."""
+        w = self.w
+        if self.exact or w.tp > 1:
+            return None
+        if self.logits_buf is None:
+            self.logits_buf = w.output.new_empty(self.cache.plan.slots, w.output.shape[0])
+        return self.logits_buf
 
     def _capture(self, b: int, kv: int) -> None:
         t0 = time.perf_counter()
@@ -362,16 +378,17 @@ class _DecodeState:
             torch.cuda.empty_cache()
         # warm-up outside the capture (library handles, kernel choice); it rewrites the keys/values the
         # replay writes next, from the same inputs
+        buf = self._logits_out()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._eager(b, kv)
+            self._eager(b, kv, buf)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             graph.capture_begin(*(() if self.pool is None else (self.pool,)))
             try:
-                out = self._eager(b, kv)
+                out = self._eager(b, kv, buf)
             finally:
                 graph.capture_end()
         torch.cuda.current_stream().wait_stream(side)
@@ -381,8 +398,8 @@ class _DecodeState:
         self.capture_s += time.perf_counter() - t0
 
     def bucket(self, b: int) -> int:
-        """Rows a decode step over slots 0..b-1 runs: a power-of-two bucket with CUDA graphs, else b."""
-        return min(1 << (b - 1).bit_length(), self.cache.plan.slots) if self.use_graphs else b
+        """Rows a decode step over slots 0..b-1 runs: with CUDA graphs ``batch_bucket``'s, else b."""
+        return batch_bucket(b, self.cache.plan.slots, self.fine_buckets) if self.use_graphs else b
 
     def decode(self, b: int, kv_need: int) -> torch.Tensor:
         """logits [b', V] for slots 0..b'-1, b' >= b (the power-of-two bucket on GPU), attending over the
@@ -712,8 +729,24 @@ class _Runner:
 
 
 _COMPACT = True  # move live sequences to low slots when nothing waits (``_Runner._compact``)
+_FINE_STEP_MIN = 32  # the finer batch buckets' smallest step (``batch_bucket``)
 _KV_BUCKET = 128  # decode attention length granularity (one CUDA graph per bucket used)
 _KV_BUCKET_FROM = 512  # caches up to this many positions are attended whole (one graph per batch bucket)
+
+
+def batch_bucket(b: int, slots: int, fine: bool) -> int:
+    """The decode graph's rows for b live slots (0..b-1) of ``slots``: the next power of two, and with
+    ``fine`` above ``step`` = max(_FINE_STEP_MIN, next power of two of slots / 16) the next multiple of ``step``
+    (at most ~16 graphs more). A step's time follows its rows (H100, 0.5B, 512 slots: 1.77 ms at 256 rows,
+    2.03 at 320, 2.60 at 512; ``benchmarks/bench_decode_rows.py``), and once sequences finish the
+    power-of-two bucket runs ~1/3 more rows than are live (spread-length GRPO: 248 a step for 187 live)."""
+    b = max(1, b)
+    bucket = 1 << (b - 1).bit_length()
+    if fine:
+        step = max(_FINE_STEP_MIN, (1 << (slots - 1).bit_length()) // 16)
+        if bucket > step:
+            bucket = -(-b // step) * step
+    return min(bucket, slots)
 
 
 def _sync(device: torch.device) -> None:

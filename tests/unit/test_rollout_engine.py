@@ -475,3 +475,88 @@ def test_prompt_kv_sharing_gives_the_same_bits_through_retire_reuse_and_compacti
     assert all(torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs)) for a, b in zip(shared, plain))
     assert len({len(c.response_ids) for c in shared}) >= 4 and max(seen) >= 2  # members read their lead
     assert stats.compactions > 0 if compact else stats.compactions == 0
+
+
+def test_batch_buckets_cover_the_live_rows_with_few_graphs():
+    """``batch_bucket``: never fewer rows than are live nor more than the slots; powers of two without
+    ``fine``; with it multiples of 32 above 32 at 512 slots (21 graphs at most, 10 before), of 64 at 1024."""
+    from megatron_rl.rollout.engine import batch_bucket
+
+    for slots, fine, step in ((512, False, None), (512, True, 32), (421, True, 32), (1024, True, 64), (7, True, 32)):
+        got = [batch_bucket(b, slots, fine) for b in range(1, slots + 1)]
+        assert all(b <= g <= slots for b, g in zip(range(1, slots + 1), got))
+        assert got == sorted(got)  # a shrinking batch never gets a larger bucket
+        for g in set(got) - {slots}:
+            assert (g & (g - 1)) == 0 or (step is not None and g > step and g % step == 0), (slots, g)
+        if step is not None and slots > step:
+            assert batch_bucket(step + 1, slots, fine) == 2 * step and batch_bucket(3 * step - 1, slots, fine) == 3 * step
+    assert len({batch_bucket(b, 512, True) for b in range(1, 513)}) == 6 + 15
+    assert len({batch_bucket(b, 512, False) for b in range(1, 513)}) == 10
+    assert batch_bucket(300, 512, False) == 512 and batch_bucket(300, 512, True) == 320
+
+
+def test_logits_into_a_shared_buffer_equal_the_plain_ones(model):
+    """``decoder.logits(out=...)`` writes the first B rows of one [slots, Vp] buffer (the decode graphs' shared
+    logits) and returns the same values as the plain GEMM, as a view of that buffer."""
+    from megatron_rl.rollout import reshard
+
+    _, spec, params = model
+    w = reshard.gather_weights(params, spec, reshard.build_layout(1))
+    h = torch.randn(5, spec.hidden_size, dtype=w.output.dtype)
+    buf = torch.full((8, w.output.shape[0]), float("nan"), dtype=w.output.dtype)
+    got = decoder.logits(h, w, spec, out=buf)
+    assert torch.equal(got, decoder.logits(h, w, spec))
+    assert got.data_ptr() == buf.data_ptr() and torch.isnan(buf[5:]).all()
+
+
+@pytest.mark.parametrize("fine", [False, True])
+def test_fine_batch_buckets_and_one_logits_buffer_leave_tokens_and_logprobs_unchanged(monkeypatch, fine):
+    """The GPU path on CPU: every decode step runs its bucket's rows (idle slots padding it, as a replayed graph
+    does) and writes its logits into the state's one buffer. With the finer ladder (step 2 here) the buckets
+    include non-powers of two and fewer rows are decoded; greedy tokens equal HF's, log-probs the run without
+    buckets, and sampled layout-invariant tokens the run without buckets too."""
+    from megatron_rl.rollout import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "_SYNC_EVERY", 2)
+    hf = tiny_hf("qwen2")
+    spec = spec_of(hf)
+    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
+    prompts = random_prompts(9, seed=7)
+    full = [hf_greedy(hf, p, 20) for p in prompts]
+    stop = tuple({full[0][1], full[2][4], full[5][8], full[7][13], full[3][16]})
+    greedy = SamplingParams(temperature=0, max_new_tokens=20, stop_token_ids=stop)
+    sampled = SamplingParams(temperature=1.0, n=3, max_new_tokens=20, seed=3, stop_token_ids=stop,
+                             layout_invariant_sampling=True)  # fmt: skip
+    plain = {sp.n: RolloutEngine(params, spec, EngineConfig(max_num_seqs=27)).generate(prompts, sp)
+             for sp in (greedy, sampled)}  # fmt: skip
+
+    seen = []
+
+    def bucket(self, b):
+        return engine_mod.batch_bucket(b, self.cache.plan.slots, fine)
+
+    def decode(self, b, kv_need):
+        rows = self.bucket(b)
+        seen.append(rows)
+        out = self._eager(rows, self.cache.plan.max_len, self._logits_out())
+        assert out.data_ptr() == self.logits_buf.data_ptr()
+        return out
+
+    monkeypatch.setattr(engine_mod, "_FINE_STEP_MIN", 2)
+    monkeypatch.setattr(engine_mod._DecodeState, "bucket", bucket)
+    monkeypatch.setattr(engine_mod._DecodeState, "decode", decode)
+    for sp in (greedy, sampled):
+        seen.clear()
+        engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=27))
+        out = engine.generate(prompts, sp)
+        assert [c.response_ids for c in out] == [c.response_ids for c in plain[sp.n]]
+        for a, b in zip(out, plain[sp.n]):
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+        assert engine.last_stats.compactions > 0 or not (fine or sp.n == 1)
+        odd = {r for r in seen if r & (r - 1) and r != engine.last_stats.slots}  # the cap may be any number
+        assert bool(odd) == fine, sorted(set(seen))
+        if sp.n == 1:
+            for p, c, ref in zip(prompts, out, full):
+                cut = next((i + 1 for i, t in enumerate(ref) if t in stop), len(ref))
+                assert c.response_ids == ref[:cut]
+    assert len({len(c.response_ids) for c in out}) >= 3
