@@ -95,19 +95,22 @@ def step_curve(a, rows: list[int]) -> dict:
     return out
 
 
-def gemm_table(rows: list[int], shapes: dict, autotune: bool) -> dict:
+def gemm_table(rows: list[int], shapes: dict, autotune: bool, res: dict, save=lambda: None) -> dict:
     import torch._dynamo
     import torch._inductor.config as ic
 
     ic.max_autotune_gemm_backends = "TRITON,ATEN"
-    res = {}
     for name, (k, n, bias) in shapes.items():
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(24)]
         bs = [torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None for _ in range(24)]
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             flops = 2 * m * k * n * 24
-            row = {"cublas_us": 1e3 * graph_ms(lambda: [F.linear(x, w, b_) for w, b_ in zip(ws, bs)]) / 24}
+            row = {
+                "cublas_us": 1e3
+                * graph_ms(lambda x=x, ws=ws, bs=bs: [F.linear(x, w, b_) for w, b_ in zip(ws, bs)])
+                / 24
+            }
             if autotune:
                 torch._dynamo.reset()
                 lin = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
@@ -115,7 +118,13 @@ def gemm_table(rows: list[int], shapes: dict, autotune: bool) -> dict:
                 try:
                     lin(x, ws[0], bs[0])
                     row["autotune_s"] = time.perf_counter() - t0
-                    row["inductor_us"] = 1e3 * graph_ms(lambda: [lin(x, w, b_) for w, b_ in zip(ws, bs)]) / 24
+                    row["inductor_us"] = (
+                        1e3
+                        * graph_ms(
+                            lambda x=x, ws=ws, bs=bs, lin=lin: [lin(x, w, b_) for w, b_ in zip(ws, bs)]
+                        )
+                        / 24
+                    )
                 except Exception as e:  # noqa: BLE001 - a failed compile is a result here
                     row["inductor_error"] = repr(e)[:300]
             for key in ("cublas_us", "inductor_us"):
@@ -123,6 +132,7 @@ def gemm_table(rows: list[int], shapes: dict, autotune: bool) -> dict:
                     row[key.replace("_us", "_tflops")] = flops / 24 / (row[key] * 1e-6) / 1e12
             res[f"{name} m={m}"] = row
             print(name, m, row, flush=True)
+            save()  # a run cut by its time limit keeps the rows measured so far
     return res
 
 
@@ -139,7 +149,7 @@ def attention_check() -> dict:
         for gqa in (True, False):
             kk, vv = (k, v) if gqa else (k.repeat_interleave(7, 1), v.repeat_interleave(7, 1))
 
-            def run():
+            def run(kk=kk, vv=vv, gqa=gqa):
                 o = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=gqa)
                 o.sum().backward()
 
@@ -181,9 +191,14 @@ def main() -> None:
         json.dump(res, f, indent=1)
     shapes = {"qkv": (896, 1152, True), "proj": (896, 896, False), "fc1": (896, 9728, False),
               "fc2": (4864, 896, False)}  # fmt: skip
-    res["gemms"] = gemm_table([int(r) for r in a.gemm_rows.split(",")], shapes, not a.no_autotune)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    res["gemms"] = {}
+
+    def save():
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+    gemm_table([int(r) for r in a.gemm_rows.split(",")], shapes, not a.no_autotune, res["gemms"], save)
+    save()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ One ``generate`` call on every rank of the job (SPMD):
 2. build the generation layout and gather the missing weights (``reshard.py``);
 3. run this replica's share of the sequences through a fixed number of KV-cache slots: waiting sequences
    enter through a batched prefill whenever slots are free; one decode step advances every active slot
-   (on GPU it is replayed from a CUDA graph, captured on first use of its power-of-two batch bucket;
+   (on GPU it is replayed from a CUDA graph, captured on first use of its batch bucket, ``batch_bucket``;
    eager on CPU). Sampling and per-slot bookkeeping stay on the device; the host syncs every few steps
    to retire finished sequences and admit waiting ones;
 4. free the gathered weights (and, unless ``keep_cache``, the cache and the graphs), and all-gather the
@@ -133,6 +133,10 @@ class GenerationStats:
     decode_rows: int = 0  # rows the decode steps ran (bucket sizes summed over steps)
     compactions: int = 0  # times live sequences moved to lower slots (``_Runner._compact``)
     moved_slots: int = 0
+    syncs: int = 0  # host syncs between decode steps (``_Runner._retire``)
+    # host time from each sync's read of the device state to the next launch (retiring, compacting): the
+    # device has run out of queued work and idles through it
+    sync_host_s: float = 0.0
 
 
 def _oom_message(exc: Exception) -> str:
@@ -351,11 +355,15 @@ class _DecodeState:
         return decoder.decode(self.w, self.spec, self.cache.data, self.tok[:b], self.pos[:b], kv, self.exact,
                               prefix, logits_out)  # fmt: skip
 
+    def _one_logits_buffer(self) -> bool:
+        """Whether the decoder writes its logits into ``logits_buf`` (TP 1, not exact)."""
+        return not self.exact and self.w is not None and self.w.tp == 1
+
     def _logits_out(self) -> torch.Tensor | None:
         """The shared logits buffer [slots, Vp] where the decoder can write into it, allocated at the first
         capture (outside the graphs' pool), else None."""
         w = self.w
-        if self.exact or w.tp > 1:
+        if not self._one_logits_buffer():
             return None
         if self.logits_buf is None:
             self.logits_buf = w.output.new_empty(self.cache.plan.slots, w.output.shape[0])
@@ -398,11 +406,16 @@ class _DecodeState:
         self.capture_s += time.perf_counter() - t0
 
     def bucket(self, b: int) -> int:
-        """Rows a decode step over slots 0..b-1 runs: with CUDA graphs ``batch_bucket``'s, else b."""
-        return batch_bucket(b, self.cache.plan.slots, self.fine_buckets) if self.use_graphs else b
+        """Rows a decode step over slots 0..b-1 runs: with CUDA graphs ``batch_bucket``'s (the finer ladder
+        where the graphs are kept and share one logits buffer), else b."""
+        if not self.use_graphs:
+            return b
+        # the finer ladder only where the graphs share one logits buffer: else each graph's own logits
+        # [bucket, V] stay in the pool, ~4x the powers of two's at 512 slots
+        return batch_bucket(b, self.cache.plan.slots, self.fine_buckets and self._one_logits_buffer())
 
     def decode(self, b: int, kv_need: int) -> torch.Tensor:
-        """logits [b', V] for slots 0..b'-1, b' >= b (the power-of-two bucket on GPU), attending over the
+        """logits [b', V] for slots 0..b'-1, b' >= b (``batch_bucket``'s on GPU), attending over the
         first kv' >= ``kv_need`` cache positions (``kv_need`` rounded up to ``_KV_BUCKET``): decode
         attention reads the live part of the cache, not all of it. Caches of at most ``_KV_BUCKET_FROM``
         positions are read whole: there attention is a small part of the step and each extra length bucket
@@ -435,6 +448,7 @@ class _Runner:
     ):
         self.state, self.lay, self.params, self.stats, self.cfg = state, lay, params, stats, cfg
         self.session = session
+        self.synced_at = 0.0  # when ``_retire`` last read the device state (``GenerationStats.sync_host_s``)
         self.appended: dict[int, list[tuple[int, int]]] = {}  # slot -> response spans not sampled
         self.cache, self.w = state.cache, state.w
         slots, dev, n = state.cache.plan.slots, state.tok.device, params.max_new_tokens
@@ -555,6 +569,7 @@ class _Runner:
         """Host sync: hand finished sequences their tokens (or, multi-turn, continue their episodes in the
         same slot), free their slots, refresh the step bounds."""
         live, count = torch.stack([self.live.long(), self.count]).tolist()  # [2, S]
+        self.synced_at = time.perf_counter()
         done = [slot for slot in self.active if not live[slot]]
         if done:
             idx = torch.tensor(done, device=self.rows.device)
@@ -669,7 +684,7 @@ class _Runner:
 
     def _compact(self) -> None:
         """Nothing waiting: move the sequences of the highest slots into free lower ones, so that the decode
-        batch (the power-of-two bucket over the highest active slot) shrinks as sequences finish. Without it
+        batch (the bucket over the highest active slot) shrinks as sequences finish. Without it
         a batch of 512 decoded 512 rows to the end while most had stopped (spread-length GRPO, H200: 4.4 ms
         a step at 0.5B, more than with every row live). Moves a slot's cached keys/values (the positions
         written so far) and its device-side progress; sampling noise follows the sequence (its key and
@@ -722,6 +737,8 @@ class _Runner:
                 if not waiting and _COMPACT:
                     self._compact()
                 since_sync = 0
+                self.stats.syncs += 1
+                self.stats.sync_host_s += time.perf_counter() - self.synced_at
             else:
                 self._step()
                 since_sync += 1

@@ -482,14 +482,23 @@ def test_batch_buckets_cover_the_live_rows_with_few_graphs():
     ``fine``; with it multiples of 32 above 32 at 512 slots (21 graphs at most, 10 before), of 64 at 1024."""
     from megatron_rl.rollout.engine import batch_bucket
 
-    for slots, fine, step in ((512, False, None), (512, True, 32), (421, True, 32), (1024, True, 64), (7, True, 32)):
+    for slots, fine, step in (
+        (512, False, None),
+        (512, True, 32),
+        (421, True, 32),
+        (1024, True, 64),
+        (7, True, 32),
+    ):
         got = [batch_bucket(b, slots, fine) for b in range(1, slots + 1)]
         assert all(b <= g <= slots for b, g in zip(range(1, slots + 1), got))
         assert got == sorted(got)  # a shrinking batch never gets a larger bucket
         for g in set(got) - {slots}:
             assert (g & (g - 1)) == 0 or (step is not None and g > step and g % step == 0), (slots, g)
         if step is not None and slots > step:
-            assert batch_bucket(step + 1, slots, fine) == 2 * step and batch_bucket(3 * step - 1, slots, fine) == 3 * step
+            assert (
+                batch_bucket(step + 1, slots, fine) == 2 * step
+                and batch_bucket(3 * step - 1, slots, fine) == 3 * step
+            )
     assert len({batch_bucket(b, 512, True) for b in range(1, 513)}) == 6 + 15
     assert len({batch_bucket(b, 512, False) for b in range(1, 513)}) == 10
     assert batch_bucket(300, 512, False) == 512 and batch_bucket(300, 512, True) == 320
@@ -512,9 +521,9 @@ def test_logits_into_a_shared_buffer_equal_the_plain_ones(model):
 @pytest.mark.parametrize("fine", [False, True])
 def test_fine_batch_buckets_and_one_logits_buffer_leave_tokens_and_logprobs_unchanged(monkeypatch, fine):
     """The GPU path on CPU: every decode step runs its bucket's rows (idle slots padding it, as a replayed graph
-    does) and writes its logits into the state's one buffer. With the finer ladder (step 2 here) the buckets
-    include non-powers of two and fewer rows are decoded; greedy tokens equal HF's, log-probs the run without
-    buckets, and sampled layout-invariant tokens the run without buckets too."""
+    does) and writes its logits into the state's one buffer. With keep_cache, the finer ladder (step 2 here):
+    non-power-of-two buckets, fewer rows than powers of two for the same steps. Greedy tokens equal HF's,
+    log-probs the run without buckets, and sampled layout-invariant tokens the run without buckets too."""
     from megatron_rl.rollout import engine as engine_mod
 
     monkeypatch.setattr(engine_mod, "_SYNC_EVERY", 2)
@@ -530,24 +539,29 @@ def test_fine_batch_buckets_and_one_logits_buffer_leave_tokens_and_logprobs_unch
     plain = {sp.n: RolloutEngine(params, spec, EngineConfig(max_num_seqs=27)).generate(prompts, sp)
              for sp in (greedy, sampled)}  # fmt: skip
 
-    seen = []
+    seen, pow2 = [], []
+    init = engine_mod._DecodeState.__init__
 
-    def bucket(self, b):
-        return engine_mod.batch_bucket(b, self.cache.plan.slots, fine)
+    def init_graphs(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.use_graphs = True  # the GPU path's buckets; ``decode`` below runs them eagerly
 
     def decode(self, b, kv_need):
         rows = self.bucket(b)
         seen.append(rows)
+        pow2.append(engine_mod.batch_bucket(b, self.cache.plan.slots, False))
         out = self._eager(rows, self.cache.plan.max_len, self._logits_out())
         assert out.data_ptr() == self.logits_buf.data_ptr()
         return out
 
     monkeypatch.setattr(engine_mod, "_FINE_STEP_MIN", 2)
-    monkeypatch.setattr(engine_mod._DecodeState, "bucket", bucket)
+    monkeypatch.setattr(engine_mod._DecodeState, "__init__", init_graphs)
     monkeypatch.setattr(engine_mod._DecodeState, "decode", decode)
     for sp in (greedy, sampled):
         seen.clear()
-        engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=27))
+        pow2.clear()
+        # the finer ladder comes with keep_cache (graphs captured once per run)
+        engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=27, keep_cache=fine))
         out = engine.generate(prompts, sp)
         assert [c.response_ids for c in out] == [c.response_ids for c in plain[sp.n]]
         for a, b in zip(out, plain[sp.n]):
@@ -555,8 +569,23 @@ def test_fine_batch_buckets_and_one_logits_buffer_leave_tokens_and_logprobs_unch
         assert engine.last_stats.compactions > 0 or not (fine or sp.n == 1)
         odd = {r for r in seen if r & (r - 1) and r != engine.last_stats.slots}  # the cap may be any number
         assert bool(odd) == fine, sorted(set(seen))
+        assert (sum(seen) < sum(pow2)) == fine and sum(seen) <= sum(pow2)
         if sp.n == 1:
-            for p, c, ref in zip(prompts, out, full):
+            for c, ref in zip(out, full):
                 cut = next((i + 1 for i, t in enumerate(ref) if t in stop), len(ref))
                 assert c.response_ids == ref[:cut]
     assert len({len(c.response_ids) for c in out}) >= 3
+
+
+def test_sync_statistics_count_the_host_syncs(monkeypatch):
+    """``GenerationStats.syncs`` / ``sync_host_s``: every retire counts once and adds the host time after its read
+    of the device state (what a GPU idles through); 20 steps at a sync every 4 steps take at least 5 syncs."""
+    from megatron_rl.rollout import engine as engine_mod
+
+    hf = tiny_hf("qwen2")
+    spec = spec_of(hf)
+    engine = RolloutEngine(hf_to_mcore(hf, spec, 1, 0, 1, 0), spec, EngineConfig(max_num_seqs=4))
+    monkeypatch.setattr(engine_mod, "_SYNC_EVERY", 4)
+    engine.generate(random_prompts(4, seed=2), SamplingParams(temperature=0, max_new_tokens=20))
+    st = engine.last_stats
+    assert st.syncs >= 5 and 0 < st.sync_host_s < st.decode_s
