@@ -32,10 +32,14 @@ import random
 import statistics
 import string
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, for megatron_rl (no install)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/, for device_gaps
+from device_gaps import device_gaps  # noqa: E402
+
 from megatron_rl.models.facts import (  # noqa: E402
     PEAK_BF16_FLOPS,
     PEAK_HBM_BYTES_PER_S,
@@ -510,6 +514,14 @@ def profile_phases(c, step: int, folder: str, rows: int = 60, update_seqs: int |
                 if name == "update" and update_seqs is not None:
                     slice_info = {"sequences": len(args[0]), "of": len(batch), "wall_s_under_profiler": wall}
                     (Path(folder) / "update_slice.json").write_text(json.dumps(slice_info))
+                # the device's idle gaps by the host phase open then (device_gaps.py; the trace itself is
+                # too large to bring back)
+                with tempfile.TemporaryDirectory() as tmp:
+                    prof.export_chrome_trace(f"{tmp}/trace.json")
+                    with open(f"{tmp}/trace.json") as f:
+                        gaps = device_gaps(json.load(f))
+                gaps["wall_s_under_profiler"] = wall
+                (Path(folder) / f"{name}_gaps.json").write_text(json.dumps(gaps, indent=1))
             return out
 
         return run

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from megatron_rl.distributed.phase_watchdog import phase
 from megatron_rl.logging.metric_names import timing_key
+
+
+def annotate(name: str):
+    """``torch.profiler.record_function(name)`` while a profiler runs, else a no-op context: host phases
+    named in a trace (``benchmarks/device_gaps.py`` sums the device's idle gaps by them) at no cost in hot
+    loops otherwise."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return nullcontext()
 
 
 def _cuda_ready() -> bool:
@@ -41,7 +50,8 @@ class Timer:
         self._sync()
         start = time.perf_counter()
         try:
-            yield
+            with annotate(f"phase.{phase}"):
+                yield
         finally:
             self._sync()
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start

@@ -28,6 +28,7 @@ from megatron_rl.config.rollout_rules import check_engine
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.kernels import batch_invariant
 from megatron_rl.kernels import decode_attention as decode_kernel
+from megatron_rl.logging.timer import annotate
 from megatron_rl.models import lora
 from megatron_rl.rollout import decoder, reshard
 from megatron_rl.rollout.decoder import GenWeights, check_decodable
@@ -262,9 +263,10 @@ class RolloutEngine:
             for s in range(params.n)
         ]
         try:
-            weights = reshard.gather_weights(self._params(), self.spec, lay)
-            stats.gathered_weight_bytes = weights.owned_bytes()
-            state = self._decode_state(weights, lay, max_len, len(seqs))
+            with annotate("rollout.reshard"):
+                weights = reshard.gather_weights(self._params(), self.spec, lay)
+                stats.gathered_weight_bytes = weights.owned_bytes()
+                state = self._decode_state(weights, lay, max_len, len(seqs))
             stats.kv_cache_bytes, stats.slots = state.cache.nbytes(), state.cache.plan.slots
             runner = _Runner(state, lay, params, stats, self.config, session)
             stats.reshard_s = time.perf_counter() - t0
@@ -287,7 +289,8 @@ class RolloutEngine:
         self._state = state if self.config.keep_cache else None
         del runner, weights, state
         stats.new_tokens = sum(len(c.response_ids) for c in seqs)
-        out = reshard.gather_results(seqs, lay)
+        with annotate("rollout.gather_back"):
+            out = reshard.gather_results(seqs, lay)
         stats.gather_back_s = time.perf_counter() - t2
         return out
 
@@ -731,16 +734,19 @@ class _Runner:
         since_sync = 0
         while waiting or self.active:
             if waiting and self.cache.num_free:
-                self._admit(waiting)
+                with annotate("rollout.admit"):
+                    self._admit(waiting)
             elif since_sync >= _SYNC_EVERY or min(self.left.values()) <= 0:
-                self._retire()
-                if not waiting and _COMPACT:
-                    self._compact()
+                with annotate("rollout.retire"):
+                    self._retire()
+                    if not waiting and _COMPACT:
+                        self._compact()
                 since_sync = 0
                 self.stats.syncs += 1
                 self.stats.sync_host_s += time.perf_counter() - self.synced_at
             else:
-                self._step()
+                with annotate("rollout.decode_step"):
+                    self._step()
                 since_sync += 1
                 self.stats.decode_steps += 1
 

@@ -34,6 +34,7 @@ from megatron_rl.logging.metric_names import (
     PERF_UPDATE_PAD_FRAC,
     PERF_UPDATE_SHARED_FRAC,
 )
+from megatron_rl.logging.timer import annotate
 from megatron_rl.models.lora import adapters_disabled
 from megatron_rl.models.pipeline import (
     ResponseLogits,
@@ -199,15 +200,21 @@ class _TrainedModel:
         per_micro, steps, step_info, counts = [], 0, [], [0, 0, 0]
         for _ in range(self.cfg.ppo_epochs):
             for start in range(0, len(batch), mini_seqs):
-                mbs, _ = self._split(batch.select(range(start, start + mini_seqs)))
-                denom = global_loss_denominators([m.response_mask for m in mbs], ps.get_data_parallel_group())
+                with annotate("update.split"):
+                    mbs, _ = self._split(batch.select(range(start, start + mini_seqs)))
+                    denom = global_loss_denominators(
+                        [m.response_mask for m in mbs], ps.get_data_parallel_group()
+                    )
                 loss = partial(loss_fn, denom)
-                per_micro += run_micro_batches(self.model, mbs, loss, False, self.response_logits)
+                with annotate("update.micro_batches"):
+                    per_micro += run_micro_batches(self.model, mbs, loss, False, self.response_logits)
                 counts = [a + b for a, b in zip(counts, token_counts(mbs))]  # as run (SP padding included)
-                step_info.append(self.opt.step())
+                with annotate("update.optimizer_step"):
+                    step_info.append(self.opt.step())
                 steps += 1
         self.opt.step_lr()  # once per training step: the schedule counts training steps, not mini-batches
-        metrics = broadcast_from_last_stage(_reduce_update_metrics(per_micro, steps))
+        with annotate("update.metrics"):
+            metrics = broadcast_from_last_stage(_reduce_update_metrics(per_micro, steps))
         out = {f"{prefix}/{k}": v for k, v in metrics.items()}
         out[PAD_FRAC[prefix]], out[SHARED_FRAC[prefix]] = _token_fractions(counts, batch.response_mask.device)
         out |= check_finite(step_info, metrics, prefix, self.skip_nonfinite)

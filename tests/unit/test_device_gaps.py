@@ -1,0 +1,48 @@
+"""``benchmarks/device_gaps.py``: the device's idle gaps in a profiler trace, by the host annotation open then."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from device_gaps import device_gaps  # noqa: E402
+
+
+def _x(cat, name, ts, dur):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_gaps_are_summed_by_the_innermost_annotation_at_their_middle():
+    trace = {
+        "traceEvents": [
+            _x("user_annotation", "rollout.generate", 0, 1000),
+            _x("user_annotation", "rollout.retire", 300, 150),  # nested: the innermost wins
+            _x("cpu_op", "aten::tolist", 310, 40),
+            _x("kernel", "k1", 10, 100),
+            _x("kernel", "k2", 50, 200),  # overlaps k1 (another stream): one busy interval 10..250
+            _x("gpu_memcpy", "copy", 250, 50),  # touches it: 10..300
+            _x("kernel", "k3", 400, 100),  # gap 300..400 (100 us) inside retire
+            _x("kernel", "k4", 505, 95),  # gap of 5 us: under min_us
+            _x("kernel", "k5", 900, 100),  # gap 600..900 (300 us) inside generate only
+            {"ph": "i", "cat": "instant", "name": "marker", "ts": 5},  # not a span: ignored
+        ]
+    }
+    g = device_gaps(trace, min_us=20)
+    assert g["window_us"] == 1000 and g["busy_us"] == 290 + 100 + 95 + 100
+    assert g["idle_us"] == 1000 - g["busy_us"]
+    assert g["gaps"] == 2  # 300..400 and 600..900; the leading 0..10 and 500..505 are under 20 us
+    assert g["by_annotation"]["rollout.retire"] == {"gaps": 1, "us": 100}
+    assert g["by_annotation"]["rollout.generate"]["us"] == 300
+    top = g["top"][0]
+    assert top["us"] == 300 and top["annotation"] == "rollout.generate" and top["host_op"] is None
+    retire = next(t for t in g["top"] if t["annotation"] == "rollout.retire")
+    assert retire["host_op"] == "aten::tolist" and retire["start_us"] == 300
+
+
+def test_a_trace_without_device_work_is_one_idle_window():
+    g = device_gaps([_x("cpu_op", "aten::add", 0, 50)], min_us=10)
+    assert g["busy_us"] == 0 and g["idle_us"] == 50 and g["gaps"] == 1
+    assert g["by_annotation"] == {"(no annotation)": {"gaps": 1, "us": 50}}
+    assert device_gaps({"traceEvents": []})["gaps"] == 0
