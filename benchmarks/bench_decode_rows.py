@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import EOS, build_hf, mcore_params, spec_of, sync  # noqa: E402
+from bench_decode import sync  # noqa: E402
+from profile_decode_step import build_engine, engine_args  # noqa: E402
 
 from megatron_rl.rollout import reshard  # noqa: E402
-from megatron_rl.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from megatron_rl.rollout.sampling import SamplingParams, sample_with_logprobs  # noqa: E402
+from megatron_rl.rollout.sampling import sample_with_logprobs  # noqa: E402
 
 
 def graph_ms(fn, reps: int = 20) -> float:
@@ -51,14 +51,7 @@ def graph_ms(fn, reps: int = 20) -> float:
 
 
 def step_curve(a, rows: list[int]) -> dict:
-    hf = build_hf(24, "cuda")
-    spec = spec_of(hf.config)
-    params = mcore_params(hf, spec)
-    del hf
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, 150000, (a.prompts, a.prompt_len), generator=g).tolist()
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=a.new_tokens, stop_token_ids=(EOS,), seed=0)
-    engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=a.prompts, keep_cache=True))
+    engine, spec, prompts, sampling = build_engine(a)
     engine.generate(prompts, sampling)
     state = engine._state
     state.bind(reshard.gather_weights(engine._params(), spec, reshard.build_layout(1)))
@@ -170,11 +163,23 @@ def attention_check() -> dict:
     return res
 
 
+def layer_gemms(shape: str) -> dict[str, tuple[int, int, bool]]:
+    """A decoder layer's GEMMs at ``shape``: name -> (K, N, bias), as the decode step calls them (qkv fused,
+    fc1 = gate and up together)."""
+    from megatron_rl.models.shapes import hf_config
+
+    c = dict(hf_config(shape))
+    h, heads, groups = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    d = c.get("head_dim") or h // heads
+    f = c["intermediate_size"]
+    bias = c["model_type"] == "qwen2"  # Qwen2's q/k/v projections carry a bias
+    return {"qkv": (h, (heads + 2 * groups) * d, bias), "proj": (heads * d, h, False), "fc1": (h, 2 * f, False),
+            "fc2": (f, h, False)}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=512)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--new-tokens", type=int, default=512)
+    engine_args(ap)
     ap.add_argument("--position", type=int, default=383, help="every row's position in the timed steps")
     ap.add_argument("--rows", default="8,16,32,64,96,128,160,192,256,320,384,448,512")
     ap.add_argument("--gemm-rows", default="32,64,128,256,384,512")
@@ -189,8 +194,7 @@ def main() -> None:
     res["steps"] = step_curve(a, [int(r) for r in a.rows.split(",")])
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
-    shapes = {"qkv": (896, 1152, True), "proj": (896, 896, False), "fc1": (896, 9728, False),
-              "fc2": (4864, 896, False)}  # fmt: skip
+    shapes = layer_gemms(a.shape)
     res["gemms"] = {}
 
     def save():

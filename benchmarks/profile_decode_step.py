@@ -48,15 +48,17 @@ def _attn_sdpa(q, k, v, mask, positions, prefix=None):  # SDPA reads each slot's
 ATTENTION = {"default": decoder.decode_attention, "sdpa": _attn_sdpa}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def engine_args(ap: argparse.ArgumentParser) -> None:
+    """The arguments ``build_engine`` reads."""
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--shape", default="qwen2.5-0.5b", help="a name in megatron_rl.models.shapes.SHAPES")
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_step.json"))
-    a = ap.parse_args()
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+
+
+def build_engine(a) -> tuple[RolloutEngine, object, list[list[int]], SamplingParams]:
+    """The engine at ``a.shape`` (random bf16 weights, graphs kept), ``a.prompts`` random prompts of
+    ``a.prompt_len`` tokens and temperature-1 sampling of ``a.new_tokens``: (engine, spec, prompts, sampling)."""
     if a.shape == "qwen2.5-0.5b":
         hf = build_hf(24, "cuda")
     else:  # another shape, random bf16 weights
@@ -76,6 +78,16 @@ def main() -> None:
     prompts = torch.randint(1, 150000, (a.prompts, a.prompt_len), generator=g).tolist()
     sampling = SamplingParams(temperature=1.0, max_new_tokens=a.new_tokens, stop_token_ids=(EOS,), seed=0)
     engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=a.prompts, keep_cache=True))
+    return engine, spec, prompts, sampling
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    engine_args(ap)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_step.json"))
+    a = ap.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    engine, spec, prompts, sampling = build_engine(a)
     res = {"config": vars(a)}
     for label in ("first", "second"):
         engine.generate(prompts, sampling)
