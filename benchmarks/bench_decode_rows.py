@@ -60,7 +60,7 @@ def step_curve(a, rows: list[int]) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = {}
     for b in rows:
-        state.pos[: a.prompts] = a.position
+        state.pos.fill_(a.position)
         t0 = time.perf_counter()
         state.decode(b, full)  # capture
         sync()

@@ -14,7 +14,6 @@ gap's middle: idle time by host phase.
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -28,16 +27,42 @@ def _spans(events: list[dict], cats: set[str]) -> list[tuple[float, float, str]]
     )
 
 
-def _innermost(
-    spans: list[tuple[float, float, str]], starts: list[float], t: float, scan: int = 4096
-) -> str | None:
-    """The latest-starting span containing time t (the innermost where spans nest, as one thread's ranges
-    do), looking back at most ``scan`` spans (spans sorted by start, ``starts`` their starts)."""
-    i = bisect.bisect_right(starts, t)
-    for a, b, name in reversed(spans[max(0, i - scan) : i]):
-        if a <= t <= b:
-            return name
-    return None
+def _open_at(events: list[dict], cat: str, times: list[float]) -> list[dict]:
+    """For each of the sorted ``times``: per host thread, the innermost ``cat`` span open then (a sweep with
+    one stack per (pid, tid): a thread's ranges nest) -> [{thread: (start, name)}]."""
+    threads: dict[tuple, list[tuple[float, float, str]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == cat:
+            a = float(e["ts"])
+            threads.setdefault((e.get("pid"), e.get("tid")), []).append(
+                (a, a + float(e.get("dur", 0.0)), e.get("name", ""))
+            )
+    out: list[dict] = [{} for _ in times]
+    for thread, spans in threads.items():
+        spans.sort(key=lambda s: (s[0], -s[1]))  # a parent before the children starting with it
+        stack: list[tuple[float, float, str]] = []
+        i = 0
+        for k, t in enumerate(times):
+            while i < len(spans) and spans[i][0] <= t:
+                while stack and stack[-1][1] < spans[i][0]:
+                    stack.pop()
+                stack.append(spans[i])
+                i += 1
+            while stack and stack[-1][1] < t:
+                stack.pop()
+            if stack:
+                out[k][thread] = (stack[-1][0], stack[-1][2])
+    return out
+
+
+def _latest(open_spans: dict, thread=None) -> tuple[object, str | None]:
+    """(thread, name) of the latest-starting open span, or of ``thread``'s when given."""
+    if thread is not None:
+        return thread, open_spans.get(thread, (None, None))[1]
+    if not open_spans:
+        return None, None
+    thread, (_, name) = max(open_spans.items(), key=lambda kv: kv[1][0])
+    return thread, name
 
 
 def device_gaps(trace: dict | list, min_us: float = 20.0, top: int = 25) -> dict:
@@ -46,7 +71,8 @@ def device_gaps(trace: dict | list, min_us: float = 20.0, top: int = 25) -> dict
     two, after the last) summed by the innermost host annotation open at their middle, and the ``top``
     longest with that annotation and the innermost host op (times in us)."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    timed = [e for e in events if e.get("ph") == "X" and "ts" in e]
+    windowed = {"cpu_op", "user_annotation", *DEVICE_CATS}  # not the profiler's own spans
+    timed = [e for e in events if e.get("ph") == "X" and "ts" in e and e.get("cat") in windowed]
     if not timed:
         return {"window_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": 0, "idle_in_gaps_us": 0.0,
                 "by_annotation": {}, "top": []}  # fmt: skip
@@ -60,20 +86,18 @@ def device_gaps(trace: dict | list, min_us: float = 20.0, top: int = 25) -> dict
             busy.append([a, b])
     edges = [t0] + [x for iv in busy for x in iv] + [t1]
     holes = [(edges[i], edges[i + 1]) for i in range(0, len(edges), 2) if edges[i + 1] - edges[i] >= min_us]
-    notes = _spans(events, {"user_annotation"})
-    ops = _spans(events, {"cpu_op"})
-    note_starts, op_starts = [s[0] for s in notes], [s[0] for s in ops]
+    mids = [(a + b) / 2 for a, b in holes]
+    notes, ops = _open_at(events, "user_annotation", mids), _open_at(events, "cpu_op", mids)
     by: dict[str, list[float]] = {}
     found = []
-    for a, b in holes:
-        mid = (a + b) / 2
-        note = _innermost(notes, note_starts, mid) or "(no annotation)"
+    for (a, b), note_open, op_open in zip(holes, notes, ops):
+        thread, note = _latest(note_open)
+        _, op = _latest(op_open, thread) if thread is not None and thread in op_open else _latest(op_open)
+        note = note or "(no annotation)"
         entry = by.setdefault(note, [0, 0.0])
         entry[0] += 1
         entry[1] += b - a
-        found.append(
-            {"start_us": a - t0, "us": b - a, "annotation": note, "host_op": _innermost(ops, op_starts, mid)}
-        )
+        found.append({"start_us": a - t0, "us": b - a, "annotation": note, "host_op": op})
     busy_us = sum(b - a for a, b in busy)
     return {
         "window_us": t1 - t0,

@@ -213,9 +213,11 @@ RUN_ON_CPU = False
 # faster at every row count: 74 / 95 / 111 / 127 / 139 / 249 us at 16 / 32 / 64 / 128 / 256 / 512 rows
 # against the compiled draw's 107 / 114 / 127 / 150 / 257 / 485 (``results/2026-12-05-h200-session22/cN``),
 # so it now serves every row count (the decode's finer batch buckets run 320-448 rows, where the compiled
-# draw took 0.4-0.5 ms a step). Layout-invariant sampling takes it at every row count in any case
-# (``usable(..., any_rows=True)``): the kernel rounds as the eager draw does, while inductor may fuse a
-# multiply-add, so one path for every decode bucket keeps a near-tie's token the same.
+# draw took 0.4-0.5 ms a step). Layout-invariant sampling asks for it at every row count
+# (``usable(..., any_rows=True)``, which matters only if this threshold rises again): the kernel rounds as
+# the eager draw does, while inductor may fuse a multiply-add, so one path for every decode bucket keeps a
+# near-tie's token the same. (Session 22's numbers are from an H100, in a folder named for the H200 kind
+# asked for.)
 # MEGATRON_RL_TRITON_SAMPLER=0 (or false/off/no) turns it off.
 ON_CUDA = env_switch("MEGATRON_RL_TRITON_SAMPLER", True)
 CUDA_MIN_ROWS = 1

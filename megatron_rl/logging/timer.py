@@ -16,8 +16,8 @@ from megatron_rl.logging.metric_names import timing_key
 def annotate(name: str):
     """``torch.profiler.record_function(name)`` while a profiler runs, else a no-op context: host phases
     named in a trace (``benchmarks/device_gaps.py`` sums the device's idle gaps by them) at no cost in hot
-    loops otherwise."""
-    if torch.autograd.profiler._is_profiler_enabled:
+    loops otherwise. A phase entered before the profiler started is not named in its trace."""
+    if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):  # a private flag: name when unsure
         return torch.profiler.record_function(name)
     return nullcontext()
 

@@ -135,8 +135,9 @@ class GenerationStats:
     compactions: int = 0  # times live sequences moved to lower slots (``_Runner._compact``)
     moved_slots: int = 0
     syncs: int = 0  # host syncs between decode steps (``_Runner._retire``)
-    # host time from each sync's read of the device state to the next launch (retiring, compacting): the
-    # device has run out of queued work and idles through it
+    # host time from each sync's read of the device state until retiring and compacting are done (the next
+    # decode step is launched right after; a multi-turn next-turn prefill in between counts as prefill_s):
+    # the device has run out of queued work and idles through it, bar the compaction's own copies
     sync_host_s: float = 0.0
 
 
@@ -228,7 +229,8 @@ class RolloutEngine:
             dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=lay.gen_group)
             plan = replace(plan, slots=int(fewest.item()))
         state = _DecodeState(spec, plan, groups, w.embed.dtype, dev, dev.type == "cuda" and cfg.cuda_graphs,
-                             cfg.exact_logprobs, cfg.prompt_kv_sharing, fine_buckets=bool(cfg.keep_cache))  # fmt: skip
+                             cfg.exact_logprobs, cfg.prompt_kv_sharing, fine_buckets=bool(cfg.keep_cache),
+                             one_logits_buffer=lay.tp_g == 1)  # fmt: skip
         # a cache cut to the free memory still "fits" the calls it was planned for
         state.planned_slots = planned
         state.bind(w)
@@ -315,12 +317,17 @@ class _DecodeState:
 
     def __init__(
         self, spec: ModelArgs, plan, local_groups: int, dtype, device, use_graphs: bool, exact: bool,
-        prompt_kv_sharing: bool = False, fine_buckets: bool = False,
+        prompt_kv_sharing: bool = False, fine_buckets: bool = False, one_logits_buffer: bool = False,
     ):  # fmt: skip
         self.spec, self.use_graphs, self.exact = spec, use_graphs, exact
-        # graphs kept between generate calls (keep_cache): each batch bucket is captured once per run, so the
-        # finer ``batch_bucket`` ladder costs its extra captures once; otherwise every call captures again
-        self.fine_buckets = fine_buckets
+        self.one_logits_buffer = one_logits_buffer and not exact  # (generation TP 1) see ``logits_buf``
+        # the finer ``batch_bucket`` ladder where its extra captures happen once per run, not once per call:
+        # the state is kept between generate calls (keep_cache), the weights stayed where they were at the
+        # last ``bind`` (``stable``: not so for LoRA's merged copies, other pipeline stages' gathered layers,
+        # merged TP shards, weights moved to the host and back), and the graphs share one logits buffer
+        # (else each graph's own logits [bucket, V] stay in the pool: ~4x the powers of two's at 512 slots)
+        self.fine_buckets = fine_buckets and self.one_logits_buffer
+        self.stable = False
         # the Triton decode kernel stops at each sequence's own position: no length buckets needed
         self.reads_live_only = decode_kernel.serves(device, dtype, spec.head_dim)
         # rollout.prompt_kv_sharing: slot s reads positions < plen[s] from slot lead[s] (``_Runner`` keeps
@@ -332,10 +339,14 @@ class _DecodeState:
         self.planned_slots = plan.slots  # before ``fit_free_memory`` (set by the engine)
         self.tok = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S] token fed at `pos`
         self.pos = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S]
+        # (bucket, kv) -> (graph, its logits). With ``one_logits_buffer`` every graph's logits are a view of
+        # ``logits_buf``: a replay overwrites the logits of the graph replayed before it (read each step's
+        # logits before the next replay, as ``_Runner._step`` does)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
-        # every graph writes its logits into the first rows of this one buffer (TP 1, not exact: the LM head
-        # GEMM's ``out``): a graph's output would otherwise hold [bucket, V] of the pool for the whole run
+        # every graph writes its logits into the first rows of this one buffer (the LM head GEMM's ``out``;
+        # generation TP 1, not exact), allocated at the first capture outside the graphs' pool: a graph's own
+        # output would otherwise hold [bucket, V] of the pool for the whole run
         self.logits_buf: torch.Tensor | None = None
         self.stream: torch.cuda.Stream | None = None  # warm-ups and captures (``_capture``)
         self.w: GenWeights | None = None
@@ -349,6 +360,7 @@ class _DecodeState:
 
     def bind(self, w: GenWeights) -> None:
         key = _weights_key(w)
+        self.stable = key == self.key  # the graphs captured so far stay valid
         if key != self.key:
             self.graphs, self.pool, self.key = {}, None, key
         self.w, self.capture_s = w, 0.0
@@ -358,15 +370,11 @@ class _DecodeState:
         return decoder.decode(self.w, self.spec, self.cache.data, self.tok[:b], self.pos[:b], kv, self.exact,
                               prefix, logits_out)  # fmt: skip
 
-    def _one_logits_buffer(self) -> bool:
-        """Whether the decoder writes its logits into ``logits_buf`` (TP 1, not exact)."""
-        return not self.exact and self.w is not None and self.w.tp == 1
-
     def _logits_out(self) -> torch.Tensor | None:
-        """The shared logits buffer [slots, Vp] where the decoder can write into it, allocated at the first
-        capture (outside the graphs' pool), else None."""
+        """The shared logits buffer [slots, Vp] where the decoder writes into it (``one_logits_buffer``),
+        allocated at the first capture (outside the graphs' pool), else None."""
         w = self.w
-        if not self._one_logits_buffer():
+        if not self.one_logits_buffer:
             return None
         if self.logits_buf is None:
             self.logits_buf = w.output.new_empty(self.cache.plan.slots, w.output.shape[0])
@@ -410,12 +418,12 @@ class _DecodeState:
 
     def bucket(self, b: int) -> int:
         """Rows a decode step over slots 0..b-1 runs: with CUDA graphs ``batch_bucket``'s (the finer ladder
-        where the graphs are kept and share one logits buffer), else b."""
+        where ``fine_buckets`` and ``stable``, see ``__init__``), else b."""
         if not self.use_graphs:
             return b
         # the finer ladder only where the graphs share one logits buffer: else each graph's own logits
         # [bucket, V] stay in the pool, ~4x the powers of two's at 512 slots
-        return batch_bucket(b, self.cache.plan.slots, self.fine_buckets and self._one_logits_buffer())
+        return batch_bucket(b, self.cache.plan.slots, self.fine_buckets and self.stable)
 
     def decode(self, b: int, kv_need: int) -> torch.Tensor:
         """logits [b', V] for slots 0..b'-1, b' >= b (``batch_bucket``'s on GPU), attending over the
@@ -451,7 +459,8 @@ class _Runner:
     ):
         self.state, self.lay, self.params, self.stats, self.cfg = state, lay, params, stats, cfg
         self.session = session
-        self.synced_at = 0.0  # when ``_retire`` last read the device state (``GenerationStats.sync_host_s``)
+        # when ``_retire`` last read the device state, and prefill_s then (``GenerationStats.sync_host_s``)
+        self.synced_at, self.prefill_at_sync = 0.0, 0.0
         self.appended: dict[int, list[tuple[int, int]]] = {}  # slot -> response spans not sampled
         self.cache, self.w = state.cache, state.w
         slots, dev, n = state.cache.plan.slots, state.tok.device, params.max_new_tokens
@@ -572,7 +581,8 @@ class _Runner:
         """Host sync: hand finished sequences their tokens (or, multi-turn, continue their episodes in the
         same slot), free their slots, refresh the step bounds."""
         live, count = torch.stack([self.live.long(), self.count]).tolist()  # [2, S]
-        self.synced_at = time.perf_counter()
+        # a multi-turn episode's next-turn prefill below counts as prefill, not as sync time
+        self.synced_at, self.prefill_at_sync = time.perf_counter(), self.stats.prefill_s
         done = [slot for slot in self.active if not live[slot]]
         if done:
             idx = torch.tensor(done, device=self.rows.device)
@@ -691,7 +701,9 @@ class _Runner:
         a batch of 512 decoded 512 rows to the end while most had stopped (spread-length GRPO, H200: 4.4 ms
         a step at 0.5B, more than with every row live). Moves a slot's cached keys/values (the positions
         written so far) and its device-side progress; sampling noise follows the sequence (its key and
-        token count), so layout-invariant sampling gives the same tokens."""
+        token count), so layout-invariant sampling gives the same tokens. With the finer batch buckets
+        (``batch_bucket``) this runs about every 32 finished rows, each time copying the movers' cached
+        prefixes (inside the spread-length step times measured in session 22)."""
         if not self.active:
             return
         target = self.state.bucket(len(self.active))
@@ -743,7 +755,8 @@ class _Runner:
                         self._compact()
                 since_sync = 0
                 self.stats.syncs += 1
-                self.stats.sync_host_s += time.perf_counter() - self.synced_at
+                prefilled = self.stats.prefill_s - self.prefill_at_sync
+                self.stats.sync_host_s += time.perf_counter() - self.synced_at - prefilled
             else:
                 with annotate("rollout.decode_step"):
                     self._step()

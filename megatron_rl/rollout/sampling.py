@@ -193,7 +193,9 @@ _KERNEL_FALLBACK = "The Triton sampler failed its trial; the compiled (or eager)
 def _drawer(logits: torch.Tensor, layout_invariant: bool = False):
     """The fastest draw that serves ``logits``: the Triton kernel, the compiled ``_draw``, or None (eager
     ``sample`` then ``token_logprobs``). ``layout_invariant`` (per-row keys given): the Triton kernel at
-    every batch size where it serves, so the path does not change with the decode bucket."""
+    every batch size where it serves, so the path does not change with the decode bucket (on CUDA it serves
+    every batch size anyway since session 22, ``kernels.sampler.CUDA_MIN_ROWS``; this keeps it so if that
+    threshold rises again)."""
     if sampler_kernel.usable(logits, any_rows=layout_invariant) and trial_once(
         _KERNEL, lambda: _kernel_trial(logits), _KERNEL_FALLBACK
     ):

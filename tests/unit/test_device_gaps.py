@@ -46,3 +46,24 @@ def test_a_trace_without_device_work_is_one_idle_window():
     assert g["busy_us"] == 0 and g["idle_us"] == 50 and g["gaps"] == 1
     assert g["by_annotation"] == {"(no annotation)": {"gaps": 1, "us": 50}}
     assert device_gaps({"traceEvents": []})["gaps"] == 0
+
+
+def test_an_outer_annotation_is_found_past_many_inner_spans_and_ops_come_from_its_thread():
+    """A gap after 5,000 decode steps is still inside the outer phase; the host op is the one open on the thread
+    of the annotation, not a later-starting op of another thread (autograd's)."""
+    main = {"pid": 1, "tid": 1}
+    events = [_x("user_annotation", "phase.gen", 0, 100_000) | main]
+    for i in range(5000):  # 5,000 inner annotations, each with a kernel under it
+        events.append(_x("user_annotation", "rollout.decode_step", 10 + 10 * i, 5) | main)
+        events.append(_x("kernel", "k", 10 + 10 * i, 10))
+    events.append(_x("cpu_op", "aten::sort", 60_000, 30_000) | main)  # the gap 50,010..99,000: host sorting
+    events.append(
+        _x("cpu_op", "autograd::engine", 74_000, 1_000) | {"pid": 1, "tid": 2}
+    )  # open at the middle
+    events.append(_x("kernel", "k_last", 99_000, 1_000))
+    g = device_gaps({"traceEvents": events}, min_us=20)
+    assert g["gaps"] == 1
+    (gap,) = g["top"]
+    assert (
+        gap["annotation"] == "phase.gen" and gap["host_op"] == "aten::sort" and gap["us"] == 99_000 - 50_010
+    )

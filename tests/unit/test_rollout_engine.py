@@ -521,7 +521,8 @@ def test_logits_into_a_shared_buffer_equal_the_plain_ones(model):
 @pytest.mark.parametrize("fine", [False, True])
 def test_fine_batch_buckets_and_one_logits_buffer_leave_tokens_and_logprobs_unchanged(monkeypatch, fine):
     """The GPU path on CPU: every decode step runs its bucket's rows (idle slots padding it, as a replayed graph
-    does) and writes its logits into the state's one buffer. With keep_cache, the finer ladder (step 2 here):
+    does) and writes its logits into the state's one buffer. With keep_cache, from the second call on (the
+    weights stayed where they were: the graphs of the first call stay valid), the finer ladder (step 2 here):
     non-power-of-two buckets, fewer rows than powers of two for the same steps. Greedy tokens equal HF's,
     log-probs the run without buckets, and sampled layout-invariant tokens the run without buckets too."""
     from megatron_rl.rollout import engine as engine_mod
@@ -558,10 +559,13 @@ def test_fine_batch_buckets_and_one_logits_buffer_leave_tokens_and_logprobs_unch
     monkeypatch.setattr(engine_mod._DecodeState, "__init__", init_graphs)
     monkeypatch.setattr(engine_mod._DecodeState, "decode", decode)
     for sp in (greedy, sampled):
+        # the finer ladder comes with keep_cache (graphs captured once per run) and stable weights
+        engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=27, keep_cache=fine))
+        seen.clear()
+        engine.generate(prompts, sp)  # the first call: powers of two
+        assert not {r for r in seen if r & (r - 1) and r != engine.last_stats.slots}
         seen.clear()
         pow2.clear()
-        # the finer ladder comes with keep_cache (graphs captured once per run)
-        engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=27, keep_cache=fine))
         out = engine.generate(prompts, sp)
         assert [c.response_ids for c in out] == [c.response_ids for c in plain[sp.n]]
         for a, b in zip(out, plain[sp.n]):
@@ -579,13 +583,30 @@ def test_fine_batch_buckets_and_one_logits_buffer_leave_tokens_and_logprobs_unch
 
 def test_sync_statistics_count_the_host_syncs(monkeypatch):
     """``GenerationStats.syncs`` / ``sync_host_s``: every retire counts once and adds the host time after its read
-    of the device state (what a GPU idles through); 20 steps at a sync every 4 steps take at least 5 syncs."""
+    of the device state, compaction included (what a GPU idles through); 20 steps at a sync every 4 take at
+    least 5 syncs, and a compaction made 20 ms slower adds 20 ms a sync."""
+    import time
+
     from megatron_rl.rollout import engine as engine_mod
 
     hf = tiny_hf("qwen2")
     spec = spec_of(hf)
-    engine = RolloutEngine(hf_to_mcore(hf, spec, 1, 0, 1, 0), spec, EngineConfig(max_num_seqs=4))
+    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
     monkeypatch.setattr(engine_mod, "_SYNC_EVERY", 4)
-    engine.generate(random_prompts(4, seed=2), SamplingParams(temperature=0, max_new_tokens=20))
-    st = engine.last_stats
-    assert st.syncs >= 5 and 0 < st.sync_host_s < st.decode_s
+    sp = SamplingParams(temperature=0, max_new_tokens=20)
+    stats = []
+    for delay in (0.0, 0.02):
+        compact = engine_mod._Runner._compact
+
+        def slow(self, compact=compact, delay=delay):
+            time.sleep(delay)
+            compact(self)
+
+        monkeypatch.setattr(engine_mod._Runner, "_compact", slow)
+        engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=4))
+        engine.generate(random_prompts(4, seed=2), sp)
+        stats.append(engine.last_stats)
+        monkeypatch.setattr(engine_mod._Runner, "_compact", compact)
+    fast, slowed = stats
+    assert fast.syncs == slowed.syncs >= 5 and 0 < fast.sync_host_s < fast.decode_s
+    assert slowed.sync_host_s - fast.sync_host_s >= 0.02 * slowed.syncs * 0.9

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Next session's first call (prepared in session 22, not run): session 22's tree as a whole, on an H200 if one
 # comes (every call of sessions 20-22 got an H100): 0.5B fixed and spread, 3B spread and fixed at the
-# defaults, then one 0.5B spread step with its whole update and generation under the profiler. The decode
+# defaults, then one 0.5B spread step with its whole update and generation under the profiler (with
+# {generate,update}_gaps.json: the device's idle gaps by host phase). First, the GPU check of the shared
+# logits buffer and the finer buckets (check_decode_graphs.py, ~30 s; its "problems" list must be empty). The decode
 # stats now carry `syncs` / `sync_host_s` (host time the device idles through at each sync). ~6-7 min on an
 # H100 (call L's parts took 361 s); carry `.whl`.
 set -u
@@ -11,14 +13,19 @@ t() { local lim=$1 name=$2; shift 2; if (( SECONDS - T0 + lim > 585 )); then ech
 nvidia-smi --query-gpu=name --format=csv,noheader
 K=(actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu=auto rollout.max_num_seqs=auto)
 B=(python3 benchmarks/bench_rl_step.py)
+t 90 check_graphs python3 benchmarks/check_decode_graphs.py --out "$O/check_decode_graphs.json"  # exits 1 on a problem
 t 100 fixed "${B[@]}" --steps 4 --shape qwen2.5-0.5b --out "$O/fixed.json" "${K[@]}"
 t 80 spread "${B[@]}" --steps 4 --shape qwen2.5-0.5b --lengths spread --out "$O/spread.json" "${K[@]}"
 t 100 spread_3b "${B[@]}" --steps 3 --shape qwen2.5-3b --lengths spread --out "$O/spread_3b.json" "${K[@]}"
 t 140 fixed_3b "${B[@]}" --steps 3 --shape qwen2.5-3b --out "$O/fixed_3b.json" "${K[@]}"
-t 140 spread_prof "${B[@]}" --steps 2 --shape qwen2.5-0.5b --lengths spread --out "$O/spread_prof.json" --profile "$O/prof_spread" "${K[@]}"
+t 170 spread_prof "${B[@]}" --steps 2 --shape qwen2.5-0.5b --lengths spread --out "$O/spread_prof.json" --profile "$O/prof_spread" "${K[@]}"
 python3 - "$O" <<'PY'
 import json, sys
 O = sys.argv[1]
+try:
+    print("check_graphs problems:", json.load(open(f"{O}/check_decode_graphs.json"))["problems"])
+except Exception as e:
+    print("check_graphs unreadable", e)
 for f in ("fixed", "spread", "spread_3b", "fixed_3b", "spread_prof"):
     try:
         d = json.load(open(f"{O}/{f}.json")); r = d["median_after_warmup"]
@@ -29,5 +36,12 @@ for f in ("fixed", "spread", "spread_3b", "fixed_3b", "spread_prof"):
               "decode ms", [round(s["decode"]["ms_per_decode_step"], 3) for s in d["steps"]])
     except Exception as e:
         print(f, "unreadable", e)
+for n in ("generate", "update"):
+    try:
+        g = json.load(open(f"{O}/prof_spread/{n}_gaps.json"))
+        print(n, "idle us", round(g["idle_us"]), "of", round(g["window_us"]), "by annotation",
+              {k: round(v["us"]) for k, v in list(g["by_annotation"].items())[:8]})
+    except Exception as e:
+        print(n, "gaps unreadable", e)
 PY
 tar czf "$OUT/cQ.tgz" -C "$OUT" cQ
