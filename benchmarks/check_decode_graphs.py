@@ -1,13 +1,14 @@
 """GPU check of the decode graphs' shared logits buffer and finer batch buckets (session 22; CUDA only).
 
 The CPU tests run the bucket rows and the shared buffer eagerly (``tests/unit/test_rollout_engine.py``); what
-only a GPU shows is checked here, on the Qwen2.5-0.5B shape cut to a few layers (random bf16 weights):
+only a GPU shows is checked here, on the Qwen2.5-0.5B shape cut to a few layers (random weights, fp32 by
+default: this checks the graphs' bookkeeping, and bf16's near-ties would flip greedy tokens between GEMMs of
+different row counts; ``--dtype bfloat16`` runs the production dtype and reports the same counts):
 1. graphs of two buckets captured, replayed A, B, A: each replay's logits equal the eager step's on the same
    inputs, and every graph's logits are a view of the one buffer (``_DecodeState.logits_buf``);
 2. generate with ``keep_cache`` three times, EOS forced at spread lengths (``spread_lengths``), greedy: the
    first call decodes power-of-two buckets, the later ones the finer ladder (fewer rows), and all three give
-   the tokens of an engine without CUDA graphs (a sequence whose greedy token flips on a bf16 near-tie counts
-   as a mismatch: at most 2% of sequences may).
+   the tokens of an engine without CUDA graphs (at most 2% of sequences may differ: a near-tie can flip).
 Exits 1 on a failed check. ``python benchmarks/check_decode_graphs.py --out $OUT/check_decode_graphs.json``
 """
 
@@ -56,6 +57,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument(
         "--device", default="cuda", help="cpu: a smoke of the flow (no graphs: checks 1 and the rows skipped)"
     )
@@ -63,7 +65,7 @@ def main() -> None:
     a = ap.parse_args()
     hf = build_hf(a.layers, a.device)
     spec = spec_of(hf.config)
-    params = mcore_params(hf, spec)
+    params = {k: v.to(getattr(torch, a.dtype)) for k, v in mcore_params(hf, spec).items()}
     del hf
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, 150000, (a.prompts, a.prompt_len), generator=g).tolist()
