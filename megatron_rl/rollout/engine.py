@@ -421,8 +421,6 @@ class _DecodeState:
         where ``fine_buckets`` and ``stable``, see ``__init__``), else b."""
         if not self.use_graphs:
             return b
-        # the finer ladder only where the graphs share one logits buffer: else each graph's own logits
-        # [bucket, V] stay in the pool, ~4x the powers of two's at 512 slots
         return batch_bucket(b, self.cache.plan.slots, self.fine_buckets and self.stable)
 
     def decode(self, b: int, kv_need: int) -> torch.Tensor:
