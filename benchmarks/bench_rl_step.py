@@ -39,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, for megatron_rl (no install)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/, for device_gaps
 from device_gaps import device_gaps  # noqa: E402
+from sync_audit import SyncAudit, write  # noqa: E402
 
 from megatron_rl.models.facts import (  # noqa: E402
     PEAK_BF16_FLOPS,
@@ -330,7 +331,7 @@ def run(a: argparse.Namespace) -> dict:
     if a.lengths == "spread":
         from spread_lengths import install_engine_hook, length_table
 
-        table = length_table(a.steps + bool(a.profile), a.prompts, a.n, a.response_len)
+        table = length_table(a.steps + bool(a.profile) + bool(a.sync_audit), a.prompts, a.n, a.response_len)
         install_engine_hook(table, a.n, c.tokenizer.eos_token_id)
     elif a.ignore_eos:
         c.tokenizer = NoEosTokenizer(c.tokenizer)
@@ -398,6 +399,11 @@ def run(a: argparse.Namespace) -> dict:
             print(json.dumps(row), flush=True)
     if a.profile:  # one more step, not timed: where generation's and the update's device time goes
         profile_phases(c, a.steps, a.profile, update_seqs=a.profile_update_seqs)
+    if a.sync_audit:  # one more step, not timed: which lines make the host wait for the device
+        with SyncAudit() as audit:
+            train_step(c, a.steps + bool(a.profile), Timer())
+        if dist.get_rank() == 0:
+            write(audit.report() | {"cuda": cuda}, a.sync_audit)
     timed = steps[1:] or steps
     med = {
         "step_s": statistics.median(r["step_s"] for r in timed),
@@ -565,6 +571,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="with --profile: profile the update of the first N sequences only (whole groups)")  # fmt: skip
     p.add_argument("--profile", default=None,
                    help="after the timed steps, one more under torch.profiler: op tables of generation and the update here")  # fmt: skip
+    p.add_argument("--sync-audit", default=None,
+                   help="after the timed steps, one more with every synchronizing CUDA call counted by site (sync_audit.py): JSON here")  # fmt: skip
     p.add_argument(
         "override", nargs="*", help="extra Hydra overrides, e.g. rollout.gpu_memory_utilization=0.6"
     )
