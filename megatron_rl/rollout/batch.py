@@ -10,7 +10,6 @@ rank); ``score_pos`` maps response token j of row i to the position whose logits
 from __future__ import annotations
 
 import array
-import itertools
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -89,9 +88,11 @@ def right_padded(seqs: list[list], width: int, dtype: torch.dtype, fill: float =
     lens = torch.tensor([len(q) for q in seqs], dtype=torch.long)
     out = torch.full((len(seqs), width), fill, dtype=dtype)
     if int(lens.sum()):  # through array.array: ~7x faster than torch.tensor on a Python list
-        code = {torch.long: "q", torch.float32: "f"}[dtype]
-        flat = torch.frombuffer(array.array(code, itertools.chain.from_iterable(seqs)), dtype=dtype)
-        out[torch.arange(width)[None, :] < lens[:, None]] = flat
+        flat = array.array({torch.long: "q", torch.float32: "f"}[dtype])
+        # a row at a time: ~2x faster than array.array(code, chain(*seqs)) (GRPO's 512 x 768 ids: 4 vs 9 ms)
+        for q in seqs:
+            flat.fromlist(q) if type(q) is list else flat.extend(q)
+        out[torch.arange(width)[None, :] < lens[:, None]] = torch.frombuffer(flat, dtype=dtype)
     return out
 
 

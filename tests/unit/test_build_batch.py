@@ -26,6 +26,9 @@ def test_right_padded_rows_and_fill():
     got = right_padded([[3, 4], [], [5]], 4, torch.long, -1)
     assert torch.equal(got, torch.tensor([[3, 4, -1, -1], [-1, -1, -1, -1], [5, -1, -1, -1]]))
     assert torch.equal(right_padded([[], []], 2, torch.float32), torch.zeros(2, 2))
+    # rows that are not lists (tuples, ranges) take the same place; floats keep their fp32 values
+    got = right_padded([(0.5, 1), range(3)], 3, torch.float32, -1.0)
+    assert torch.equal(got, torch.tensor([[0.5, 1.0, -1.0], [0.0, 1.0, 2.0]]))
 
 
 def test_build_batch_holds_each_completions_lists():
