@@ -399,11 +399,6 @@ def run(a: argparse.Namespace) -> dict:
             print(json.dumps(row), flush=True)
     if a.profile:  # one more step, not timed: where generation's and the update's device time goes
         profile_phases(c, a.steps, a.profile, update_seqs=a.profile_update_seqs)
-    if a.sync_audit:  # one more step, not timed: which lines make the host wait for the device
-        with SyncAudit() as audit:
-            train_step(c, a.steps + bool(a.profile), Timer())
-        if dist.get_rank() == 0:
-            write(audit.report() | {"cuda": cuda}, a.sync_audit)
     timed = steps[1:] or steps
     med = {
         "step_s": statistics.median(r["step_s"] for r in timed),
@@ -460,7 +455,30 @@ def run(a: argparse.Namespace) -> dict:
         result["peak_reserved_gib_by_phase"] = _global_max(mem.reserved)
         result["allocated_gib_before_phase"] = _global_max(mem.before)
         result["peak_allocated_gib"] = max(result["peak_allocated_gib_by_phase"].values())
+    if a.sync_audit:  # one more step, not timed: which lines make the host wait for the device
+        result["sync_audit"] = sync_audit_step(c, a.steps + bool(a.profile), a, result, cuda)
     return result
+
+
+def sync_audit_step(c, step: int, a: argparse.Namespace, result: dict, cuda: bool) -> str:
+    """Training step ``step`` under ``SyncAudit``, its report to ``a.sync_audit``; the timed results are
+    written to ``a.out`` first, so a failed or cut audit loses nothing. Returns "written" or the error."""
+    import torch.distributed as dist
+
+    from megatron_rl.logging import Timer
+    from megatron_rl.trainer.run import train_step
+
+    if dist.get_rank() == 0:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=2))
+    try:
+        with SyncAudit() as audit:
+            train_step(c, step, Timer())
+    except Exception as err:  # the timed results stand; the audit's entry says why it has none
+        return f"failed: {type(err).__name__}: {err}"
+    if dist.get_rank() == 0:
+        write(audit.report() | {"cuda": cuda, "step": step}, a.sync_audit)
+    return "written"
 
 
 def exact_gemm_summary() -> dict:
@@ -572,7 +590,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default=None,
                    help="after the timed steps, one more under torch.profiler: op tables of generation and the update here")  # fmt: skip
     p.add_argument("--sync-audit", default=None,
-                   help="after the timed steps, one more with every synchronizing CUDA call counted by site (sync_audit.py): JSON here")  # fmt: skip
+                   help="after the timed steps, one more with its synchronizing CUDA calls counted by site (sync_audit.py): JSON here")  # fmt: skip
     p.add_argument(
         "override", nargs="*", help="extra Hydra overrides, e.g. rollout.gpu_memory_utilization=0.6"
     )

@@ -1,36 +1,48 @@
-"""Where a training step makes the host wait for the GPU (issue 16): every synchronizing CUDA call of one step,
-counted by the project's code that made it.
+"""Where a training step makes the host wait for the GPU (issue 16): the synchronizing CUDA calls of one step,
+counted by the project's code that made them.
 
-A sync (``.item()``, ``.tolist()``, ``.cpu()`` of a device tensor, a boolean-mask index, ``nonzero``, an
-explicit ``torch.cuda.synchronize``) drains the device's queue; the device then idles until the host has
-launched the next kernel. ``device_gaps.py`` says how long the device idled and in which host phase; this
-says which lines asked for it. ``SyncAudit`` turns on ``torch.cuda.set_sync_debug_mode("warn")`` (CUDA
-only), takes each of its warnings with the Python stack of the call, and counts them by the innermost
-frame in ``megatron_rl`` (``site``) and by the phase of the step they fall in (``train_step``'s line and the
-project's functions below it: ``scored_rollout > rollout``, ``update > _update``...).
+A sync (``.item()``, ``.tolist()``, ``.cpu()`` of a device tensor, a boolean-mask index, ``nonzero``,
+``torch.cuda.synchronize``) drains the device's queue; the device then idles until the host has launched the
+next kernel. ``device_gaps.py`` says how long the device idled and in which host phase; this says which lines
+asked for it. ``SyncAudit`` turns on ``torch.cuda.set_sync_debug_mode("warn")`` (CUDA only: it warns at the
+copies and stream waits that block) and, because that mode does not warn at a device-wide
+``torch.cuda.synchronize`` or an ``Event.synchronize``, wraps those two while it is open. Each sync is counted
+with the Python stack of its call, by the innermost frame in the ``megatron_rl`` package (``site``) and by the
+phase of the step (``train_step``'s line and the project's functions below it: ``scored_rollout > rollout``,
+``update > _update``...).
+
+Not seen: syncs inside C++ extensions and torch.distributed (their warnings do not reach Python's warnings).
+Attribution: a sync in a C++ backward is reported at the ``.backward()`` call; one in a Python
+``autograd.Function.backward`` runs on the autograd thread and counts as "outside a step".
 
     python benchmarks/bench_rl_step.py ... --sync-audit $OUT/syncs.json   # one more step, not timed
 """
 
 from __future__ import annotations
 
+import os
+import re
 import traceback
 import warnings
 from collections import Counter
 from pathlib import Path
 
+import megatron_rl
+
 SYNC_MESSAGE = "called a synchronizing CUDA operation"  # torch's text for set_sync_debug_mode("warn")
-PROJECT = "megatron_rl"
 STEP_FN = "train_step"
+# the imported package's folder: a frame is the project's when its file lies below it (tests point it elsewhere)
+PROJECT_DIR = os.path.dirname(os.path.abspath(megatron_rl.__file__)).replace("\\", "/")
 
 
 def _ours(frame: traceback.FrameSummary) -> bool:
-    return f"/{PROJECT}/" in frame.filename.replace("\\", "/")
+    return frame.filename.replace("\\", "/").startswith(PROJECT_DIR + "/")
 
 
 def _where(frame: traceback.FrameSummary) -> str:
+    """``megatron_rl/<path>:<line> <function>`` for the project's frames, the full path for others."""
     path = frame.filename.replace("\\", "/")
-    short = path[path.rfind(f"/{PROJECT}/") + 1 :] if f"/{PROJECT}/" in path else path
+    short = "megatron_rl/" + path[len(PROJECT_DIR) + 1 :] if _ours(frame) else path
     return f"{short}:{frame.lineno} {frame.name}"
 
 
@@ -59,6 +71,7 @@ class SyncAudit:
         self.pairs: Counter[tuple[str, str]] = Counter()
         self._catch = None
         self._mode = None
+        self._wrapped: list = []
 
     def record(self, stack: list[traceback.FrameSummary]) -> None:
         site, phase = classify(stack)
@@ -66,32 +79,52 @@ class SyncAudit:
         self.by_phase[phase] += 1
         self.pairs[(phase, site)] += 1
 
+    def _caller_stack(self) -> list[traceback.FrameSummary]:
+        stack = traceback.extract_stack()[:-2]  # without this method and the hook that called it
+        while len(stack) > 1 and stack[-1].filename == warnings.__file__:
+            stack.pop()  # the warnings module's own frames: the call that warned is the one before
+        return stack
+
     def __enter__(self) -> SyncAudit:
         import torch
 
         self._catch = warnings.catch_warnings()
         self._catch.__enter__()
-        warnings.simplefilter("always")  # every sync, not the first per line
+        # every sync, not the first per line, whatever the run's filters say; other warnings as they were
+        warnings.filterwarnings("always", message=re.escape(SYNC_MESSAGE))
         shown = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
             if SYNC_MESSAGE in str(message):
-                stack = traceback.extract_stack()[:-1]
-                while len(stack) > 1 and stack[-1].filename == warnings.__file__:
-                    stack.pop()  # the warnings module's own frames: the call that warned is the one before
-                self.record(stack)
+                self.record(self._caller_stack())
             else:
                 shown(message, category, filename, lineno, file, line)
 
         warnings.showwarning = show
+        self._wrapped = []
         if torch.cuda.is_available():
             self._mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
+            for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize")):
+                self._wrap(owner, name)
         return self
+
+    def _wrap(self, owner, name: str) -> None:
+        """``owner.name`` records its caller's stack, then runs (the sync-debug mode does not warn there)."""
+        original = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            self.record(self._caller_stack())
+            return original(*args, **kwargs)
+
+        setattr(owner, name, counted)
+        self._wrapped.append((owner, name, original))
 
     def __exit__(self, *exc) -> None:
         import torch
 
+        for owner, name, original in reversed(self._wrapped):
+            setattr(owner, name, original)
         if self._mode is not None:
             torch.cuda.set_sync_debug_mode(self._mode)
         self._catch.__exit__(*exc)

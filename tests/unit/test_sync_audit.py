@@ -6,10 +6,21 @@ from __future__ import annotations
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import sync_audit  # noqa: E402
 from sync_audit import SYNC_MESSAGE, SyncAudit  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _project_at_repo(monkeypatch):
+    monkeypatch.setattr(sync_audit, "PROJECT_DIR", "/repo/megatron_rl")
+
 
 # functions whose code lives at project paths, as the trainer's do: train_step -> scored_rollout -> rollout
 # -> a sync two frames down (a helper outside the project, as torch's own Python would be)
@@ -59,16 +70,46 @@ def test_syncs_are_counted_by_project_line_and_step_phase():
     assert phases["outside a step"]["syncs"] == 1
 
 
-def test_other_warnings_still_show_and_the_filters_come_back():
+def test_other_warnings_keep_the_runs_filters_and_the_hooks_come_back():
     ns = _load()
     shown = []
-    before = warnings.showwarning
-    warnings.showwarning = lambda message, *a, **k: shown.append(str(message))
-    try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # the run's filters: show everything ...
+        warnings.filterwarnings("ignore", message="muted")  # ... but this
+        before = warnings.showwarning = lambda message, *a, **k: shown.append(str(message))
         with SyncAudit() as audit:
             warnings.warn("something else", stacklevel=1)
+            warnings.warn("muted here", stacklevel=1)
             ns["sync"]()
-    finally:
-        warnings.showwarning = before
+        assert warnings.showwarning is before
     assert shown == ["something else"] and audit.report()["syncs"] == 1
-    assert warnings.showwarning is before
+
+
+def test_a_warning_raised_in_torchs_cpp_is_counted_at_its_python_caller(monkeypatch):
+    """The sync-debug warning comes from C++ (``TORCH_WARN``); a C++ warning that runs on the CPU stands in
+    for it: counted once per call, at the line that called the op, even under an "error" filter."""
+    monkeypatch.setattr(sync_audit, "SYNC_MESSAGE", "An output with one or more elements was resized")
+    src = "def op(out):\n    torch.add(torch.ones(3), 1, out=out)\n"
+    ns = {"torch": torch}
+    exec(compile(src, "/repo/megatron_rl/kernels/fake.py", "exec"), ns)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with SyncAudit() as audit:
+            for _ in range(3):
+                ns["op"](torch.empty(5))
+    assert audit.report()["sites"] == {"megatron_rl/kernels/fake.py:2 op": 3}
+
+
+def test_wrapped_synchronize_counts_its_caller_and_is_restored():
+    """``torch.cuda.synchronize`` does not warn in the sync-debug mode: the audit wraps it (here a stand-in,
+    since this machine has no CUDA) and puts the original back."""
+    calls = []
+    owner = SimpleNamespace(synchronize=lambda: calls.append(1))
+    original = owner.synchronize
+    ns = {"owner": owner}
+    exec(compile("def wait():\n    owner.synchronize()\n", "/repo/megatron_rl/rollout/engine.py", "exec"), ns)
+    with SyncAudit() as audit:
+        audit._wrap(owner, "synchronize")
+        ns["wait"]()
+    assert calls == [1] and owner.synchronize is original
+    assert audit.report()["sites"] == {"megatron_rl/rollout/engine.py:2 wait": 1}

@@ -4,9 +4,9 @@
 # defaults, then one 0.5B spread step with its whole update and generation under the profiler (with
 # {generate,update}_gaps.json: the device's idle gaps by host phase). First, the GPU check of the shared
 # logits buffer and the finer buckets (check_decode_graphs.py, ~30 s; its "problems" list must be empty). The decode
-# stats now carry `syncs` / `sync_host_s` (host time the device idles through at each sync). ~6-7 min on an
+# stats now carry `syncs` / `sync_host_s` (host time the device idles through at each sync). ~7-8 min on an
 # H100 (call L's parts took 361 s); carry `.whl`. The fixed and spread parts each run one more step under
-# benchmarks/sync_audit.py (every synchronizing CUDA call counted by the project line that made it):
+# benchmarks/sync_audit.py (the synchronizing CUDA calls counted by the project line that made them):
 # syncs_{fixed,spread}.json.
 set -u
 O=$OUT/cR; mkdir -p "$O"; T0=$SECONDS
