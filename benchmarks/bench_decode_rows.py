@@ -22,32 +22,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import graphed_us  # noqa: E402
 from bench_decode import sync  # noqa: E402
 from profile_decode_step import build_engine, engine_args  # noqa: E402
 
 from megatron_rl.rollout import reshard  # noqa: E402
 from megatron_rl.rollout.sampling import sample_with_logprobs  # noqa: E402
-
-
-def graph_ms(fn, reps: int = 20) -> float:
-    """ms of one ``fn()`` replayed from a CUDA graph (warm-up outside the capture)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    sync()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    sync()
-    return a.elapsed_time(b) / reps
 
 
 def step_curve(a, rows: list[int]) -> dict:
@@ -100,8 +80,9 @@ def gemm_table(rows: list[int], shapes: dict, autotune: bool, res: dict, save=la
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             flops = 2 * m * k * n * 24
             row = {
-                "cublas_us": 1e3
-                * graph_ms(lambda x=x, ws=ws, bs=bs: [F.linear(x, w, b_) for w, b_ in zip(ws, bs)])
+                "cublas_us": graphed_us(
+                    lambda x=x, ws=ws, bs=bs: [F.linear(x, w, b_) for w, b_ in zip(ws, bs)], 1, 20
+                )
                 / 24
             }
             if autotune:
@@ -112,9 +93,8 @@ def gemm_table(rows: list[int], shapes: dict, autotune: bool, res: dict, save=la
                     lin(x, ws[0], bs[0])
                     row["autotune_s"] = time.perf_counter() - t0
                     row["inductor_us"] = (
-                        1e3
-                        * graph_ms(
-                            lambda x=x, ws=ws, bs=bs, lin=lin: [lin(x, w, b_) for w, b_ in zip(ws, bs)]
+                        graphed_us(
+                            lambda x=x, ws=ws, bs=bs, lin=lin: [lin(x, w, b_) for w, b_ in zip(ws, bs)], 1, 20
                         )
                         / 24
                     )
