@@ -113,3 +113,35 @@ def test_wrapped_synchronize_counts_its_caller_and_is_restored():
         ns["wait"]()
     assert calls == [1] and owner.synchronize is original
     assert audit.report()["sites"] == {"megatron_rl/rollout/engine.py:2 wait": 1}
+
+
+def test_the_audit_step_keeps_the_timed_results_and_reports_its_failure(tmp_path, monkeypatch):
+    """``bench_rl_step --sync-audit``: the timed results are on disk before the audited step runs; a step that
+    raises leaves them there, writes no audit, and says why in the result; one that runs writes the audit."""
+    import json
+    from argparse import Namespace
+
+    import bench_rl_step
+    import torch.distributed as dist
+
+    from megatron_rl.trainer import run
+
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    a = Namespace(out=str(tmp_path / "out" / "bench.json"), sync_audit=str(tmp_path / "syncs.json"))
+
+    def boom(c, step, timer):
+        raise RuntimeError("out of memory in the audited step")
+
+    monkeypatch.setattr(run, "train_step", boom)
+    got = bench_rl_step.sync_audit_step(None, 3, a, {"steps": [1, 2]}, False)
+    assert got == "failed: RuntimeError: out of memory in the audited step"
+    assert json.loads(Path(a.out).read_text()) == {"steps": [1, 2]} and not Path(a.sync_audit).exists()
+    monkeypatch.setattr(run, "train_step", lambda c, step, timer: None)
+    assert bench_rl_step.sync_audit_step(None, 3, a, {"steps": [1, 2]}, False) == "written"
+    assert json.loads(Path(a.sync_audit).read_text()) == {
+        "syncs": 0,
+        "sites": {},
+        "phases": {},
+        "cuda": False,
+        "step": 3,
+    }
