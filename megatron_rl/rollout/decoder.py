@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from megatron_rl.kernels import batch_invariant as bi
 from megatron_rl.kernels import decode_attention as decode_kernel
-from megatron_rl.kernels import decode_fused, swiglu
+from megatron_rl.kernels import decode_fused, decode_gemm, swiglu
 from megatron_rl.kernels.batch_invariant_tp import ordered_all_reduce
 from megatron_rl.kernels.rope import apply_rope, rope_cos_sin, rope_matrix
 
@@ -324,14 +324,35 @@ def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: t
                 q = rot[:, :, :rep]
             a = decode_attention(q, k_cache, v_cache, mask, positions, prefix)  # [B, Gl, rep, D]
         a = a.reshape(B, -1)  # [B, Hl*D]
-        x, h = _add_norm(x, _all_reduce(F.linear(a, layer["proj"]), w), layer["ln2"], spec, False)
-        y = F.linear(h, layer["fc1"])  # [B, 2F/tp]: gate, then up
-        act = decode_fused.swiglu(y) if decode_fused.usable("swiglu", y) else _swiglu_ref(y)
+        x, h = _linear_add_norm(x, a, layer["proj"], layer["ln2"], w, spec, "proj")
+        act = _fc1_swiglu(h, layer["fc1"])  # [B, F/tp]
         nxt = w.layers[i + 1]["ln1"] if i + 1 < len(w.layers) else w.final_norm
-        x, h = _add_norm(x, _all_reduce(F.linear(act, layer["fc2"]), w), nxt, spec, False)
+        x, h = _linear_add_norm(x, act, layer["fc2"], nxt, w, spec, "fc2")
     if not w.layers:
         h = rms_norm(x, w.final_norm, eps)
     return logits(h, w, spec, out=logits_out)
+
+
+def _fc1_swiglu(h: torch.Tensor, fc1: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of fc1 (gate rows, then up rows) for the decode step's rows: ``decode_gemm.swiglu_gemm`` (one
+    kernel) where its table and trial say so, else cuBLAS and the fused (or reference) SwiGLU."""
+    s = decode_gemm.usable("fc1", h, fc1)
+    if s is not None:
+        return decode_gemm.swiglu_gemm(h, fc1, **s)
+    y = F.linear(h, fc1)  # [B, 2F/tp]: gate, then up
+    return decode_fused.swiglu(y) if decode_fused.usable("swiglu", y) else _swiglu_ref(y)
+
+
+def _linear_add_norm(x, a, weight, norm, w: GenWeights, spec: ModelArgs, part: str):
+    """(x + a @ weight.T, its RMSNorm) for a row-parallel linear (fc2, the attention output projection):
+    ``decode_gemm``'s split-K GEMM with its reduction inside the add + RMSNorm kernel where its table and
+    trial say so (generation TP 1: no all-reduce between), else cuBLAS, the all-reduce and ``_add_norm``."""
+    s = decode_gemm.usable(part, a, weight) if w.tp == 1 else None
+    if s is not None:
+        s = dict(s)
+        parts = decode_gemm.splitk_gemm(a, weight, s.pop("splits"), **s)
+        return decode_gemm.add_rms_norm_parts(x, parts, norm, spec.norm_eps)
+    return _add_norm(x, _all_reduce(F.linear(a, weight), w), norm, spec, False)
 
 
 def _swiglu_ref(y: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,154 @@
+"""The decode step's MLP and output projection with their neighbours fused (``kernels.decode_gemm``) against
+what the decoder runs today (issue 16): cuBLAS ``F.linear`` then ``decode_fused.swiglu`` / ``add_rms_norm``.
+
+Three parts of a layer, each timed as 24 calls on 24 distinct weights inside one CUDA graph (the weights do
+not stay in L2, as in a real step), at each row count:
+- ``fc1``: ``F.linear(h, fc1)`` + ``swiglu`` against ``swiglu_gemm`` (one kernel);
+- ``fc2``: ``F.linear(act, fc2)`` + ``add_rms_norm`` against ``splitk_gemm`` + ``add_rms_norm_parts``;
+- ``proj``: ``F.linear(a, proj)`` + ``add_rms_norm`` against the same pair.
+Each fused part is swept over tile / split / pipeline settings; the best per row count is reported with
+its gap to the cuBLAS output. ``--table FILE`` writes, per part and row count, the best setting where it
+beats cuBLAS by ``--min-gain`` (else null): ``MEGATRON_RL_DECODE_GEMM_TABLE=FILE`` makes the decoder use it.
+
+Run: ``python benchmarks/bench_decode_gemm.py --out $OUT/decode_gemm.json --table $OUT/decode_gemm_table.json``
+(CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import graphed_us  # noqa: E402
+
+from megatron_rl.kernels import decode_fused, decode_gemm  # noqa: E402
+
+SHAPES = {"qwen2.5-0.5b": (896, 4864, 896), "qwen2.5-3b": (2048, 11008, 2048)}  # hidden, ffn, heads x dim
+
+
+def weights(shape, layers, dev):
+    hidden, ffn, attn = SHAPES[shape]
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def r(*s):
+        return (torch.randn(*s, device=dev, generator=g) / s[-1] ** 0.5).to(torch.bfloat16)
+
+    return {
+        "fc1": [r(2 * ffn, hidden) for _ in range(layers)],
+        "fc2": [r(hidden, ffn) for _ in range(layers)],
+        "proj": [r(hidden, attn) for _ in range(layers)],
+        "norm": torch.ones(hidden, device=dev, dtype=torch.bfloat16),
+    }
+
+
+def settings(part):
+    if part == "fc1":
+        return [
+            dict(bn=bn, bk=bk, num_stages=3, num_warps=4)
+            for bn, bk in itertools.product([32, 64, 128], [64, 128])
+        ]
+    splits = [1, 2, 4, 8] if part == "fc2" else [1, 2, 4]
+    return [dict(splits=s, bn=bn, bk=bk, num_stages=3, num_warps=4)
+            for s, bn, bk in itertools.product(splits, [32, 64], [64, 128])]  # fmt: skip
+
+
+def part_fns(part, w, rows, dev):
+    """(cuBLAS fn, fused fn(setting), the outputs of each for the gap) for one part at ``rows`` rows."""
+    hidden, ffn, attn = (w["fc1"][0].shape[1], w["fc2"][0].shape[1], w["proj"][0].shape[1])
+    g = torch.Generator(device=dev).manual_seed(1)
+    k_in = {"fc1": hidden, "fc2": ffn, "proj": attn}[part]
+    x_in = torch.randn(rows, k_in, device=dev, generator=g).to(w["norm"].dtype)
+    resid = torch.randn(rows, hidden, device=dev, generator=g).to(w["norm"].dtype)
+    ws, eps = w[part], 1e-6
+    if part == "fc1":
+
+        def base():
+            return [decode_fused.swiglu(F.linear(x_in, wl)) for wl in ws]
+
+        def fused(s):
+            return lambda: [decode_gemm.swiglu_gemm(x_in, wl, **s) for wl in ws]
+    else:
+
+        def base():
+            return [decode_fused.add_rms_norm(resid, F.linear(x_in, wl), w["norm"], eps)[1] for wl in ws]
+
+        def fused(s):
+            s = dict(s)
+            splits = s.pop("splits")
+            return lambda: [
+                decode_gemm.add_rms_norm_parts(resid, decode_gemm.splitk_gemm(x_in, wl, splits, **s), w["norm"], eps)[1]
+                for wl in ws
+            ]  # fmt: skip
+
+    return base, fused
+
+
+def gap(a, b):
+    return max(
+        float((x.float() - y.float()).abs().max()) / max(float(y.float().abs().max()), 1e-6)
+        for x, y in zip(a, b)
+    )
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    p.add_argument("--rows", default="8,16,32,64,128,192,256,512")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--parts", default="fc1,fc2,proj")
+    p.add_argument(
+        "--min-gain", type=float, default=0.03, help="fraction faster than cuBLAS to enter the table"
+    )
+    p.add_argument("--out", required=True)
+    p.add_argument("--table")
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    w = weights(a.shape, a.layers, dev)
+    rows_list = [int(r) for r in a.rows.split(",")]
+    res = {"shape": a.shape, "device": torch.cuda.get_device_name(), "layers": a.layers, "parts": {}}
+    table = {}
+    t0 = time.time()
+    for part in a.parts.split(","):
+        res["parts"][part], table[part] = {}, {}
+        for rows in rows_list:
+            base, fused = part_fns(part, w, rows, dev)
+            ref = base()
+            row = {"cublas_us": graphed_us(base, 1, 10) / a.layers, "settings": []}
+            for s in settings(part):
+                fn = fused(s)
+                try:
+                    g = gap(fn(), ref)
+                    us = graphed_us(fn, 1, 10) / a.layers
+                except (
+                    Exception
+                ) as e:  # a setting that does not compile (shared memory) is reported, not fatal
+                    row["settings"].append({**s, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                    continue
+                row["settings"].append({**s, "us": us, "gap": g})
+            ok = [s for s in row["settings"] if "us" in s and s["gap"] < 2e-2]
+            best = min(ok, key=lambda s: s["us"]) if ok else None
+            row["best"] = best
+            row["speedup"] = row["cublas_us"] / best["us"] if best else None
+            res["parts"][part][rows] = row
+            win = best is not None and best["us"] < (1 - a.min_gain) * row["cublas_us"]
+            table[part][rows] = {k: v for k, v in best.items() if k not in ("us", "gap")} if win else None
+            print(f"{part} rows {rows}: cuBLAS {row['cublas_us']:.2f} us, fused best "
+                  f"{best['us'] if best else float('nan'):.2f} us {best}, {time.time() - t0:.0f}s", flush=True)  # fmt: skip
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+    if a.table:
+        with open(a.table, "w") as f:
+            json.dump(table, f, indent=1)
+    print(json.dumps(table))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Session 24's first working call (session 23's callR.sh could not start: the device was away): the GPU check of
+# the decode graphs, then the fused decode GEMMs (kernels/decode_gemm.py) measured against cuBLAS per part and
+# row count (bench_decode_gemm.py writes the table of settings that win), then the 0.5B spread and fixed steps
+# with that table in force (MEGATRON_RL_DECODE_GEMM_TABLE) and without it (the tree as it was: the table is empty
+# by default), alternating. The "off" runs carry session 23's sync audit. Carry `.whl`; ~8-9 min.
+set -u
+O=$OUT/cS; mkdir -p "$O"; T0=$SECONDS
+t() { local lim=$1 name=$2; shift 2; if (( SECONDS - T0 + lim > 590 )); then echo "$name skipped (time)"; return; fi
+  timeout "$lim" "$@" > "$O/$name.log" 2>&1; echo "$name rc=$? $((SECONDS - T0))s"; }
+nvidia-smi --query-gpu=name --format=csv,noheader
+K=(actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu=auto rollout.max_num_seqs=auto)
+B=(python3 benchmarks/bench_rl_step.py --shape qwen2.5-0.5b)
+TAB=$O/decode_gemm_table.json
+t 70 check_graphs python3 benchmarks/check_decode_graphs.py --out "$O/check_decode_graphs.json"  # exits 1 on a problem
+t 200 gemm python3 benchmarks/bench_decode_gemm.py --out "$O/decode_gemm.json" --table "$TAB"
+t 90 spread_off "${B[@]}" --steps 4 --lengths spread --out "$O/spread_off.json" --sync-audit "$O/syncs_spread.json" "${K[@]}"
+[ -f "$TAB" ] && t 80 spread_on env MEGATRON_RL_DECODE_GEMM_TABLE="$TAB" "${B[@]}" --steps 4 --lengths spread --out "$O/spread_on.json" "${K[@]}"
+[ -f "$TAB" ] && t 100 fixed_on env MEGATRON_RL_DECODE_GEMM_TABLE="$TAB" "${B[@]}" --steps 4 --out "$O/fixed_on.json" "${K[@]}"
+t 110 fixed_off "${B[@]}" --steps 4 --out "$O/fixed_off.json" --sync-audit "$O/syncs_fixed.json" "${K[@]}"
+python3 - "$O" <<'PY'
+import json, sys
+O = sys.argv[1]
+try:
+    print("check_graphs problems:", json.load(open(f"{O}/check_decode_graphs.json"))["problems"])
+except Exception as e:
+    print("check_graphs unreadable", e)
+try:
+    g = json.load(open(f"{O}/decode_gemm.json"))
+    for part, rows in g["parts"].items():
+        print(part, {r: (round(v["cublas_us"], 2), v["best"] and round(v["best"]["us"], 2)) for r, v in rows.items()})
+    print("table", open(f"{O}/decode_gemm_table.json").read().replace("\n", ""))
+except Exception as e:
+    print("decode_gemm unreadable", e)
+for f in ("spread_off", "spread_on", "fixed_on", "fixed_off"):
+    try:
+        d = json.load(open(f"{O}/{f}.json")); r = d["median_after_warmup"]
+        print(f, json.dumps({k: r.get(k) for k in ("step_s", "step_over_roofline", "step_over_roofline_this_gpu",
+                                                   "decode_fraction_of_hbm_floor", "timing_s")}),
+              "sync host s", [round(s["decode"].get("sync_host_s", -1), 3) for s in d["steps"]],
+              "gen", [round(s["timing_s"]["gen"], 3) for s in d["steps"]],
+              "decode ms", [round(s["decode"]["ms_per_decode_step"], 3) for s in d["steps"]])
+    except Exception as e:
+        print(f, "unreadable", e)
+for f in ("syncs_fixed", "syncs_spread"):
+    try:
+        a = json.load(open(f"{O}/{f}.json"))
+        print(f, a["syncs"], "syncs;", {p: v["syncs"] for p, v in a["phases"].items()}, "top sites",
+              dict(list(a["sites"].items())[:12]))
+    except Exception as e:
+        print(f, "unreadable", e)
+PY
+tar czf "$OUT/cS.tgz" -C "$OUT" cS

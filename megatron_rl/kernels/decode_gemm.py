@@ -1,0 +1,284 @@
+"""Decode-step GEMMs with their neighbours fused in, for the few rows of a decode step (issue 16).
+
+At decode row counts the MLP and the attention output projection run at the GEMM's latency floor, not its
+FLOPs or its weight bytes (session 22: ~4-9 us a call whatever the rows up to ~128), and each is followed by
+a small elementwise kernel (~2-2.5 us). Here:
+
+- ``swiglu_gemm``: fc1 and SwiGLU in one kernel. Each program computes the same column tile of the gate
+  half and of the up half (two accumulators over one read of the rows), rounds each to the activation
+  dtype (as the GEMM's output would be) and writes silu(gate) * up: the [rows, 2F] fc1 output is never
+  written, and the SwiGLU kernel goes.
+- ``splitk_gemm``: y = x @ w.T left as ``splits`` fp32 partial sums over slices of K (no atomics: each
+  program writes its own slice's tile), so a narrow output (the hidden size) still fills the GPU.
+- ``add_rms_norm_parts``: the sum of those partials in a fixed order, rounded to the activation dtype (the
+  GEMM's output), then the residual add and the RMSNorm after it (``decode_fused.add_rms_norm``'s
+  formula): the split-K reduction costs no kernel of its own.
+
+Results are deterministic (a fixed reduction order for a given launch configuration); they are not the
+bits of cuBLAS (another order), so these serve the non-exact decode path only, as ``decode_fused`` does.
+Tests run them on CPU under Triton's interpreter (``decode_fused.RUN_ON_CPU``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.kernels import decode_fused
+from megatron_rl.kernels.compile import env_switch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # CPU-only installs without triton: the decoder keeps its reference ops
+    HAVE_TRITON = False
+
+
+if HAVE_TRITON:
+    from megatron_rl.kernels.decode_fused import _round_to  # noqa: E402
+
+    @triton.jit
+    def _swiglu_gemm_kernel(
+        x_ptr, w_ptr, out_ptr, M, F, K, sxm, swn, som,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        gate = tl.zeros([BM, BN], tl.float32)
+        up = tl.zeros([BM, BN], tl.float32)
+        w_rows = w_ptr + rn[None, :].to(tl.int64) * swn
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                        other=0.0)  # fmt: skip
+            live = (rn[None, :] < F) & (kk[:, None] < K)
+            wg = tl.load(w_rows + kk[:, None], mask=live, other=0.0)  # [BK, BN]: rows rn of the gate half
+            wu = tl.load(w_rows + F * swn + kk[:, None], mask=live, other=0.0)  # the same rows of the up half
+            gate = tl.dot(x, wg, gate)
+            up = tl.dot(x, wu, up)
+        dt: tl.constexpr = out_ptr.dtype.element_ty
+        g = _round_to(gate, dt)  # fc1's output as the GEMM would write it, then SwiGLU in fp32, one rounding
+        u = _round_to(up, dt)
+        act = g / (1.0 + tl.exp(-g)) * u
+        tl.store(
+            out_ptr + rm[:, None] * som + rn[None, :], act.to(dt), mask=(rm[:, None] < M) & (rn[None, :] < F)
+        )
+
+    @triton.jit
+    def _splitk_kernel(
+        x_ptr, w_ptr, p_ptr, M, N, K, k_split, sxm, swn, sps, spm,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        pid_n, pid_m, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], tl.float32)
+        w_rows = w_ptr + rn[None, :].to(tl.int64) * swn
+        k_end = tl.minimum(K, (s + 1) * k_split)
+        for k0 in range(s * k_split, k_end, BK):
+            kk = k0 + rk
+            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < k_end),
+                        other=0.0)  # fmt: skip
+            w = tl.load(w_rows + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < k_end), other=0.0)
+            acc = tl.dot(x, w, acc)
+        tl.store(
+            p_ptr + s * sps + rm[:, None] * spm + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N)
+        )
+
+    @triton.jit
+    def _add_rms_norm_parts_kernel(
+        x_ptr, p_ptr, w_ptr, x_out_ptr, h_ptr, S, sps, spm, s_x, s_xo, s_h, hidden, eps, block: tl.constexpr
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        c = tl.arange(0, block)
+        live = c < hidden
+        y = tl.zeros([block], tl.float32)
+        for s in range(0, S):  # the split-K partials in order: the same sum whatever the rows
+            y += tl.load(p_ptr + s * sps + row * spm + c, mask=live, other=0.0)
+        dt: tl.constexpr = x_out_ptr.dtype.element_ty
+        y = _round_to(y, dt)  # the GEMM's output in the activation dtype, as F.linear returns it
+        x = tl.load(x_ptr + row * s_x + c, mask=live, other=0.0).to(tl.float32)
+        xf = _round_to(x + y, dt)  # rounded as ``x = x + y`` is
+        tl.store(x_out_ptr + row * s_xo + c, xf.to(dt), mask=live)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
+        w = tl.load(w_ptr + c, mask=live, other=0.0).to(tl.float32)
+        tl.store(h_ptr + row * s_h + c, (xf * rstd * w).to(h_ptr.dtype.element_ty), mask=live)
+
+
+def row_tile(rows: int) -> int:
+    """The row tile for ``rows`` rows: a power of two from 16 (``tl.dot``'s least) to 64."""
+    return min(64, max(16, triton.next_power_of_2(rows)))
+
+
+def swiglu_gemm(x: torch.Tensor, w: torch.Tensor, bn: int = 64, bk: int = 64, num_warps: int = 4,
+                num_stages: int = 3) -> torch.Tensor:  # fmt: skip
+    """x [M, K], w [2F, K] (gate rows, then up rows; unit stride in K for both) -> silu(x @ gate.T) *
+    (x @ up.T) [M, F] in x's dtype, each GEMM output rounded to that dtype first (as ``F.linear`` then
+    ``decode_fused.swiglu``)."""
+    rows, k = x.shape
+    ffn = w.shape[0] // 2
+    out = torch.empty(rows, ffn, dtype=x.dtype, device=x.device)
+    bm = row_tile(rows)
+    _swiglu_gemm_kernel[(triton.cdiv(ffn, bn), triton.cdiv(rows, bm))](
+        x, w, out, rows, ffn, k, x.stride(0), w.stride(0), out.stride(0), BM=bm, BN=bn, BK=bk,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def splitk_gemm(x: torch.Tensor, w: torch.Tensor, splits: int, bn: int = 64, bk: int = 64, num_warps: int = 4,
+                num_stages: int = 3) -> torch.Tensor:  # fmt: skip
+    """x [M, K], w [N, K] (unit stride in K) -> fp32 partial products [splits, M, N] over ``splits`` slices
+    of K (each a multiple of ``bk``; a slice past K writes zeros): their sum is x @ w.T."""
+    rows, k = x.shape
+    n = w.shape[0]
+    k_split = triton.cdiv(triton.cdiv(k, splits), bk) * bk
+    parts = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
+    bm = row_tile(rows)
+    _splitk_kernel[(triton.cdiv(n, bn), triton.cdiv(rows, bm), splits)](
+        x, w, parts, rows, n, k, k_split, x.stride(0), w.stride(0), parts.stride(0), parts.stride(1),
+        BM=bm, BN=bn, BK=bk, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return parts
+
+
+def add_rms_norm_parts(x: torch.Tensor, parts: torch.Tensor, weight: torch.Tensor, eps: float):
+    """x [M, h] (unit stride in h), parts [S, M, h] fp32 (``splitk_gemm``), weight [h] -> (x + y, rms_norm of
+    it), y the partials' sum rounded to x's dtype: ``decode_fused.add_rms_norm(x, F.linear(...), ...)``."""
+    rows, hidden = x.shape
+    x_new = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    h = torch.empty_like(x_new)
+    block = triton.next_power_of_2(hidden)
+    _add_rms_norm_parts_kernel[(rows,)](
+        x, parts, weight, x_new, h, parts.shape[0], parts.stride(0), parts.stride(1), x.stride(0),
+        x_new.stride(0), h.stride(0), hidden, eps, block=block, num_warps=4 if block <= 2048 else 8,
+    )  # fmt: skip
+    return x_new, h
+
+
+# --- where the decoder uses them -------------------------------------------------------------------------
+# MEGATRON_RL_DECODE_GEMM=0 (or false/off/no) keeps cuBLAS and the separate elementwise kernels everywhere.
+ON_CUDA = env_switch("MEGATRON_RL_DECODE_GEMM", True)
+PARTS = ("fc1", "fc2", "proj")  # fc1 + SwiGLU; fc2 / the attention output projection + add + RMSNorm
+_KEYS = {"bn", "bk", "num_warps", "num_stages", "splits"}
+# Per part, the launch setting for a decode step of up to that many rows (the smallest entry >= the rows
+# serves; null or past the last entry: cuBLAS). Empty until measured on a GPU: benchmarks/bench_decode_gemm.py
+# writes a table, MEGATRON_RL_DECODE_GEMM_TABLE=FILE puts one in force.
+TABLE: dict[str, dict[int, dict | None]] = {}
+TABLE_ENV = "MEGATRON_RL_DECODE_GEMM_TABLE"
+_LOADED: list = []  # the table in force, read once
+
+
+def parse_table(raw: object, source: str) -> dict[str, dict[int, dict | None]]:
+    """A table as ``TABLE``'s type from its JSON form ({part: {rows: setting or null}}); a key or value that is
+    not one names ``source`` and what is expected."""
+    if not isinstance(raw, dict) or not set(raw) <= set(PARTS):
+        raise ValueError(f"{source}: expected an object with keys among {PARTS}, got {raw!r:.200}")
+    out = {}
+    for part, rows in raw.items():
+        if not isinstance(rows, dict):
+            raise ValueError(f"{source}: {part} must map row counts to settings, got {rows!r:.200}")
+        out[part] = {}
+        for r, s in rows.items():
+            if not str(r).isdigit() or int(r) < 1:
+                raise ValueError(f"{source}: {part}: row count {r!r} is not a positive integer")
+            ok = s is None or (
+                isinstance(s, dict) and set(s) <= _KEYS and {"bn", "bk"} <= set(s)
+                and all(isinstance(v, int) and v > 0 for v in s.values())
+                and all(s[k] & (s[k] - 1) == 0 and s[k] >= 16 for k in ("bn", "bk"))
+                and (part == "fc1") == ("splits" not in s)
+            )  # fmt: skip
+            if not ok:
+                raise ValueError(
+                    f"{source}: {part} at {r} rows: {s!r} is not a setting (null, or bn / bk powers of two >= 16,"
+                    f" optional num_warps / num_stages, and splits for fc2 / proj only)"
+                )
+            out[part][int(r)] = s
+    return out
+
+
+def table() -> dict[str, dict[int, dict | None]]:
+    """The table in force: ``MEGATRON_RL_DECODE_GEMM_TABLE``'s file where set (read once, JSON only), else
+    ``TABLE``."""
+    if not _LOADED:
+        path = os.environ.get(TABLE_ENV)
+        if path:
+            with open(path) as f:
+                _LOADED.append(parse_table(json.load(f), f"{TABLE_ENV}={path}"))
+        else:
+            _LOADED.append(TABLE)
+    return _LOADED[0]
+
+
+def setting(part: str, rows: int) -> dict | None:
+    """The launch setting of ``part`` for a decode step of ``rows`` rows, or None (cuBLAS serves)."""
+    entries = table().get(part, {})
+    fit = [r for r in entries if r >= rows]
+    return entries[min(fit)] if fit else None
+
+
+_PASSED: set[tuple] = set()
+_FAILED: dict[tuple, str] = {}
+
+
+def usable(part: str, x: torch.Tensor, w: torch.Tensor) -> dict | None:
+    """The setting ``part`` runs with for input x [rows, K] and weight w (``setting``), where the kernels
+    serve x's device and dtype (``decode_fused``'s rule and switches, and ``ON_CUDA``) and a one-time trial
+    of that launch (x's row tile, the weight's shape) against cuBLAS and the unfused kernels passed; else None.
+    The trial runs eagerly (the engine's warm-up step precedes each capture); not yet tried while a graph is
+    captured, the part keeps cuBLAS in that graph. A failed trial warns once and keeps cuBLAS."""
+    s = setting(part, x.shape[0])
+    if (
+        s is None
+        or not HAVE_TRITON
+        or not decode_fused.enabled(x)
+        or (x.device.type == "cuda" and not ON_CUDA)
+    ):
+        return None
+    key = (part, tuple(sorted(s.items())), row_tile(x.shape[0]), tuple(w.shape), x.dtype, x.device.type)
+    if key in _PASSED:
+        return s
+    if key in _FAILED or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return None
+    try:
+        _trial(part, s, x, w)
+    except Exception as exc:  # noqa: BLE001 - any failure: cuBLAS serves, loudly
+        _FAILED[key] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        warnings.warn(
+            f"The fused decode GEMM {part} {s} failed its trial at {x.shape[0]} rows; cuBLAS and the separate "
+            f"kernels serve instead (slower, same results up to rounding). Cause: {_FAILED[key]}",
+            stacklevel=2,
+        )
+        return None
+    _PASSED.add(key)
+    return s
+
+
+def _trial(part: str, s: dict, x: torch.Tensor, w: torch.Tensor) -> None:
+    g = torch.Generator().manual_seed(0)
+    xt = torch.randn(x.shape, generator=g).to(x.device, x.dtype)
+    if part == "fc1":
+        got, want = swiglu_gemm(xt, w, **s), decode_fused.swiglu_reference(F.linear(xt, w))
+    else:
+        s = dict(s)
+        resid = torch.randn(x.shape[0], w.shape[0], generator=g).to(x.device, x.dtype)
+        norm = torch.ones(w.shape[0], device=x.device, dtype=x.dtype)
+        parts = splitk_gemm(xt, w, s.pop("splits"), **s)
+        got = add_rms_norm_parts(resid, parts, norm, 1e-6)
+        want = decode_fused.add_rms_norm_reference(resid, F.linear(xt, w), norm, 1e-6)
+        got, want = got[1], want[1]
+    scale = float(want.float().abs().max())
+    gap = float((got.float() - want.float()).abs().max())
+    if not gap <= 2e-2 * max(scale, 1e-6):  # nan fails too
+        raise ValueError(
+            f"result differs from cuBLAS and the unfused kernels by {gap:.3g} (largest value {scale:.3g})"
+        )

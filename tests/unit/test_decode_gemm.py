@@ -1,0 +1,132 @@
+"""The decode-step GEMMs with fused neighbours (``kernels.decode_gemm``) against the ops they replace:
+F.linear then SwiGLU, F.linear then add + RMSNorm. Run under Triton's interpreter on CPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.kernels import decode_fused, decode_gemm
+
+pytestmark = pytest.mark.skipif(not decode_gemm.HAVE_TRITON, reason="triton is part of torch's CUDA builds")
+
+
+def _data(rows, k, n, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, k, generator=g).to(dtype), (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+
+
+@pytest.mark.parametrize("rows,bn,bk", [(1, 64, 64), (5, 32, 64), (19, 64, 32), (70, 32, 64)])
+def test_swiglu_gemm_equals_linear_then_swiglu(rows, bn, bk):
+    # K 80 is not a multiple of the K tile, F 72 not of the column tile, rows past one 64-row tile at 70
+    x, w = _data(rows, 80, 2 * 72)
+    got = decode_gemm.swiglu_gemm(x, w, bn=bn, bk=bk)
+    want = decode_fused.swiglu_reference(F.linear(x, w))
+    assert got.shape == (rows, 72)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the up half matters: swapping the halves changes the result
+    swapped = torch.cat((w[72:], w[:72]))
+    assert not torch.allclose(decode_gemm.swiglu_gemm(x, swapped, bn=bn, bk=bk), want, atol=1e-3)
+
+
+def test_swiglu_gemm_half_rounds_each_half_as_the_gemm_output():
+    # fp16: Triton's interpreter gets tl.dot on bf16 wrong (numpy has no bf16); the GPU runs bf16 after a
+    # trial against these references (``decode_gemm.usable``)
+    x, w = _data(9, 64, 2 * 64, torch.float16, seed=1)
+    got = decode_gemm.swiglu_gemm(x, w, bn=32, bk=32)
+    want = decode_fused.swiglu_reference(F.linear(x.float(), w.float()).half())  # the GEMM output rounded
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 4, 9])
+def test_splitk_partials_sum_to_the_product(splits):
+    # K 200 in 64-wide tiles: with 9 splits the later slices are past K and must write zeros
+    x, w = _data(6, 200, 48, seed=2)
+    parts = decode_gemm.splitk_gemm(x, w, splits, bn=32, bk=64)
+    assert parts.shape == (splits, 6, 48) and parts.dtype == torch.float32
+    torch.testing.assert_close(parts.sum(0), x @ w.t(), rtol=1e-5, atol=1e-5)
+    if splits == 9:
+        assert torch.all(parts[4:] == 0) and not torch.all(parts[:4] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_add_rms_norm_parts_equals_linear_then_add_rms_norm(dtype):
+    x, w = _data(7, 96, 40, dtype, seed=3)
+    g = torch.Generator().manual_seed(4)
+    resid = torch.randn(7, 40, generator=g).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(40, generator=g)).to(dtype)
+    parts = decode_gemm.splitk_gemm(x, w, 3, bn=32, bk=32)
+    got_x, got_h = decode_gemm.add_rms_norm_parts(resid, parts, norm_w, 1e-6)
+    y = F.linear(x.float(), w.float()).to(dtype)  # the GEMM's output, rounded once
+    want_x, want_h = decode_fused.add_rms_norm_reference(resid, y, norm_w, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got_x.float(), want_x.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_h.float(), want_h.float(), rtol=tol, atol=tol)
+    assert got_x.dtype == dtype and got_h.dtype == dtype
+
+
+def test_table_parsing_and_row_lookup(tmp_path, monkeypatch):
+    good = {
+        "fc1": {"32": {"bn": 64, "bk": 64}, "128": None},
+        "fc2": {"64": {"bn": 32, "bk": 64, "splits": 4}},
+    }
+    path = tmp_path / "table.json"
+    path.write_text(__import__("json").dumps(good))
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, str(path))
+    monkeypatch.setattr(decode_gemm, "_LOADED", [])
+    assert decode_gemm.setting("fc1", 1) == decode_gemm.setting("fc1", 32) == {"bn": 64, "bk": 64}
+    assert decode_gemm.setting("fc1", 33) is None  # the 128-row entry says cuBLAS
+    assert decode_gemm.setting("fc1", 129) is None and decode_gemm.setting("proj", 8) is None
+    assert decode_gemm.setting("fc2", 64) == {"bn": 32, "bk": 64, "splits": 4}
+    for bad, words in [
+        ({"fc3": {}}, "keys among"),
+        ({"fc1": {"x": None}}, "'x' is not a positive integer"),
+        ({"fc1": {"8": {"bn": 48, "bk": 64}}}, "is not a setting"),
+        ({"fc1": {"8": {"bn": 64, "bk": 64, "splits": 2}}}, "splits for fc2 / proj only"),
+        ({"fc2": {"8": {"bn": 64, "bk": 64}}}, "is not a setting"),
+        ({"proj": {"8": {"bn": 64, "bk": 64, "splits": 2, "evil": "os.system"}}}, "is not a setting"),
+    ]:
+        with pytest.raises(ValueError, match=words) as e:
+            decode_gemm.parse_table(bad, "FILE")
+        assert "FILE" in str(e.value)
+
+
+def test_engine_with_the_fused_decode_gemms_equals_hf(monkeypatch):
+    """The decode step with ``decode_gemm``'s kernels for every part at every row count (interpreted on CPU):
+    they run, passed their trials, greedy equals HF token for token and sampled log-probs equal the HF
+    forward."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed" / "workers"))
+    from rollout_common import hf_greedy, hf_logprobs, hf_to_mcore, random_prompts, spec_of, tiny_hf
+
+    from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
+    from megatron_rl.rollout.sampling import SamplingParams
+
+    hf = tiny_hf("qwen2")
+    spec = spec_of(hf)
+    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
+    monkeypatch.setattr(decode_fused, "RUN_ON_CPU", True)
+    table = {
+        "fc1": {2: {"bn": 32, "bk": 32}, 64: {"bn": 16, "bk": 16, "num_stages": 2}},
+        "fc2": {64: {"bn": 16, "bk": 32, "splits": 3}},
+        "proj": {64: {"bn": 32, "bk": 16, "splits": 2}},
+    }
+    monkeypatch.setattr(decode_gemm, "_LOADED", [table])
+    calls = []
+    for name in ("swiglu_gemm", "splitk_gemm", "add_rms_norm_parts"):
+        original = getattr(decode_gemm, name)
+        monkeypatch.setattr(
+            decode_gemm, name, lambda *a, _n=name, _f=original, **k: calls.append(_n) or _f(*a, **k)
+        )
+    prompts = random_prompts(3, seed=6)
+    engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=3))
+    out = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=5))
+    assert {"swiglu_gemm", "splitk_gemm", "add_rms_norm_parts"} <= set(calls)
+    assert not decode_gemm._FAILED
+    assert [c.response_ids for c in out] == [hf_greedy(hf, p, 5) for p in prompts]
+    for c in engine.generate(prompts, SamplingParams(temperature=0.9, max_new_tokens=5, seed=1)):
+        assert (
+            torch.tensor(c.logprobs) - hf_logprobs(hf, c.prompt_ids, c.response_ids, 0.9)
+        ).abs().max() < 1e-5
