@@ -144,9 +144,9 @@ def main():
                   f"{best['us'] if best else float('nan'):.2f} us {best}, {time.time() - t0:.0f}s", flush=True)  # fmt: skip
             with open(a.out, "w") as f:
                 json.dump(res, f, indent=1)
-    if a.table:
-        with open(a.table, "w") as f:
-            json.dump(table, f, indent=1)
+            if a.table:  # as it stands after each row: a run cut short still leaves the rows it measured
+                with open(a.table, "w") as f:
+                    json.dump(table, f, indent=1)
     print(json.dumps(table))
 
 

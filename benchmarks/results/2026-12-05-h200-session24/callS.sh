@@ -15,8 +15,8 @@ TAB=$O/decode_gemm_table.json
 t 70 check_graphs python3 benchmarks/check_decode_graphs.py --out "$O/check_decode_graphs.json"  # exits 1 on a problem
 t 200 gemm python3 benchmarks/bench_decode_gemm.py --out "$O/decode_gemm.json" --table "$TAB"
 t 90 spread_off "${B[@]}" --steps 4 --lengths spread --out "$O/spread_off.json" --sync-audit "$O/syncs_spread.json" "${K[@]}"
-[ -f "$TAB" ] && t 80 spread_on env MEGATRON_RL_DECODE_GEMM_TABLE="$TAB" "${B[@]}" --steps 4 --lengths spread --out "$O/spread_on.json" "${K[@]}"
-[ -f "$TAB" ] && t 100 fixed_on env MEGATRON_RL_DECODE_GEMM_TABLE="$TAB" "${B[@]}" --steps 4 --out "$O/fixed_on.json" "${K[@]}"
+[ -f "$TAB" ] && t 90 spread_on env MEGATRON_RL_DECODE_GEMM_TABLE="$TAB" "${B[@]}" --steps 4 --lengths spread --out "$O/spread_on.json" "${K[@]}"
+[ -f "$TAB" ] && t 110 fixed_on env MEGATRON_RL_DECODE_GEMM_TABLE="$TAB" "${B[@]}" --steps 4 --out "$O/fixed_on.json" "${K[@]}"
 t 110 fixed_off "${B[@]}" --steps 4 --out "$O/fixed_off.json" --sync-audit "$O/syncs_fixed.json" "${K[@]}"
 python3 - "$O" <<'PY'
 import json, sys
