@@ -130,3 +130,18 @@ def test_engine_with_the_fused_decode_gemms_equals_hf(monkeypatch):
         assert (
             torch.tensor(c.logprobs) - hf_logprobs(hf, c.prompt_ids, c.response_ids, 0.9)
         ).abs().max() < 1e-5
+
+
+def test_a_setting_that_fails_its_trial_warns_once_and_cublas_serves(monkeypatch):
+    monkeypatch.setattr(decode_fused, "RUN_ON_CPU", True)
+    monkeypatch.setattr(decode_gemm, "_LOADED", [{"fc1": {8: {"bn": 32, "bk": 32}}}])
+    monkeypatch.setattr(decode_gemm, "_FAILED", {})
+    monkeypatch.setattr(
+        decode_gemm, "swiglu_gemm", lambda x, w, **s: torch.zeros(x.shape[0], w.shape[0] // 2)
+    )
+    x, w = _data(4, 32, 64)
+    with pytest.warns(UserWarning, match="fc1 .* failed its trial at 4 rows; cuBLAS"):
+        assert decode_gemm.usable("fc1", x, w) is None
+    assert decode_gemm.usable("fc1", x, w) is None  # remembered: no second trial, no second warning
+    assert decode_gemm.usable("fc1", torch.zeros(9, 32), w) is None  # past the table: cuBLAS, no trial
+    assert len(decode_gemm._FAILED) == 1
