@@ -19,6 +19,8 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
   ``_draw_combine_kernel``: ``splits`` 2, 64, ``logprobs`` on / off;
 - ``decode_fused``: ``_rope_kv_kernel``: ``exact`` off / on, and on in fp16 (``_round_to``'s cast branch);
   ``_swiglu_kernel``; ``_add_rms_norm_kernel``;
+- ``decode_gemm``: ``_swiglu_gemm_kernel`` and ``_splitk_kernel`` at row tile 16 with the narrowest tiles and
+  at row tile 64 with the widest (the most shared memory); ``_add_rms_norm_parts_kernel``;
 - ``batch_invariant_triton``: ``_matmul_kernel``: bias with BN 64 / 4 warps (qkv), no bias with BN 128 /
   8 warps (LM head), fp32 qkv with ``IEEE`` (tl.dot's ieee precision); ``_rms_norm_kernel``;
   ``_add_rms_norm_kernel``; ``_lse_kernel``; ``_shard_max_kernel``; ``_exp_sum_kernel``;
@@ -58,8 +60,8 @@ SCRIPT = textwrap.dedent(
     from triton.compiler import ASTSource
 
     from megatron_rl.kernels import batch_invariant_triton as bit
-    from megatron_rl.kernels import decode_attention, decode_fused, logprob, rmsnorm, rope_exact, sampler
-    from megatron_rl.kernels import swiglu
+    from megatron_rl.kernels import decode_attention, decode_fused, decode_gemm, logprob, rmsnorm, rope_exact
+    from megatron_rl.kernels import sampler, swiglu
 
     VARIANTS = []  # (kernel, runtime arguments, constexprs, compile options)
 
@@ -159,6 +161,19 @@ SCRIPT = textwrap.dedent(
     add_norm = {"x_ptr": bf, "y_ptr": bf, "w_ptr": bf, "x_out_ptr": bf, "h_ptr": bf, "s_x": H, "s_y": H,
                 "s_xo": H, "s_h": H, "hidden": H, "eps": eps}
     add(decode_fused._add_rms_norm_kernel, add_norm, {"block": 1024}, num_warps=4)
+
+    # decode_gemm at 8 rows (row tile 16, the narrowest tiles) and 64+ rows (row tile 64, the widest in
+    # bench_decode_gemm's sweep: the most shared memory)
+    for rows, bm, bn, bk in ((8, 16, 32, 64), (512, 64, 128, 128)):
+        sw = {"x_ptr": bf, "w_ptr": bf, "out_ptr": bf, "M": rows, "F": FFN, "K": H, "sxm": H, "swn": H,
+              "som": FFN}
+        add(decode_gemm._swiglu_gemm_kernel, sw, {"BM": bm, "BN": bn, "BK": bk}, num_warps=4, num_stages=3)
+        sk = {"x_ptr": bf, "w_ptr": bf, "p_ptr": f32, "M": rows, "N": H, "K": FFN, "k_split": 640, "sxm": FFN,
+              "swn": FFN, "sps": rows * H, "spm": H}
+        add(decode_gemm._splitk_kernel, sk, {"BM": bm, "BN": min(bn, 64), "BK": bk}, num_warps=4, num_stages=3)
+    parts = {"x_ptr": bf, "p_ptr": f32, "w_ptr": bf, "x_out_ptr": bf, "h_ptr": bf, "S": 8, "sps": 512 * H,
+             "spm": H, "s_x": H, "s_xo": H, "s_h": H, "hidden": H, "eps": eps}
+    add(decode_gemm._add_rms_norm_parts_kernel, parts, {"block": 1024}, num_warps=4)
 
     # 512 decode rows: qkv (bias; BN 64, 4 warps), the LM head (BN 128, 8 warps), qkv in fp32 (ieee dot)
     for dt, n, bias, bn, warps in ((bf, QKV, True, 64, 4), (bf, V, False, 128, 8), (f32, QKV, True, 64, 4)):
