@@ -3,7 +3,8 @@
 # the decode graphs, then the fused decode GEMMs (kernels/decode_gemm.py) measured against cuBLAS per part and
 # row count (bench_decode_gemm.py writes the table of settings that win), then the 0.5B spread and fixed steps
 # with that table in force (MEGATRON_RL_DECODE_GEMM_TABLE) and without it (the tree as it was: the table is empty
-# by default), alternating. The "off" runs carry session 23's sync audit. Carry `.whl`; ~8-9 min.
+# by default), alternating. The "off" runs carry session 23's sync audit. Carry `.whl`; ~8-9 min. GUARD (seconds
+# for all parts, default 590), GEMM_S (the GEMM bench's limit) and GEMM_ARGS (its extra arguments) shorten it.
 set -u
 O=$OUT/cS; mkdir -p "$O"; T0=$SECONDS
 t() { local lim=$1 name=$2; shift 2; if (( SECONDS - T0 + lim > ${GUARD:-590} )); then echo "$name skipped (time)"; return; fi
@@ -13,7 +14,7 @@ K=(actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu=auto rollout.max_n
 B=(python3 benchmarks/bench_rl_step.py --shape qwen2.5-0.5b)
 TAB=$O/decode_gemm_table.json
 t 70 check_graphs python3 benchmarks/check_decode_graphs.py --out "$O/check_decode_graphs.json"  # exits 1 on a problem
-t 160 gemm python3 benchmarks/bench_decode_gemm.py --out "$O/decode_gemm.json" --table "$TAB"
+t "${GEMM_S:-160}" gemm python3 benchmarks/bench_decode_gemm.py --out "$O/decode_gemm.json" --table "$TAB" ${GEMM_ARGS:-}
 t 90 spread_off "${B[@]}" --steps 4 --lengths spread --out "$O/spread_off.json" --sync-audit "$O/syncs_spread.json" "${K[@]}"
 [ -f "$TAB" ] && t 90 spread_on env MEGATRON_RL_DECODE_GEMM_TABLE="$TAB" "${B[@]}" --steps 4 --lengths spread --out "$O/spread_on.json" "${K[@]}"
 [ -f "$TAB" ] && t 110 fixed_on env MEGATRON_RL_DECODE_GEMM_TABLE="$TAB" "${B[@]}" --steps 4 --out "$O/fixed_on.json" "${K[@]}"
