@@ -5,7 +5,8 @@ Three parts of a layer, each timed as 24 calls on 24 distinct weights inside one
 not stay in L2, as in a real step), at each row count:
 - ``fc1``: ``F.linear(h, fc1)`` + ``swiglu`` against ``swiglu_gemm`` (one kernel);
 - ``fc2``: ``F.linear(act, fc2)`` + ``add_rms_norm`` against ``splitk_gemm`` + ``add_rms_norm_parts``;
-- ``proj``: ``F.linear(a, proj)`` + ``add_rms_norm`` against the same pair.
+- ``proj``: ``F.linear(a, proj)`` + ``add_rms_norm`` against the same pair;
+- ``qkv``: ``F.linear(h, qkv, bias)`` + ``rope_kv_write`` against ``qkv_rope`` (one kernel).
 Each fused part is swept over tile / split / pipeline settings; the best per row count is reported with
 its gap to the cuBLAS output. ``--table FILE`` writes, per part and row count, the best setting where it
 beats cuBLAS by ``--min-gain`` (else null): ``MEGATRON_RL_DECODE_GEMM_TABLE=FILE`` makes the decoder use it.
@@ -31,11 +32,12 @@ from _timing import graphed_us  # noqa: E402
 
 from megatron_rl.kernels import decode_fused, decode_gemm  # noqa: E402
 
-SHAPES = {"qwen2.5-0.5b": (896, 4864, 896), "qwen2.5-3b": (2048, 11008, 2048)}  # hidden, ffn, heads x dim
+# hidden, ffn, query heads x head dim, KV groups, query heads per group, head dim
+SHAPES = {"qwen2.5-0.5b": (896, 4864, 896, 2, 7, 64), "qwen2.5-3b": (2048, 11008, 2048, 2, 8, 128)}
 
 
 def weights(shape, layers, dev):
-    hidden, ffn, attn = SHAPES[shape]
+    hidden, ffn, attn, groups, rep, dim = SHAPES[shape]
     g = torch.Generator(device=dev).manual_seed(0)
 
     def r(*s):
@@ -45,11 +47,19 @@ def weights(shape, layers, dev):
         "fc1": [r(2 * ffn, hidden) for _ in range(layers)],
         "fc2": [r(hidden, ffn) for _ in range(layers)],
         "proj": [r(hidden, attn) for _ in range(layers)],
+        "qkv": [r(groups * (rep + 2) * dim, hidden) for _ in range(layers)],
+        "qkv_b": [r(1, groups * (rep + 2) * dim)[0] for _ in range(layers)],
+        "heads": (groups, rep, dim),
         "norm": torch.ones(hidden, device=dev, dtype=torch.bfloat16),
     }
 
 
-def settings(part):
+def settings(part, dim=64):
+    if part == "qkv":
+        return [
+            dict(bn=bn, bk=bk, num_stages=3, num_warps=4)
+            for bn, bk in itertools.product([dim // 4, dim // 2, dim], [64, 128])
+        ]
     if part == "fc1":
         return [
             dict(bn=bn, bk=bk, num_stages=3, num_warps=4)
@@ -64,11 +74,26 @@ def part_fns(part, w, rows, dev):
     """(cuBLAS fn, fused fn(setting), the outputs of each for the gap) for one part at ``rows`` rows."""
     hidden, ffn, attn = (w["fc1"][0].shape[1], w["fc2"][0].shape[1], w["proj"][0].shape[1])
     g = torch.Generator(device=dev).manual_seed(1)
-    k_in = {"fc1": hidden, "fc2": ffn, "proj": attn}[part]
+    k_in = {"qkv": hidden, "fc1": hidden, "fc2": ffn, "proj": attn}[part]
     x_in = torch.randn(rows, k_in, device=dev, generator=g).to(w["norm"].dtype)
     resid = torch.randn(rows, hidden, device=dev, generator=g).to(w["norm"].dtype)
     ws, eps = w[part], 1e-6
-    if part == "fc1":
+    if part == "qkv":
+        groups, rep, dim = w["heads"]
+        cos, sin = (torch.randn(rows, dim, device=dev, generator=g).to(x_in.dtype) for _ in range(2))
+        pos = torch.randint(0, 1024, (rows,), device=dev, generator=g)
+        kc, vc = torch.zeros(
+            2, rows, groups, 1024, dim, device=dev, dtype=x_in.dtype
+        )  # one cache for every layer
+
+        def base():
+            return [decode_fused.rope_kv_write(F.linear(x_in, wl, bl).view(rows, groups, rep + 2, dim), cos, sin, pos, kc, vc)
+                    for wl, bl in zip(ws, w["qkv_b"])]  # fmt: skip
+
+        def fused(s):
+            return lambda: [decode_gemm.qkv_rope(x_in, wl, bl, cos, sin, pos, kc, vc, rep, dim, **s)
+                            for wl, bl in zip(ws, w["qkv_b"])]  # fmt: skip
+    elif part == "fc1":
 
         def base():
             return [decode_fused.swiglu(F.linear(x_in, wl)) for wl in ws]
@@ -103,7 +128,7 @@ def main():
     p.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     p.add_argument("--rows", default="8,16,32,64,128,192,256,512")
     p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--parts", default="fc1,fc2,proj")
+    p.add_argument("--parts", default="qkv,fc1,fc2,proj")
     p.add_argument(
         "--min-gain", type=float, default=0.03, help="fraction faster than cuBLAS to enter the table"
     )
@@ -122,7 +147,7 @@ def main():
             base, fused = part_fns(part, w, rows, dev)
             ref = base()
             row = {"cublas_us": graphed_us(base, 1, 10) / a.layers, "settings": []}
-            for s in settings(part):
+            for s in settings(part, w["heads"][2]):
                 fn = fused(s)
                 try:
                     g = gap(fn(), ref)

@@ -113,6 +113,61 @@ if HAVE_TRITON:
         w = tl.load(w_ptr + c, mask=live, other=0.0).to(tl.float32)
         tl.store(h_ptr + row * s_h + c, (xf * rstd * w).to(h_ptr.dtype.element_ty), mask=live)
 
+    @triton.jit
+    def _qkv_rope_kernel(
+        x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, M, K, sxm, swn, sc_b, sc_d,
+        sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t,
+        rep: tl.constexpr, dim: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):  # fmt: skip
+        # program (head, column slice j of it, row tile): the head's columns j*BN.. and, for RoPE, the columns
+        # half a head away (x @ w.T at the rolled rows of w: a second dot on weight rows this program reads anyway)
+        pid, pid_m = tl.program_id(0), tl.program_id(1)
+        per_head: tl.constexpr = dim // BN
+        head, j = pid // per_head, pid % per_head
+        g, r = head // (rep + 2), head % (rep + 2)  # megatron-core's layout: per group rep q heads, k, v
+        rm = pid_m * BM + tl.arange(0, BM)
+        cols = j * BN + tl.arange(0, BN)  # within the head
+        rolled = (cols + dim // 2) % dim
+        rk = tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], tl.float32)
+        acc_r = tl.zeros([BM, BN], tl.float32)
+        rows_w = w_ptr + (head * dim + cols)[None, :].to(tl.int64) * swn
+        rows_r = w_ptr + (head * dim + rolled)[None, :].to(tl.int64) * swn
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                        other=0.0)  # fmt: skip
+            acc = tl.dot(x, tl.load(rows_w + kk[:, None], mask=kk[:, None] < K, other=0.0), acc)
+            # (v's programs need no rolled columns; one loop for every head keeps the pipeline simple)
+            acc_r = tl.dot(x, tl.load(rows_r + kk[:, None], mask=kk[:, None] < K, other=0.0), acc_r)
+        dt: tl.constexpr = q_ptr.dtype.element_ty
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + head * dim + cols).to(tl.float32)[None, :]
+            acc_r += tl.load(b_ptr + head * dim + rolled).to(tl.float32)[None, :]
+        val = _round_to(acc, dt)  # the qkv GEMM's output as F.linear writes it
+        live = rm[:, None] < M
+        b = rm.to(tl.int64)
+        if r == rep + 1:
+            pos = tl.load(pos_ptr + rm, mask=rm < M, other=0)
+            at = v_ptr + b[:, None] * sv_b + g * sv_g + pos[:, None] * sv_t + cols[None, :]
+            tl.store(at, val.to(v_ptr.dtype.element_ty), mask=live)
+        else:  # decode_fused.rope_kv_write's formula and rounding
+            cos = tl.load(cos_ptr + b[:, None] * sc_b + cols[None, :] * sc_d, mask=live, other=0.0).to(
+                tl.float32
+            )
+            sin = tl.load(sin_ptr + b[:, None] * sc_b + cols[None, :] * sc_d, mask=live, other=0.0).to(
+                tl.float32
+            )
+            rot = (val * cos + _round_to(acc_r, dt) * sin).to(dt)
+            if r == rep:
+                pos = tl.load(pos_ptr + rm, mask=rm < M, other=0)
+                at = k_ptr + b[:, None] * sk_b + g * sk_g + pos[:, None] * sk_t + cols[None, :]
+                tl.store(at, rot.to(k_ptr.dtype.element_ty), mask=live)
+            else:
+                at = q_ptr + b[:, None] * sq_b + g * sq_g + r * sq_r + cols[None, :]
+                tl.store(at, rot, mask=live)
+
 
 def row_tile(rows: int) -> int:
     """The row tile for ``rows`` rows: a power of two from 16 (``tl.dot``'s least) to 64."""
@@ -151,6 +206,30 @@ def splitk_gemm(x: torch.Tensor, w: torch.Tensor, splits: int, bn: int = 64, bk:
     return parts
 
 
+def qkv_rope(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+             positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rep: int, dim: int,
+             bn: int | None = None, bk: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:  # fmt: skip
+    """The decode step's qkv GEMM, RoPE and KV-cache write in one kernel: x [B, h], w [G*(rep+2)*D, h] (per
+    group rep query heads, then k, then v), bias [G*(rep+2)*D] or None, cos / signed sin [B, D], positions [B],
+    k_cache / v_cache [B, G, T, D] (unit stride in D) -> rotated q [B, G, rep, D]; rotated k and raw v written
+    at each row's position. ``F.linear`` (rounded to x's dtype) then ``decode_fused.rope_kv_write``'s formula.
+    ``bn``: columns of a head per program (D, D/2, D/4: more programs for few rows)."""
+    rows, k = x.shape
+    heads = w.shape[0] // dim
+    groups = heads // (rep + 2)
+    bn = dim if bn is None else bn
+    q = torch.empty(rows, groups, rep, dim, dtype=x.dtype, device=x.device)
+    bm = row_tile(rows)
+    _qkv_rope_kernel[(heads * (dim // bn), triton.cdiv(rows, bm))](
+        x, w, w if bias is None else bias, cos, sin, positions, q, k_cache, v_cache, rows, k, x.stride(0),
+        w.stride(0), cos.stride(0), cos.stride(1), q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), rep=rep, dim=dim, HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return q
+
+
 def add_rms_norm_parts(x: torch.Tensor, parts: torch.Tensor, weight: torch.Tensor, eps: float):
     """x [M, h] (unit stride in h), parts [S, M, h] fp32 (``splitk_gemm``), weight [h] -> (x + y, rms_norm of
     it), y the partials' sum rounded to x's dtype: ``decode_fused.add_rms_norm(x, F.linear(...), ...)``."""
@@ -168,7 +247,9 @@ def add_rms_norm_parts(x: torch.Tensor, parts: torch.Tensor, weight: torch.Tenso
 # --- where the decoder uses them -------------------------------------------------------------------------
 # MEGATRON_RL_DECODE_GEMM=0 (or false/off/no) keeps cuBLAS and the separate elementwise kernels everywhere.
 ON_CUDA = env_switch("MEGATRON_RL_DECODE_GEMM", True)
-PARTS = ("fc1", "fc2", "proj")  # fc1 + SwiGLU; fc2 / the attention output projection + add + RMSNorm
+# qkv + RoPE + the KV write; fc1 + SwiGLU; fc2 / the attention output projection + add + RMSNorm
+PARTS = ("qkv", "fc1", "fc2", "proj")
+SPLIT_K = ("fc2", "proj")
 _KEYS = {"bn", "bk", "num_warps", "num_stages", "splits"}
 # Per part, the launch setting for a decode step of up to that many rows (the smallest entry >= the rows
 # serves; null or past the last entry: cuBLAS). Empty until measured on a GPU: benchmarks/bench_decode_gemm.py
@@ -195,7 +276,7 @@ def parse_table(raw: object, source: str) -> dict[str, dict[int, dict | None]]:
                 isinstance(s, dict) and set(s) <= _KEYS and {"bn", "bk"} <= set(s)
                 and all(isinstance(v, int) and v > 0 for v in s.values())
                 and all(s[k] & (s[k] - 1) == 0 and s[k] >= 16 for k in ("bn", "bk"))
-                and (part == "fc1") == ("splits" not in s)
+                and (part in SPLIT_K) == ("splits" in s)
             )  # fmt: skip
             if not ok:
                 raise ValueError(
@@ -230,12 +311,14 @@ _PASSED: set[tuple] = set()
 _FAILED: dict[tuple, str] = {}
 
 
-def usable(part: str, x: torch.Tensor, w: torch.Tensor) -> dict | None:
-    """The setting ``part`` runs with for input x [rows, K] and weight w (``setting``), where the kernels
-    serve x's device and dtype (``decode_fused``'s rule and switches, and ``ON_CUDA``) and a one-time trial
-    of that launch (x's row tile, the weight's shape) against cuBLAS and the unfused kernels passed; else None.
-    The trial runs eagerly (the engine's warm-up step precedes each capture); not yet tried while a graph is
-    captured, the part keeps cuBLAS in that graph. A failed trial warns once and keeps cuBLAS."""
+def usable(part: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, rep: int = 0,
+           dim: int = 0) -> dict | None:  # fmt: skip
+    """The setting ``part`` runs with for input x [rows, K] and weight w (``setting``; for ``qkv`` also its bias,
+    the query heads per group and the head dim), where the kernels serve x's device and dtype
+    (``decode_fused``'s rule and switches, and ``ON_CUDA``) and a one-time trial of that launch (x's row tile,
+    the weight's shape) against cuBLAS and the unfused kernels passed; else None. The trial runs eagerly (the
+    engine's warm-up step precedes each capture); not yet tried while a graph is captured, the part keeps
+    cuBLAS in that graph. A failed trial warns once and keeps cuBLAS."""
     s = setting(part, x.shape[0])
     if (
         s is None
@@ -244,13 +327,14 @@ def usable(part: str, x: torch.Tensor, w: torch.Tensor) -> dict | None:
         or (x.device.type == "cuda" and not ON_CUDA)
     ):
         return None
-    key = (part, tuple(sorted(s.items())), row_tile(x.shape[0]), tuple(w.shape), x.dtype, x.device.type)
+    key = (part, tuple(sorted(s.items())), row_tile(x.shape[0]), tuple(w.shape), bias is not None, rep, dim,
+           x.dtype, x.device.type)  # fmt: skip
     if key in _PASSED:
         return s
     if key in _FAILED or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return None
     try:
-        _trial(part, s, x, w)
+        _trial(part, s, x, w, bias, rep, dim)
     except Exception as exc:  # noqa: BLE001 - any failure: cuBLAS serves, loudly
         _FAILED[key] = f"{type(exc).__name__}: {exc}".splitlines()[0]
         warnings.warn(
@@ -263,22 +347,34 @@ def usable(part: str, x: torch.Tensor, w: torch.Tensor) -> dict | None:
     return s
 
 
-def _trial(part: str, s: dict, x: torch.Tensor, w: torch.Tensor) -> None:
+def _trial(part: str, s: dict, x: torch.Tensor, w: torch.Tensor, bias, rep: int, dim: int) -> None:
     g = torch.Generator().manual_seed(0)
-    xt = torch.randn(x.shape, generator=g).to(x.device, x.dtype)
-    if part == "fc1":
-        got, want = swiglu_gemm(xt, w, **s), decode_fused.swiglu_reference(F.linear(xt, w))
+    rows, dev, dt = x.shape[0], x.device, x.dtype
+    xt = torch.randn(x.shape, generator=g).to(dev, dt)
+    if part == "qkv":
+        if dim % s["bn"]:
+            raise ValueError(f"bn {s['bn']} does not divide the head dim {dim}")
+        groups = w.shape[0] // ((rep + 2) * dim)
+        pos = torch.randint(0, 8, (rows,), generator=g).to(dev)
+        cos, sin = (torch.randn(rows, dim, generator=g).to(dev, dt) for _ in range(2))
+        caches = torch.randn(2, rows, groups, 8, dim, generator=g).to(dev, dt)
+        ref = caches.clone()
+        qkv = F.linear(xt, w, bias).view(rows, groups, rep + 2, dim)
+        want = [decode_fused.rope_kv_write_reference(qkv, cos, sin, pos, ref[0], ref[1]), ref]
+        got = [qkv_rope(xt, w, bias, cos, sin, pos, caches[0], caches[1], rep, dim, **s), caches]
+    elif part == "fc1":
+        got, want = [swiglu_gemm(xt, w, **s)], [decode_fused.swiglu_reference(F.linear(xt, w))]
     else:
         s = dict(s)
-        resid = torch.randn(x.shape[0], w.shape[0], generator=g).to(x.device, x.dtype)
-        norm = torch.ones(w.shape[0], device=x.device, dtype=x.dtype)
+        resid = torch.randn(rows, w.shape[0], generator=g).to(dev, dt)
+        norm = torch.ones(w.shape[0], device=dev, dtype=dt)
         parts = splitk_gemm(xt, w, s.pop("splits"), **s)
-        got = add_rms_norm_parts(resid, parts, norm, 1e-6)
-        want = decode_fused.add_rms_norm_reference(resid, F.linear(xt, w), norm, 1e-6)
-        got, want = got[1], want[1]
-    scale = float(want.float().abs().max())
-    gap = float((got.float() - want.float()).abs().max())
-    if not gap <= 2e-2 * max(scale, 1e-6):  # nan fails too
-        raise ValueError(
-            f"result differs from cuBLAS and the unfused kernels by {gap:.3g} (largest value {scale:.3g})"
-        )
+        got = [add_rms_norm_parts(resid, parts, norm, 1e-6)[1]]
+        want = [decode_fused.add_rms_norm_reference(resid, F.linear(xt, w), norm, 1e-6)[1]]
+    for a, b in zip(got, want):
+        scale = float(b.float().abs().max())
+        gap = float((a.float() - b.float()).abs().max())
+        if not gap <= 2e-2 * max(scale, 1e-6):  # nan fails too
+            raise ValueError(
+                f"result differs from cuBLAS and the unfused kernels by {gap:.3g} (largest value {scale:.3g})"
+            )

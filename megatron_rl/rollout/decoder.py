@@ -295,7 +295,9 @@ def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: t
                   positions: torch.Tensor, Tmax: int, prefix=None, logits_out=None) -> torch.Tensor:  # fmt: skip
     """``decode`` with the fused Triton kernels (``kernels.decode_fused``, on by default on CUDA, ``MEGATRON_RL_FUSED_DECODE=0`` off),
     each where its trial passed (else that step's reference ops): RoPE + the KV-cache write in one kernel,
-    each residual add with the RMSNorm after it, SwiGLU on one fc1 GEMM's output. Not the exact path."""
+    each residual add with the RMSNorm after it, SwiGLU on one fc1 GEMM's output; and ``decode_gemm``'s GEMMs
+    with their neighbours inside at the row counts its table names (qkv + RoPE + KV write, fc1 + SwiGLU, fc2 /
+    proj with add + RMSNorm). Not the exact path."""
     B = tokens.shape[0]
     rep = spec.num_attention_heads // spec.num_query_groups
     eps = spec.norm_eps
@@ -306,23 +308,26 @@ def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: t
 
     h = rms_norm(x, w.layers[0]["ln1"], eps) if w.layers else x
     for i, layer in enumerate(w.layers):
-        qkv = _qkv(h[:, None], layer, spec)[:, 0]  # [B, Gl, rep+2, D]
         k_cache, v_cache = cache[i, 0, :B, :, :Tmax], cache[i, 1, :B, :, :Tmax]  # [B, Gl, Tmax, D]
-        fused_rope = decode_fused.usable("rope_kv_write", qkv)
-        if fused_rope and decode_kernel.rope_usable(qkv):  # RoPE, the KV write and attention in one kernel
-            a = decode_kernel.rope_decode_attention(qkv, cos2, sin2, k_cache, v_cache, positions, prefix)
+        qs = None  # decode_gemm's qkv GEMM with RoPE and the KV write (no qk-norm between them)
+        if not spec.qk_norm and not decode_kernel.ROPE_IN_ATTENTION:
+            qs = decode_gemm.usable("qkv", h, layer["qkv_w"], layer.get("qkv_b"), rep, spec.head_dim)
+        if qs is not None:
+            args = (
+                layer["qkv_w"],
+                layer.get("qkv_b"),
+                cos2,
+                sin2,
+                positions,
+                k_cache,
+                v_cache,
+                rep,
+                spec.head_dim,
+            )
+            q = decode_gemm.qkv_rope(h, *args, **qs)  # [B, Gl, rep, D]
+            a = decode_attention(q, k_cache, v_cache, mask, positions, prefix)
         else:
-            if fused_rope:
-                q = decode_fused.rope_kv_write(
-                    qkv, cos2, sin2, positions, k_cache, v_cache
-                )  # [B, Gl, rep, D]
-            else:
-                rot = apply_rope(qkv, cos[:, 0], sin[:, 0])
-                batch = torch.arange(B, device=tokens.device)
-                k_cache[batch, :, positions] = rot[:, :, rep]
-                v_cache[batch, :, positions] = qkv[:, :, rep + 1]
-                q = rot[:, :, :rep]
-            a = decode_attention(q, k_cache, v_cache, mask, positions, prefix)  # [B, Gl, rep, D]
+            a = _rope_attention(h, layer, spec, cos, sin, positions, k_cache, v_cache, mask, prefix)
         a = a.reshape(B, -1)  # [B, Hl*D]
         x, h = _linear_add_norm(x, a, layer["proj"], layer["ln2"], w, spec, "proj")
         act = _fc1_swiglu(h, layer["fc1"])  # [B, F/tp]
@@ -331,6 +336,27 @@ def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: t
     if not w.layers:
         h = rms_norm(x, w.final_norm, eps)
     return logits(h, w, spec, out=logits_out)
+
+
+def _rope_attention(h, layer, spec: ModelArgs, cos, sin, positions, k_cache, v_cache, mask, prefix):
+    """The decode step's qkv GEMM (cuBLAS), qk-norm, RoPE with the KV-cache write and attention ->
+    [B, Gl, rep, D]: the fused Triton kernels where their trials passed (RoPE and the KV write in one, or with
+    ``ROPE_IN_ATTENTION`` inside the attention kernel), else the reference ops."""
+    B, rep = h.shape[0], spec.num_attention_heads // spec.num_query_groups
+    cos2, sin2 = cos[:, 0, 0, 0], sin[:, 0, 0, 0]  # [B, D]
+    qkv = _qkv(h[:, None], layer, spec)[:, 0]  # [B, Gl, rep+2, D]
+    fused_rope = decode_fused.usable("rope_kv_write", qkv)
+    if fused_rope and decode_kernel.rope_usable(qkv):  # RoPE, the KV write and attention in one kernel
+        return decode_kernel.rope_decode_attention(qkv, cos2, sin2, k_cache, v_cache, positions, prefix)
+    if fused_rope:
+        q = decode_fused.rope_kv_write(qkv, cos2, sin2, positions, k_cache, v_cache)  # [B, Gl, rep, D]
+    else:
+        rot = apply_rope(qkv, cos[:, 0], sin[:, 0])
+        batch = torch.arange(B, device=h.device)
+        k_cache[batch, :, positions] = rot[:, :, rep]
+        v_cache[batch, :, positions] = qkv[:, :, rep + 1]
+        q = rot[:, :, :rep]
+    return decode_attention(q, k_cache, v_cache, mask, positions, prefix)
 
 
 def _fc1_swiglu(h: torch.Tensor, fc1: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,7 @@ def test_table_parsing_and_row_lookup(tmp_path, monkeypatch):
         ({"fc1": {"8": {"bn": 48, "bk": 64}}}, "is not a setting"),
         ({"fc1": {"8": {"bn": 64, "bk": 64, "splits": 2}}}, "splits for fc2 / proj only"),
         ({"fc2": {"8": {"bn": 64, "bk": 64}}}, "is not a setting"),
+        ({"qkv": {"8": {"bn": 64, "bk": 64, "splits": 2}}}, "splits for fc2 / proj only"),
         ({"proj": {"8": {"bn": 64, "bk": 64, "splits": 2, "evil": "os.system"}}}, "is not a setting"),
     ]:
         with pytest.raises(ValueError, match=words) as e:
@@ -91,10 +92,11 @@ def test_table_parsing_and_row_lookup(tmp_path, monkeypatch):
         assert "FILE" in str(e.value)
 
 
-def test_engine_with_the_fused_decode_gemms_equals_hf(monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_engine_with_the_fused_decode_gemms_equals_hf(monkeypatch, arch):
     """The decode step with ``decode_gemm``'s kernels for every part at every row count (interpreted on CPU):
-    they run, passed their trials, greedy equals HF token for token and sampled log-probs equal the HF
-    forward."""
+    they run (qkv + RoPE not with qwen3's qk-norm between them), passed their trials, greedy equals HF token
+    for token and sampled log-probs equal the HF forward."""
     import sys
     from pathlib import Path
 
@@ -104,18 +106,19 @@ def test_engine_with_the_fused_decode_gemms_equals_hf(monkeypatch):
     from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
 
-    hf = tiny_hf("qwen2")
+    hf = tiny_hf(arch)
     spec = spec_of(hf)
     params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
     monkeypatch.setattr(decode_fused, "RUN_ON_CPU", True)
     table = {
+        "qkv": {64: {"bn": 16, "bk": 16}},
         "fc1": {2: {"bn": 32, "bk": 32}, 64: {"bn": 16, "bk": 16, "num_stages": 2}},
         "fc2": {64: {"bn": 16, "bk": 32, "splits": 3}},
         "proj": {64: {"bn": 32, "bk": 16, "splits": 2}},
     }
     monkeypatch.setattr(decode_gemm, "_LOADED", [table])
     calls = []
-    for name in ("swiglu_gemm", "splitk_gemm", "add_rms_norm_parts"):
+    for name in ("qkv_rope", "swiglu_gemm", "splitk_gemm", "add_rms_norm_parts"):
         original = getattr(decode_gemm, name)
         monkeypatch.setattr(
             decode_gemm, name, lambda *a, _n=name, _f=original, **k: calls.append(_n) or _f(*a, **k)
@@ -123,7 +126,9 @@ def test_engine_with_the_fused_decode_gemms_equals_hf(monkeypatch):
     prompts = random_prompts(3, seed=6)
     engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=3))
     out = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=5))
-    assert {"swiglu_gemm", "splitk_gemm", "add_rms_norm_parts"} <= set(calls)
+    assert set(calls) == {"swiglu_gemm", "splitk_gemm", "add_rms_norm_parts"} | (
+        {"qkv_rope"} if arch == "qwen2" else set()
+    )
     assert not decode_gemm._FAILED
     assert [c.response_ids for c in out] == [hf_greedy(hf, p, 5) for p in prompts]
     for c in engine.generate(prompts, SamplingParams(temperature=0.9, max_new_tokens=5, seed=1)):
@@ -145,3 +150,41 @@ def test_a_setting_that_fails_its_trial_warns_once_and_cublas_serves(monkeypatch
     assert decode_gemm.usable("fc1", x, w) is None  # remembered: no second trial, no second warning
     assert decode_gemm.usable("fc1", torch.zeros(9, 32), w) is None  # past the table: cuBLAS, no trial
     assert len(decode_gemm._FAILED) == 1
+
+
+def _rope_inputs(rows, groups, rep, dim, dtype, seed, bias=True, t=12):
+    g = torch.Generator().manual_seed(seed)
+    hidden = 48
+    x, w = _data(rows, hidden, groups * (rep + 2) * dim, dtype, seed)
+    b = torch.randn(groups * (rep + 2) * dim, generator=g).to(dtype) if bias else None
+    pos = torch.randint(0, t, (rows,), generator=g)
+    angles = torch.rand(rows, dim // 2, generator=g) * 6
+    sign = torch.cat((-torch.ones(dim // 2), torch.ones(dim // 2)))
+    cos = torch.cat((angles, angles), -1).cos().to(dtype)
+    sin = (torch.cat((angles, angles), -1).sin() * sign).to(dtype)
+    caches = [torch.randn(rows, groups, t, dim, generator=g).to(dtype) for _ in range(2)]
+    return x, w, b, cos, sin, pos, caches
+
+
+@pytest.mark.parametrize(
+    "rows,groups,rep,dim,bn,dtype,bias",
+    [(1, 2, 3, 32, 32, torch.float32, True), (5, 1, 2, 32, 16, torch.float32, False),
+     (70, 2, 1, 64, 16, torch.float32, True), (9, 2, 3, 32, 32, torch.float16, True)],
+)  # fmt: skip
+def test_qkv_rope_equals_linear_then_rope_kv_write(rows, groups, rep, dim, bn, dtype, bias):
+    x, w, b, cos, sin, pos, (kc, vc) = _rope_inputs(rows, groups, rep, dim, dtype, rows, bias)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    qkv = F.linear(x.float(), w.float(), None if b is None else b.float()).to(
+        dtype
+    )  # the GEMM's output, rounded
+    want = decode_fused.rope_kv_write_reference(
+        qkv.view(rows, groups, rep + 2, dim), cos, sin, pos, ref_k, ref_v
+    )
+    got = decode_gemm.qkv_rope(x, w, b, cos, sin, pos, kc, vc, rep, dim, bn=bn, bk=16)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(kc, ref_k, rtol=tol, atol=tol)
+    torch.testing.assert_close(vc, ref_v, rtol=tol, atol=tol)
+    assert not torch.equal(
+        kc, _rope_inputs(rows, groups, rep, dim, dtype, rows, bias)[-1][0]
+    )  # k was written

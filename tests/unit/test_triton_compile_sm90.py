@@ -19,8 +19,9 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
   ``_draw_combine_kernel``: ``splits`` 2, 64, ``logprobs`` on / off;
 - ``decode_fused``: ``_rope_kv_kernel``: ``exact`` off / on, and on in fp16 (``_round_to``'s cast branch);
   ``_swiglu_kernel``; ``_add_rms_norm_kernel``;
-- ``decode_gemm``: ``_swiglu_gemm_kernel`` and ``_splitk_kernel`` at row tile 16 with the narrowest tiles and
-  at row tile 64 with the widest (the most shared memory); ``_add_rms_norm_parts_kernel``;
+- ``decode_gemm``: ``_swiglu_gemm_kernel``, ``_splitk_kernel`` and ``_qkv_rope_kernel`` (bias on; a quarter head
+  / a whole head a program) at row tile 16 with the narrowest tiles and at row tile 64 with the widest (the
+  most shared memory); ``_add_rms_norm_parts_kernel``;
 - ``batch_invariant_triton``: ``_matmul_kernel``: bias with BN 64 / 4 warps (qkv), no bias with BN 128 /
   8 warps (LM head), fp32 qkv with ``IEEE`` (tl.dot's ieee precision); ``_rms_norm_kernel``;
   ``_add_rms_norm_kernel``; ``_lse_kernel``; ``_shard_max_kernel``; ``_exp_sum_kernel``;
@@ -171,6 +172,12 @@ SCRIPT = textwrap.dedent(
         sk = {"x_ptr": bf, "w_ptr": bf, "p_ptr": f32, "M": rows, "N": H, "K": FFN, "k_split": 640, "sxm": FFN,
               "swn": FFN, "sps": rows * H, "spm": H}
         add(decode_gemm._splitk_kernel, sk, {"BM": bm, "BN": min(bn, 64), "BK": bk}, num_warps=4, num_stages=3)
+        qr = {"x_ptr": bf, "w_ptr": bf, "b_ptr": bf, "cos_ptr": bf, "sin_ptr": bf, "pos_ptr": i64, "q_ptr": bf,
+              "k_ptr": bf, "v_ptr": bf, "M": rows, "K": H, "sxm": H, "swn": H, "sc_b": D, "sc_d": 1}
+        qr |= dict(zip(("sq_b", "sq_g", "sq_r", "sk_b", "sk_g", "sk_t", "sv_b", "sv_g", "sv_t"), DEC_Q + CACHE + CACHE))
+        add(decode_gemm._qkv_rope_kernel, qr,
+            {"rep": 7, "dim": D, "HAS_BIAS": True, "BM": bm, "BN": D // (4 if bm == 16 else 1), "BK": bk},
+            num_warps=4, num_stages=3)
     parts = {"x_ptr": bf, "p_ptr": f32, "w_ptr": bf, "x_out_ptr": bf, "h_ptr": bf, "S": 8, "sps": 512 * H,
              "spm": H, "s_x": H, "s_xo": H, "s_h": H, "hidden": H, "eps": eps}
     add(decode_gemm._add_rms_norm_parts_kernel, parts, {"block": 1024}, num_warps=4)
