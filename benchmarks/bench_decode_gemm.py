@@ -139,10 +139,11 @@ def main():
     w = weights(a.shape, a.layers, dev)
     rows_list = [int(r) for r in a.rows.split(",")]
     res = {"shape": a.shape, "device": torch.cuda.get_device_name(), "layers": a.layers, "parts": {}}
-    table = {}
+    table = {"device": res["device"], "parts": {}}
     t0 = time.time()
     for part in a.parts.split(","):
-        res["parts"][part], table[part] = {}, {}
+        res["parts"][part] = {}
+        table["parts"][part] = {"weight": list(w[part][0].shape), "rows": {}}
         for rows in rows_list:
             base, fused = part_fns(part, w, rows, dev)
             ref = base()
@@ -164,7 +165,9 @@ def main():
             row["speedup"] = row["cublas_us"] / best["us"] if best else None
             res["parts"][part][rows] = row
             win = best is not None and best["us"] < (1 - a.min_gain) * row["cublas_us"]
-            table[part][rows] = {k: v for k, v in best.items() if k not in ("us", "gap")} if win else None
+            table["parts"][part]["rows"][rows] = (
+                {k: v for k, v in best.items() if k not in ("us", "gap")} if win else None
+            )
             print(f"{part} rows {rows}: cuBLAS {row['cublas_us']:.2f} us, fused best "
                   f"{best['us'] if best else float('nan'):.2f} us {best}, {time.time() - t0:.0f}s", flush=True)  # fmt: skip
             with open(a.out, "w") as f:

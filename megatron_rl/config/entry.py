@@ -51,9 +51,16 @@ def checked_layout(cfg: JobConfig, training: bool = True) -> ParallelDims:
     """Validate ``cfg`` against the launch's world size; on bad input, exit with the message."""
     try:
         world = read_launch_env().world_size
-        return validate_job(cfg, world, num_layers=model_num_layers(cfg.model), training=training)
+        dims = validate_job(cfg, world, num_layers=model_num_layers(cfg.model), training=training)
     except LayoutError as err:
         fail(str(err))
+    from megatron_rl.kernels import decode_gemm
+
+    try:
+        decode_gemm.table()  # MEGATRON_RL_DECODE_GEMM_TABLE's file, read and checked before any GPU work
+    except ValueError as err:
+        fail(str(err))
+    return dims
 
 
 def quiet_third_party() -> None:

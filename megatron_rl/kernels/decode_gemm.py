@@ -251,60 +251,114 @@ ON_CUDA = env_switch("MEGATRON_RL_DECODE_GEMM", True)
 PARTS = ("qkv", "fc1", "fc2", "proj")
 SPLIT_K = ("fc2", "proj")
 _KEYS = {"bn", "bk", "num_warps", "num_stages", "splits"}
-# Per part, the launch setting for a decode step of up to that many rows (the smallest entry >= the rows
-# serves; null or past the last entry: cuBLAS). Empty until measured on a GPU: benchmarks/bench_decode_gemm.py
-# writes a table, MEGATRON_RL_DECODE_GEMM_TABLE=FILE puts one in force.
-TABLE: dict[str, dict[int, dict | None]] = {}
+# Per part: the weight shape [N, K] it was measured at (None: any) and, per decode row count, the launch
+# setting for a step of up to that many rows (the smallest entry >= the rows serves; null or past the last
+# entry: cuBLAS). Empty until measured on a GPU: benchmarks/bench_decode_gemm.py writes a table (JSON:
+# {"device": name, "parts": {part: {"weight": [N, K], "rows": {rows: setting or null}}}}),
+# MEGATRON_RL_DECODE_GEMM_TABLE=FILE puts one in force.
+TABLE: dict[str, dict] = {}
 TABLE_ENV = "MEGATRON_RL_DECODE_GEMM_TABLE"
 _LOADED: list = []  # the table in force, read once
 
 
-def parse_table(raw: object, source: str) -> dict[str, dict[int, dict | None]]:
-    """A table as ``TABLE``'s type from its JSON form ({part: {rows: setting or null}}); a key or value that is
-    not one names ``source`` and what is expected."""
-    if not isinstance(raw, dict) or not set(raw) <= set(PARTS):
-        raise ValueError(f"{source}: expected an object with keys among {PARTS}, got {raw!r:.200}")
+def _setting_problem(part: str, s: object) -> str | None:
+    """Why ``s`` is not a launch setting of ``part`` (None: it is one, or null)."""
+    if s is None:
+        return None
+    if not isinstance(s, dict) or not set(s) <= _KEYS:
+        return f"expected null or an object with keys among {sorted(_KEYS)}"
+    if not {"bn", "bk"} <= set(s):
+        return "bn and bk are required"
+    if not all(type(v) is int and v > 0 for v in s.values()):
+        return "every value must be a positive integer"
+    if not all(s[k] & (s[k] - 1) == 0 and s[k] >= 16 for k in ("bn", "bk")):
+        return "bn and bk must be powers of two >= 16"
+    if s.get("num_warps", 4) not in (1, 2, 4, 8, 16):
+        return "num_warps must be 1, 2, 4, 8 or 16"
+    if (part in SPLIT_K) != ("splits" in s):
+        return f"splits is required for {' / '.join(SPLIT_K)} and taken by them only"
+    return None
+
+
+def parse_table(raw: object, source: str) -> dict[str, dict]:
+    """A table as ``TABLE``'s type ({part: {"weight": (N, K) or None, "rows": {rows: setting or None}}}) from
+    its JSON form; anything else raises a ValueError naming ``source``, the key and what is expected."""
+    if (
+        not isinstance(raw, dict)
+        or not set(raw) <= {"device", "parts"}
+        or not isinstance(raw.get("parts"), dict)
+    ):
+        raise ValueError(f'{source}: expected {{"device": ..., "parts": {{part: ...}}}}, got {raw!r:.200}')
     out = {}
-    for part, rows in raw.items():
-        if not isinstance(rows, dict):
-            raise ValueError(f"{source}: {part} must map row counts to settings, got {rows!r:.200}")
-        out[part] = {}
-        for r, s in rows.items():
-            if not str(r).isdigit() or int(r) < 1:
-                raise ValueError(f"{source}: {part}: row count {r!r} is not a positive integer")
-            ok = s is None or (
-                isinstance(s, dict) and set(s) <= _KEYS and {"bn", "bk"} <= set(s)
-                and all(isinstance(v, int) and v > 0 for v in s.values())
-                and all(s[k] & (s[k] - 1) == 0 and s[k] >= 16 for k in ("bn", "bk"))
-                and (part in SPLIT_K) == ("splits" in s)
-            )  # fmt: skip
-            if not ok:
+    for part, entry in raw["parts"].items():
+        if part not in PARTS:
+            raise ValueError(f"{source}: part {part!r} is not one of {PARTS}")
+        if (
+            not isinstance(entry, dict)
+            or not set(entry) <= {"weight", "rows"}
+            or not isinstance(entry.get("rows"), dict)
+        ):
+            raise ValueError(
+                f'{source}: {part} must be {{"weight": [N, K], "rows": {{...}}}}, got {entry!r:.200}'
+            )
+        weight = entry.get("weight")
+        if weight is not None and not (
+            isinstance(weight, list) and len(weight) == 2 and all(type(v) is int for v in weight)
+        ):
+            raise ValueError(f"{source}: {part}: weight {weight!r} is not [N, K]")
+        rows = {}
+        for r, st in entry["rows"].items():
+            if not (str(r).isascii() and str(r).isdigit()) or int(r) < 1 or int(r) in rows:
                 raise ValueError(
-                    f"{source}: {part} at {r} rows: {s!r} is not a setting (null, or bn / bk powers of two >= 16,"
-                    f" optional num_warps / num_stages, and splits for fc2 / proj only)"
+                    f"{source}: {part}: row count {r!r} is not a positive integer, or repeats one"
                 )
-            out[part][int(r)] = s
+            problem = _setting_problem(part, st)
+            if problem:
+                raise ValueError(f"{source}: {part} at {r} rows: {st!r}: {problem}")
+            rows[int(r)] = st
+        out[part] = {"weight": None if weight is None else tuple(weight), "rows": rows}
     return out
 
 
-def table() -> dict[str, dict[int, dict | None]]:
-    """The table in force: ``MEGATRON_RL_DECODE_GEMM_TABLE``'s file where set (read once, JSON only), else
-    ``TABLE``."""
+def _no_repeats(pairs):
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"a key repeats: {sorted(k for k in set(keys) if keys.count(k) > 1)}")
+    return dict(pairs)
+
+
+def table() -> dict[str, dict]:
+    """The table in force: ``MEGATRON_RL_DECODE_GEMM_TABLE``'s file where set (read once, JSON only: no code
+    runs), else ``TABLE``. A file that cannot be read or parsed raises a ValueError naming the variable and
+    the file; the engine reads it when it is built, before any GPU work."""
     if not _LOADED:
         path = os.environ.get(TABLE_ENV)
         if path:
-            with open(path) as f:
-                _LOADED.append(parse_table(json.load(f), f"{TABLE_ENV}={path}"))
+            source = f"{TABLE_ENV}={path}"
+            try:
+                with open(path) as f:
+                    raw = json.load(f, object_pairs_hook=_no_repeats)
+            except (OSError, ValueError) as exc:
+                raise ValueError(
+                    f"{source}: {type(exc).__name__}: {exc} (a JSON table from benchmarks/bench_decode_gemm.py "
+                    f"--table; unset {TABLE_ENV} to run without one)"
+                ) from exc
+            _LOADED.append(parse_table(raw, source))
         else:
             _LOADED.append(TABLE)
     return _LOADED[0]
 
 
-def setting(part: str, rows: int) -> dict | None:
-    """The launch setting of ``part`` for a decode step of ``rows`` rows, or None (cuBLAS serves)."""
-    entries = table().get(part, {})
-    fit = [r for r in entries if r >= rows]
-    return entries[min(fit)] if fit else None
+def setting(part: str, rows: int, weight: tuple | None = None) -> dict | None:
+    """The launch setting of ``part`` for a decode step of ``rows`` rows with a weight of shape ``weight``
+    (None: any), or None (cuBLAS serves): also None where the table was measured at another weight shape."""
+    entry = table().get(part)
+    if entry is None or (
+        weight is not None and entry["weight"] is not None and tuple(weight) != entry["weight"]
+    ):
+        return None
+    fit = [r for r in entry["rows"] if r >= rows]
+    return entry["rows"][min(fit)] if fit else None
 
 
 _PASSED: set[tuple] = set()
@@ -319,13 +373,10 @@ def usable(part: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
     the weight's shape) against cuBLAS and the unfused kernels passed; else None. The trial runs eagerly (the
     engine's warm-up step precedes each capture); not yet tried while a graph is captured, the part keeps
     cuBLAS in that graph. A failed trial warns once and keeps cuBLAS."""
-    s = setting(part, x.shape[0])
-    if (
-        s is None
-        or not HAVE_TRITON
-        or not decode_fused.enabled(x)
-        or (x.device.type == "cuda" and not ON_CUDA)
-    ):
+    if not HAVE_TRITON or not decode_fused.enabled(x) or (x.device.type == "cuda" and not ON_CUDA):
+        return None
+    s = setting(part, x.shape[0], tuple(w.shape))
+    if s is None or x.stride(-1) != 1 or w.stride(-1) != 1:  # the kernels read rows with unit stride in K
         return None
     key = (part, tuple(sorted(s.items())), row_tile(x.shape[0]), tuple(w.shape), bias is not None, rep, dim,
            x.dtype, x.device.type)  # fmt: skip
@@ -369,8 +420,8 @@ def _trial(part: str, s: dict, x: torch.Tensor, w: torch.Tensor, bias, rep: int,
         resid = torch.randn(rows, w.shape[0], generator=g).to(dev, dt)
         norm = torch.ones(w.shape[0], device=dev, dtype=dt)
         parts = splitk_gemm(xt, w, s.pop("splits"), **s)
-        got = [add_rms_norm_parts(resid, parts, norm, 1e-6)[1]]
-        want = [decode_fused.add_rms_norm_reference(resid, F.linear(xt, w), norm, 1e-6)[1]]
+        got = list(add_rms_norm_parts(resid, parts, norm, 1e-6))  # the sum x + y and its norm
+        want = list(decode_fused.add_rms_norm_reference(resid, F.linear(xt, w), norm, 1e-6))
     for a, b in zip(got, want):
         scale = float(b.float().abs().max())
         gap = float((a.float() - b.float()).abs().max())

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_rl.config.rollout_rules import check_engine
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.kernels import batch_invariant
+from megatron_rl.kernels import batch_invariant, decode_gemm
 from megatron_rl.kernels import decode_attention as decode_kernel
 from megatron_rl.logging.timer import annotate
 from megatron_rl.models import lora
@@ -157,6 +157,7 @@ class RolloutEngine:
         self.model = model
         self.spec = check_decodable(spec)
         self.config = config or EngineConfig()
+        decode_gemm.table()  # a bad MEGATRON_RL_DECODE_GEMM_TABLE fails here, before any generation
         self.last_stats = GenerationStats()
         self._state: _DecodeState | None = None  # kept between calls with config.keep_cache
 
