@@ -154,10 +154,10 @@ class RolloutEngine:
     dict of its parameters by local-spec name (read at every ``generate``, so optimizer updates show)."""
 
     def __init__(self, model, spec: ModelArgs, config: EngineConfig | None = None):
+        decode_gemm.table()  # a bad MEGATRON_RL_DECODE_GEMM_TABLE fails here, before any generation
         self.model = model
         self.spec = check_decodable(spec)
         self.config = config or EngineConfig()
-        decode_gemm.table()  # a bad MEGATRON_RL_DECODE_GEMM_TABLE fails here, before any generation
         self.last_stats = GenerationStats()
         self._state: _DecodeState | None = None  # kept between calls with config.keep_cache
 
