@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
 import torch
 import torch.nn.functional as F
 
 from megatron_rl.kernels import decode_fused
-from megatron_rl.kernels.compile import env_switch
+from megatron_rl.kernels.compile import env_switch, trial_once, trial_passed
 
 try:
     import triton
@@ -361,10 +360,6 @@ def setting(part: str, rows: int, weight: tuple | None = None) -> dict | None:
     return entry["rows"][min(fit)] if fit else None
 
 
-_PASSED: set[tuple] = set()
-_FAILED: dict[tuple, str] = {}
-
-
 def usable(part: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, rep: int = 0,
            dim: int = 0) -> dict | None:  # fmt: skip
     """The setting ``part`` runs with for input x [rows, K] and weight w (``setting``; for ``qkv`` also its bias,
@@ -378,24 +373,19 @@ def usable(part: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
     s = setting(part, x.shape[0], tuple(w.shape))
     if s is None or x.stride(-1) != 1 or w.stride(-1) != 1:  # the kernels read rows with unit stride in K
         return None
-    key = (part, tuple(sorted(s.items())), row_tile(x.shape[0]), tuple(w.shape), bias is not None, rep, dim,
-           x.dtype, x.device.type)  # fmt: skip
-    if key in _PASSED:
-        return s
-    if key in _FAILED or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    key = (
+        f"the fused decode GEMM {part} {s} ({x.device.type}, {x.dtype}, row tile {row_tile(x.shape[0])}, weight "
+        f"{tuple(w.shape)}{', bias' if bias is not None else ''}{f', {rep} heads a group of dim {dim}' if rep else ''})"
+    )
+    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing() and not trial_passed(key):
         return None
-    try:
-        _trial(part, s, x, w, bias, rep, dim)
-    except Exception as exc:  # noqa: BLE001 - any failure: cuBLAS serves, loudly
-        _FAILED[key] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        warnings.warn(
-            f"The fused decode GEMM {part} {s} failed its trial at {x.shape[0]} rows; cuBLAS and the separate "
-            f"kernels serve instead (slower, same results up to rounding). Cause: {_FAILED[key]}",
-            stacklevel=2,
-        )
-        return None
-    _PASSED.add(key)
-    return s
+    ok = trial_once(
+        key,
+        lambda: _trial(part, s, x, w, bias, rep, dim),
+        f"The fused decode GEMM {part} {s} failed its trial at {x.shape[0]} rows; cuBLAS and the separate "
+        "kernels serve instead (slower, same results up to rounding).",
+    )
+    return s if ok else None
 
 
 def _trial(part: str, s: dict, x: torch.Tensor, w: torch.Tensor, bias, rep: int, dim: int) -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.kernels import compile as compile_trials
 from megatron_rl.kernels import decode_fused, decode_gemm
 
 pytestmark = pytest.mark.skipif(not decode_gemm.HAVE_TRITON, reason="triton is part of torch's CUDA builds")
@@ -159,8 +160,8 @@ def test_engine_with_the_fused_decode_gemms_equals_hf(monkeypatch, arch):
         "proj": {"weight": None, "rows": {64: {"bn": 32, "bk": 16, "splits": 2}}},
     }
     monkeypatch.setattr(decode_gemm, "_LOADED", [table])
-    monkeypatch.setattr(decode_gemm, "_PASSED", set())
-    monkeypatch.setattr(decode_gemm, "_FAILED", {})
+    monkeypatch.setattr(compile_trials, "_PROBED", set())  # the trials of this test's kernels run here
+    monkeypatch.setattr(compile_trials, "_FAILED", {})
     calls = []
     for name in ("qkv_rope", "swiglu_gemm", "splitk_gemm", "add_rms_norm_parts"):
         original = getattr(decode_gemm, name)
@@ -173,7 +174,7 @@ def test_engine_with_the_fused_decode_gemms_equals_hf(monkeypatch, arch):
     assert set(calls) == {"swiglu_gemm", "splitk_gemm", "add_rms_norm_parts"} | (
         {"qkv_rope"} if arch == "qwen2" else set()
     )
-    assert not decode_gemm._FAILED
+    assert not compile_trials._FAILED and any("decode GEMM" in k for k in compile_trials._PROBED)
     assert [c.response_ids for c in out] == [hf_greedy(hf, p, 5) for p in prompts]
     for c in engine.generate(prompts, SamplingParams(temperature=0.9, max_new_tokens=5, seed=1)):
         assert (
@@ -186,8 +187,8 @@ def test_a_setting_that_fails_its_trial_warns_once_and_cublas_serves(monkeypatch
     monkeypatch.setattr(
         decode_gemm, "_LOADED", [{"fc1": {"weight": None, "rows": {8: {"bn": 32, "bk": 32}}}}]
     )
-    monkeypatch.setattr(decode_gemm, "_PASSED", set())
-    monkeypatch.setattr(decode_gemm, "_FAILED", {})
+    monkeypatch.setattr(compile_trials, "_PROBED", set())  # the trials of this test's kernels run here
+    monkeypatch.setattr(compile_trials, "_FAILED", {})
     monkeypatch.setattr(
         decode_gemm, "swiglu_gemm", lambda x, w, **s: torch.zeros(x.shape[0], w.shape[0] // 2)
     )
@@ -196,7 +197,7 @@ def test_a_setting_that_fails_its_trial_warns_once_and_cublas_serves(monkeypatch
         assert decode_gemm.usable("fc1", x, w) is None
     assert decode_gemm.usable("fc1", x, w) is None  # remembered: no second trial, no second warning
     assert decode_gemm.usable("fc1", torch.zeros(9, 32), w) is None  # past the table: cuBLAS, no trial
-    assert len(decode_gemm._FAILED) == 1
+    assert len(compile_trials._FAILED) == 1 and "decode GEMM fc1" in next(iter(compile_trials._FAILED))
 
 
 def _rope_inputs(rows, groups, rep, dim, dtype, seed, bias=True, t=12):
