@@ -134,6 +134,13 @@ def part_fns(part, w, rows, dev):
     return base, fused
 
 
+def write_json(path, obj):
+    """Write ``obj`` to ``path`` whole or not at all (a run killed mid-write leaves the previous file)."""
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(f"{path}.tmp", path)
+
+
 def gap(a, b):
     return max(
         float((x.float() - y.float()).abs().max()) / max(float(y.float().abs().max()), 1e-6)
@@ -197,11 +204,9 @@ def main():
             )
             print(f"{part} rows {rows}: cuBLAS {row['cublas_us']:.2f} us, fused best "
                   f"{best['us'] if best else float('nan'):.2f} us {best}, {time.time() - t0:.0f}s", flush=True)  # fmt: skip
-            with open(a.out, "w") as f:
-                json.dump(res, f, indent=1)
+            write_json(a.out, res)
             if a.table:  # as it stands after each row: a run cut short still leaves the rows it measured
-                with open(a.table, "w") as f:
-                    json.dump(table, f, indent=1)
+                write_json(a.table, table)
     print(json.dumps(table))
 
 

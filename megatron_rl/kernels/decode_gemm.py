@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +125,10 @@ if HAVE_TRITON:
         pid, pid_m = tl.program_id(0), tl.program_id(1)
         per_head: tl.constexpr = dim // BN
         head, j = pid // per_head, pid % per_head
-        g, r = head // (rep + 2), head % (rep + 2)  # megatron-core's layout: per group rep q heads, k, v
+        g, r = (
+            (head // (rep + 2)).to(tl.int64),
+            head % (rep + 2),
+        )  # megatron-core's layout: per group rep q, k, v
         rm = pid_m * BM + tl.arange(0, BM)
         cols = j * BN + tl.arange(0, BN)  # within the head
         rolled = (cols + dim // 2) % dim
@@ -250,12 +254,12 @@ ON_CUDA = env_switch("MEGATRON_RL_DECODE_GEMM", True)
 PARTS = ("qkv", "fc1", "fc2", "proj")
 SPLIT_K = ("fc2", "proj")
 _KEYS = {"bn", "bk", "num_warps", "num_stages", "splits"}
-# Per part: the weight shape [N, K] it was measured at (None: any) and, per decode row count, the launch
-# setting for a step of up to that many rows (the smallest entry >= the rows serves; null or past the last
-# entry: cuBLAS). Empty until measured on a GPU: benchmarks/bench_decode_gemm.py writes a table (JSON:
-# {"device": name, "parts": {part: {"weight": [N, K], "rows": {rows: setting or null}}}}),
+# Per part, per weight shape [N, K] measured (None: any): per decode row count, the launch setting for a step
+# of up to that many rows (the smallest entry >= the rows serves; null or past the last entry: cuBLAS). Empty
+# until measured on a GPU: benchmarks/bench_decode_gemm.py writes a table (JSON: {"device": name, "parts":
+# {part: {"weight": [N, K], "rows": {rows: setting or null}}}}, a part's value also a list of such objects),
 # MEGATRON_RL_DECODE_GEMM_TABLE=FILE puts one in force.
-TABLE: dict[str, dict] = {}
+TABLE: dict[str, list[dict]] = {}
 TABLE_ENV = "MEGATRON_RL_DECODE_GEMM_TABLE"
 _LOADED: list = []  # the table in force, read once
 
@@ -279,9 +283,10 @@ def _setting_problem(part: str, s: object) -> str | None:
     return None
 
 
-def parse_table(raw: object, source: str) -> dict[str, dict]:
-    """A table as ``TABLE``'s type ({part: {"weight": (N, K) or None, "rows": {rows: setting or None}}}) from
-    its JSON form; anything else raises a ValueError naming ``source``, the key and what is expected."""
+def parse_table(raw: object, source: str) -> dict[str, list[dict]]:
+    """A table as ``TABLE``'s type ({part: [{"weight": (N, K) or None, "rows": {rows: setting or None}}, ...]})
+    from its JSON form (a part's value one such object or a list of them, one per weight shape: the sizes and
+    TP degrees measured); anything else raises a ValueError naming ``source``, the key and what is expected."""
     if (
         not isinstance(raw, dict)
         or not set(raw) <= {"device", "parts"}
@@ -289,33 +294,38 @@ def parse_table(raw: object, source: str) -> dict[str, dict]:
     ):
         raise ValueError(f'{source}: expected {{"device": ..., "parts": {{part: ...}}}}, got {raw!r:.200}')
     out = {}
-    for part, entry in raw["parts"].items():
+    for part, entries in raw["parts"].items():
         if part not in PARTS:
             raise ValueError(f"{source}: part {part!r} is not one of {PARTS}")
-        if (
-            not isinstance(entry, dict)
-            or not set(entry) <= {"weight", "rows"}
-            or not isinstance(entry.get("rows"), dict)
-        ):
-            raise ValueError(
-                f'{source}: {part} must be {{"weight": [N, K], "rows": {{...}}}}, got {entry!r:.200}'
-            )
-        weight = entry.get("weight")
-        if weight is not None and not (
-            isinstance(weight, list) and len(weight) == 2 and all(type(v) is int for v in weight)
-        ):
-            raise ValueError(f"{source}: {part}: weight {weight!r} is not [N, K]")
-        rows = {}
-        for r, st in entry["rows"].items():
-            if not (str(r).isascii() and str(r).isdigit()) or int(r) < 1 or int(r) in rows:
+        out[part] = []
+        for entry in entries if isinstance(entries, list) else [entries]:
+            if (
+                not isinstance(entry, dict)
+                or not set(entry) <= {"weight", "rows"}
+                or not isinstance(entry.get("rows"), dict)
+            ):
                 raise ValueError(
-                    f"{source}: {part}: row count {r!r} is not a positive integer, or repeats one"
+                    f'{source}: {part} must be {{"weight": [N, K], "rows": {{...}}}} or a list of them, got {entry!r:.200}'
                 )
-            problem = _setting_problem(part, st)
-            if problem:
-                raise ValueError(f"{source}: {part} at {r} rows: {st!r}: {problem}")
-            rows[int(r)] = st
-        out[part] = {"weight": None if weight is None else tuple(weight), "rows": rows}
+            weight = entry.get("weight")
+            if weight is not None and not (
+                isinstance(weight, list) and len(weight) == 2 and all(type(v) is int for v in weight)
+            ):
+                raise ValueError(f"{source}: {part}: weight {weight!r} is not [N, K]")
+            rows = {}
+            for r, st in entry["rows"].items():
+                if not (str(r).isascii() and str(r).isdigit()) or int(r) < 1 or int(r) in rows:
+                    raise ValueError(
+                        f"{source}: {part}: row count {r!r} is not a positive integer, or repeats one"
+                    )
+                problem = _setting_problem(part, st)
+                if problem:
+                    raise ValueError(f"{source}: {part} at {r} rows: {st!r}: {problem}")
+                rows[int(r)] = st
+            out[part].append({"weight": None if weight is None else tuple(weight), "rows": rows})
+        shapes = [e["weight"] for e in out[part]]
+        if len(set(shapes)) != len(shapes):
+            raise ValueError(f"{source}: {part}: a weight shape has two entries ({shapes})")
     return out
 
 
@@ -326,7 +336,7 @@ def _no_repeats(pairs):
     return dict(pairs)
 
 
-def table() -> dict[str, dict]:
+def table() -> dict[str, list[dict]]:
     """The table in force: ``MEGATRON_RL_DECODE_GEMM_TABLE``'s file where set (read once, JSON only: no code
     runs), else ``TABLE``. A file that cannot be read or parsed raises a ValueError naming the variable and
     the file; the engine reads it when it is built, before any GPU work."""
@@ -348,13 +358,24 @@ def table() -> dict[str, dict]:
     return _LOADED[0]
 
 
+_UNMATCHED: set[tuple] = set()  # (part, weight shape) told once that the table has no entry for it
+
+
 def setting(part: str, rows: int, weight: tuple | None = None) -> dict | None:
     """The launch setting of ``part`` for a decode step of ``rows`` rows with a weight of shape ``weight``
-    (None: any), or None (cuBLAS serves): also None where the table was measured at another weight shape."""
-    entry = table().get(part)
-    if entry is None or (
-        weight is not None and entry["weight"] is not None and tuple(weight) != entry["weight"]
-    ):
+    (None: any), or None (cuBLAS serves). The entry measured at that weight shape serves (else one without a
+    shape); where the part has entries for other shapes only, cuBLAS serves and a warning says so once."""
+    entries = table().get(part, [])
+    entry = next((e for e in entries if weight is not None and e["weight"] == tuple(weight)), None)
+    entry = entry or next((e for e in entries if e["weight"] is None), None)
+    if entry is None:
+        if entries and (part, weight) not in _UNMATCHED:
+            _UNMATCHED.add((part, weight))
+            warnings.warn(
+                f"{TABLE_ENV}: the {part} entries were measured at weights {[e['weight'] for e in entries]}, not "
+                f"{weight}; cuBLAS serves it (run benchmarks/bench_decode_gemm.py at this model's shape and TP)",
+                stacklevel=3,
+            )
         return None
     fit = [r for r in entry["rows"] if r >= rows]
     return entry["rows"][min(fit)] if fit else None
@@ -364,17 +385,18 @@ def usable(part: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
            dim: int = 0) -> dict | None:  # fmt: skip
     """The setting ``part`` runs with for input x [rows, K] and weight w (``setting``; for ``qkv`` also its bias,
     the query heads per group and the head dim), where the kernels serve x's device and dtype
-    (``decode_fused``'s rule and switches, and ``ON_CUDA``) and a one-time trial of that launch (x's row tile,
+    (``decode_fused``'s rule and switches, and ``ON_CUDA``) and a one-time trial of that launch (x's rows,
     the weight's shape) against cuBLAS and the unfused kernels passed; else None. The trial runs eagerly (the
     engine's warm-up step precedes each capture); not yet tried while a graph is captured, the part keeps
     cuBLAS in that graph. A failed trial warns once and keeps cuBLAS."""
     if not HAVE_TRITON or not decode_fused.enabled(x) or (x.device.type == "cuda" and not ON_CUDA):
         return None
     s = setting(part, x.shape[0], tuple(w.shape))
-    if s is None or x.stride(-1) != 1 or w.stride(-1) != 1:  # the kernels read rows with unit stride in K
-        return None
+    if s is None or x.stride(-1) != 1 or w.stride(-1) != 1 or (bias is not None and bias.stride(-1) != 1):
+        return None  # (the kernels read rows with unit stride in K)
+    # per row count, not per row tile: Triton compiles M == 1 and M % 16 == 0 apart, and each compile is tried
     key = (
-        f"the fused decode GEMM {part} {s} ({x.device.type}, {x.dtype}, row tile {row_tile(x.shape[0])}, weight "
+        f"the fused decode GEMM {part} {s} ({x.device.type}, {x.dtype}, {x.shape[0]} rows, weight "
         f"{tuple(w.shape)}{', bias' if bias is not None else ''}{f', {rep} heads a group of dim {dim}' if rep else ''})"
     )
     if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing() and not trial_passed(key):

@@ -90,7 +90,11 @@ def test_tokenizer_larger_than_the_embedding_is_refused_before_weights_load(tmp_
 
 def test_bad_decode_gemm_table_fails_at_launch(tmp_path, monkeypatch):
     table = tmp_path / "table.json"
-    table.write_text('{"device": "x", "parts": {"fc1": {"weight": null, "rows": {"8": {"bn": 48, "bk": 64}}}}}')
+    table.write_text(
+        '{"device": "x", "parts": {"fc1": {"weight": null, "rows": {"8": {"bn": 48, "bk": 64}}}}}'
+    )
     monkeypatch.setenv("MEGATRON_RL_DECODE_GEMM_TABLE", str(table))
     err = _fails(tmp_path)
-    assert f"MEGATRON_RL_DECODE_GEMM_TABLE={table}" in err and "fc1 at 8 rows" in err and "powers of two" in err
+    assert (
+        f"MEGATRON_RL_DECODE_GEMM_TABLE={table}" in err and "fc1 at 8 rows" in err and "powers of two" in err
+    )

@@ -6,8 +6,9 @@
 # the table of settings that win), then the 0.5B spread and fixed steps without the table (the tree as it is:
 # the built-in table is empty; these carry session 23's sync audit) and with it (MEGATRON_RL_DECODE_GEMM_TABLE),
 # the on-runs only where the table has a winning entry. Carry `.whl`; ~8-9 min on an H100 or H200.
-# GUARD (seconds for all parts, default 590), GEMM_S (the GEMM bench's limit), GEMM_ARGS (its extra arguments)
-# and SKIP_CHECK=1 shorten it.
+# GUARD (seconds for all parts, default 590), GEMM_S (the GEMM bench's limit, default 200 s: ~120 Triton
+# compiles on a fresh machine), GEMM_ARGS (its arguments, default --rows 16,32,64,128,256) and SKIP_CHECK=1 shorten
+# it; a part that would pass GUARD is skipped (the "on" runs come after their baselines).
 set -u
 O=$OUT/cS; mkdir -p "$O"; T0=$SECONDS
 t() { local lim=$1 name=$2; shift 2; if (( SECONDS - T0 + lim > ${GUARD:-590} )); then echo "$name skipped (time)"; return; fi
@@ -17,7 +18,7 @@ K=(actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu=auto rollout.max_n
 B=(python3 benchmarks/bench_rl_step.py --shape qwen2.5-0.5b)
 TAB=$O/decode_gemm_table.json
 [ -z "${SKIP_CHECK:-}" ] && t 70 check_graphs python3 benchmarks/check_decode_graphs.py --out "$O/check_decode_graphs.json"  # exits 1 on a problem
-t "${GEMM_S:-160}" gemm python3 benchmarks/bench_decode_gemm.py --out "$O/decode_gemm.json" --table "$TAB" ${GEMM_ARGS:-}
+t "${GEMM_S:-200}" gemm python3 benchmarks/bench_decode_gemm.py --out "$O/decode_gemm.json" --table "$TAB" ${GEMM_ARGS:---rows 16,32,64,128,256}
 t 90 spread_off "${B[@]}" --steps 4 --lengths spread --out "$O/spread_off.json" --sync-audit "$O/syncs_spread.json" "${K[@]}"
 WIN=$(python3 -c 'import json, sys; t = json.load(open(sys.argv[1]))
 print(int(any(v for p in t["parts"].values() for v in p["rows"].values())))' "$TAB" 2>/dev/null || echo 0)
