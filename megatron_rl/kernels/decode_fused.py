@@ -94,16 +94,21 @@ if HAVE_TRITON:
 
     @triton.jit
     def _add_rms_norm_kernel(
-        x_ptr, y_ptr, w_ptr, x_out_ptr, h_ptr, s_x, s_y, s_xo, s_h, hidden, eps, block: tl.constexpr
-    ):
+        x_ptr, y_ptr, w_ptr, x_out_ptr, h_ptr, S, s_ys, s_x, s_y, s_xo, s_h, hidden, eps, block: tl.constexpr
+    ):  # fmt: skip
+        # y: S summands in order (one for ``add_rms_norm``; ``decode_gemm``'s split-K partials, fp32), their sum
+        # rounded to the activation dtype as a GEMM's output is
         row = tl.program_id(0)
         c = tl.arange(0, block)
         live = c < hidden
+        dt: tl.constexpr = x_out_ptr.dtype.element_ty
+        y = tl.zeros([block], tl.float32)
+        for s in range(0, S):
+            y += tl.load(y_ptr + s * s_ys + row * s_y + c, mask=live, other=0.0).to(tl.float32)
+        y = _round_to(y, dt)
         x = tl.load(x_ptr + row * s_x + c, mask=live, other=0.0).to(tl.float32)
-        y = tl.load(y_ptr + row * s_y + c, mask=live, other=0.0).to(tl.float32)
-        x_new = (x + y).to(x_out_ptr.dtype.element_ty)  # rounded as ``x = x + y`` is
-        tl.store(x_out_ptr + row * s_xo + c, x_new, mask=live)
-        xf = x_new.to(tl.float32)
+        xf = _round_to(x + y, dt)  # rounded as ``x = x + y`` is
+        tl.store(x_out_ptr + row * s_xo + c, xf.to(dt), mask=live)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
         w = tl.load(w_ptr + c, mask=live, other=0.0).to(tl.float32)
         tl.store(h_ptr + row * s_h + c, (xf * rstd * w).to(h_ptr.dtype.element_ty), mask=live)
@@ -154,14 +159,16 @@ def swiglu(y: torch.Tensor, block: int = 1024) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float):
     """x, y [N, h] (unit stride in h), weight [h] -> (x + y [N, h] in x's dtype, rms_norm of it [N, h]):
-    fp32 statistics, one rounding after the weight (as ``F.rms_norm``)."""
+    fp32 statistics, one rounding after the weight (as ``F.rms_norm``). y may also be [S, N, h]: S summands
+    added in order and rounded to x's dtype first (``decode_gemm.add_rms_norm_parts``)."""
     rows, hidden = x.shape
+    ys = y if y.dim() == 3 else y[None]
     x_new = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     h = torch.empty_like(x_new)
     block = triton.next_power_of_2(hidden)
     _add_rms_norm_kernel[(rows,)](
-        x, y, weight, x_new, h, x.stride(0), y.stride(0), x_new.stride(0), h.stride(0), hidden, eps,
-        block=block, num_warps=4 if block <= 2048 else 8,
+        x, ys, weight, x_new, h, ys.shape[0], ys.stride(0), x.stride(0), ys.stride(1), x_new.stride(0),
+        h.stride(0), hidden, eps, block=block, num_warps=4 if block <= 2048 else 8,
     )  # fmt: skip
     return x_new, h
 

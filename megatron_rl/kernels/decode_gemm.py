@@ -11,8 +11,8 @@ a small elementwise kernel (~2-2.5 us). Here:
 - ``splitk_gemm``: y = x @ w.T left as ``splits`` fp32 partial sums over slices of K (no atomics: each
   program writes its own slice's tile), so a narrow output (the hidden size) still fills the GPU.
 - ``add_rms_norm_parts``: the sum of those partials in a fixed order, rounded to the activation dtype (the
-  GEMM's output), then the residual add and the RMSNorm after it (``decode_fused.add_rms_norm``'s
-  formula): the split-K reduction costs no kernel of its own.
+  GEMM's output), then the residual add and the RMSNorm after it (``decode_fused.add_rms_norm``'s kernel,
+  which takes the summands): the split-K reduction costs no kernel of its own.
 
 Results are deterministic (a fixed reduction order for a given launch configuration); they are not the
 bits of cuBLAS (another order), so these serve the non-exact decode path only, as ``decode_fused`` does.
@@ -93,25 +93,6 @@ if HAVE_TRITON:
         tl.store(
             p_ptr + s * sps + rm[:, None] * spm + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N)
         )
-
-    @triton.jit
-    def _add_rms_norm_parts_kernel(
-        x_ptr, p_ptr, w_ptr, x_out_ptr, h_ptr, S, sps, spm, s_x, s_xo, s_h, hidden, eps, block: tl.constexpr
-    ):  # fmt: skip
-        row = tl.program_id(0)
-        c = tl.arange(0, block)
-        live = c < hidden
-        y = tl.zeros([block], tl.float32)
-        for s in range(0, S):  # the split-K partials in order: the same sum whatever the rows
-            y += tl.load(p_ptr + s * sps + row * spm + c, mask=live, other=0.0)
-        dt: tl.constexpr = x_out_ptr.dtype.element_ty
-        y = _round_to(y, dt)  # the GEMM's output in the activation dtype, as F.linear returns it
-        x = tl.load(x_ptr + row * s_x + c, mask=live, other=0.0).to(tl.float32)
-        xf = _round_to(x + y, dt)  # rounded as ``x = x + y`` is
-        tl.store(x_out_ptr + row * s_xo + c, xf.to(dt), mask=live)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
-        w = tl.load(w_ptr + c, mask=live, other=0.0).to(tl.float32)
-        tl.store(h_ptr + row * s_h + c, (xf * rstd * w).to(h_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
     def _qkv_rope_kernel(
@@ -235,16 +216,9 @@ def qkv_rope(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cos: t
 
 def add_rms_norm_parts(x: torch.Tensor, parts: torch.Tensor, weight: torch.Tensor, eps: float):
     """x [M, h] (unit stride in h), parts [S, M, h] fp32 (``splitk_gemm``), weight [h] -> (x + y, rms_norm of
-    it), y the partials' sum rounded to x's dtype: ``decode_fused.add_rms_norm(x, F.linear(...), ...)``."""
-    rows, hidden = x.shape
-    x_new = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    h = torch.empty_like(x_new)
-    block = triton.next_power_of_2(hidden)
-    _add_rms_norm_parts_kernel[(rows,)](
-        x, parts, weight, x_new, h, parts.shape[0], parts.stride(0), parts.stride(1), x.stride(0),
-        x_new.stride(0), h.stride(0), hidden, eps, block=block, num_warps=4 if block <= 2048 else 8,
-    )  # fmt: skip
-    return x_new, h
+    it), y the partials' sum rounded to x's dtype: ``decode_fused.add_rms_norm(x, F.linear(...), ...)``, by
+    the same kernel (which sums the partials in order)."""
+    return decode_fused.add_rms_norm(x, parts, weight, eps)
 
 
 # --- where the decoder uses them -------------------------------------------------------------------------

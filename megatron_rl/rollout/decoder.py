@@ -313,18 +313,8 @@ def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: t
         if not spec.qk_norm and not decode_kernel.ROPE_IN_ATTENTION:
             qs = decode_gemm.usable("qkv", h, layer["qkv_w"], layer.get("qkv_b"), rep, spec.head_dim)
         if qs is not None:
-            args = (
-                layer["qkv_w"],
-                layer.get("qkv_b"),
-                cos2,
-                sin2,
-                positions,
-                k_cache,
-                v_cache,
-                rep,
-                spec.head_dim,
-            )
-            q = decode_gemm.qkv_rope(h, *args, **qs)  # [B, Gl, rep, D]
+            q = decode_gemm.qkv_rope(h, layer["qkv_w"], layer.get("qkv_b"), cos2, sin2, positions, k_cache, v_cache,
+                                     rep, spec.head_dim, **qs)  # [B, Gl, rep, D]  # fmt: skip
             a = decode_attention(q, k_cache, v_cache, mask, positions, prefix)
         else:
             a = _rope_attention(h, layer, spec, cos, sin, positions, k_cache, v_cache, mask, prefix)

@@ -18,10 +18,10 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
   on (the default: the block-max skip, noisy and greedy);
   ``_draw_combine_kernel``: ``splits`` 2, 64, ``logprobs`` on / off;
 - ``decode_fused``: ``_rope_kv_kernel``: ``exact`` off / on, and on in fp16 (``_round_to``'s cast branch);
-  ``_swiglu_kernel``; ``_add_rms_norm_kernel``;
+  ``_swiglu_kernel``; ``_add_rms_norm_kernel`` (one bf16 summand, and 8 fp32 split-K partials);
 - ``decode_gemm``: ``_swiglu_gemm_kernel``, ``_splitk_kernel`` and ``_qkv_rope_kernel`` (bias on; a quarter head
   / a whole head a program) at row tile 16 with the narrowest tiles and at row tile 64 with the widest (the
-  most shared memory: each variant's must fit an H100/H200 block's 227 KiB); ``_add_rms_norm_parts_kernel``;
+  most shared memory: each variant's must fit an H100/H200 block's 227 KiB);
 - ``batch_invariant_triton``: ``_matmul_kernel``: bias with BN 64 / 4 warps (qkv), no bias with BN 128 /
   8 warps (LM head), fp32 qkv with ``IEEE`` (tl.dot's ieee precision); ``_rms_norm_kernel``;
   ``_add_rms_norm_kernel``; ``_lse_kernel``; ``_shard_max_kernel``; ``_exp_sum_kernel``;
@@ -159,9 +159,10 @@ SCRIPT = textwrap.dedent(
             {"groups": 2, "rep": 7, "rows": 16, "dim": D, "exact": exact}, num_warps=1)
     add(decode_fused._swiglu_kernel, {"y_ptr": bf, "out_ptr": bf, "s_y": 2 * FFN, "s_o": FFN, "ffn": FFN},
         {"block": 1024})
-    add_norm = {"x_ptr": bf, "y_ptr": bf, "w_ptr": bf, "x_out_ptr": bf, "h_ptr": bf, "s_x": H, "s_y": H,
-                "s_xo": H, "s_h": H, "hidden": H, "eps": eps}
-    add(decode_fused._add_rms_norm_kernel, add_norm, {"block": 1024}, num_warps=4)
+    for y, summands in ((bf, 1), (f32, 8)):  # y itself; decode_gemm's split-K partials (fp32, 512 rows)
+        add_norm = {"x_ptr": bf, "y_ptr": y, "w_ptr": bf, "x_out_ptr": bf, "h_ptr": bf, "S": summands,
+                    "s_ys": 512 * H, "s_x": H, "s_y": H, "s_xo": H, "s_h": H, "hidden": H, "eps": eps}
+        add(decode_fused._add_rms_norm_kernel, add_norm, {"block": 1024}, num_warps=4)
 
     # decode_gemm at 8 rows (row tile 16, the narrowest tiles) and 64+ rows (row tile 64, the widest tiles of
     # bench_decode_gemm's sweep: the most shared memory)
@@ -178,9 +179,6 @@ SCRIPT = textwrap.dedent(
         add(decode_gemm._qkv_rope_kernel, qr,
             {"rep": 7, "dim": D, "HAS_BIAS": True, "BM": bm, "BN": D // (4 if bm == 16 else 1), "BK": 2 * bk},
             num_warps=4, num_stages=3)
-    parts = {"x_ptr": bf, "p_ptr": f32, "w_ptr": bf, "x_out_ptr": bf, "h_ptr": bf, "S": 8, "sps": 512 * H,
-             "spm": H, "s_x": H, "s_xo": H, "s_h": H, "hidden": H, "eps": eps}
-    add(decode_gemm._add_rms_norm_parts_kernel, parts, {"block": 1024}, num_warps=4)
 
     # 512 decode rows: qkv (bias; BN 64, 4 warps), the LM head (BN 128, 8 warps), qkv in fp32 (ieee dot)
     for dt, n, bias, bn, warps in ((bf, QKV, True, 64, 4), (bf, V, False, 128, 8), (f32, QKV, True, 64, 4)):
