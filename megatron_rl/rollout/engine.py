@@ -601,22 +601,22 @@ class _Runner:
                 self._finish_episode(slot, seq)
                 del self.left[slot]
                 self.cache.release(slot)
-                self.state.pos[slot] = 0  # idle: its writes land at 0, inside any attention window
-            self._unlead([slot for slot, *_ in ended])
+            if ended:  # one host-to-device copy for all of them (``pos[slot] = 0`` was a sync a slot)
+                freed = torch.tensor([slot for slot, *_ in ended], device=self.rows.device)
+                # idle: their writes land at 0, inside any attention window
+                self.state.pos.index_fill_(0, freed, 0)
+                self._unlead(freed)
         for slot in self.active:
             self.left[slot] = self.params.max_new_tokens - count[slot]
         self._refresh_kv_need()
 
-    def _unlead(self, freed: list[int]) -> None:
-        """Slots ``freed`` are released (their cache rows may be overwritten by the next admitted prompt):
-        every slot that read its prompt from one of them reads its own copy from now on."""
-        if not freed:
-            return
-        f = torch.tensor(freed, device=self.rows.device)
+    def _unlead(self, freed: torch.Tensor) -> None:
+        """Slots ``freed`` (int64, on the device) are released (their cache rows may be overwritten by the next
+        admitted prompt): every slot that read its prompt from one of them reads its own copy from now on.
+        No host sync (``torch.where``, not a masked assignment)."""
         lead = self.state.lead
-        orphan = torch.isin(lead, f)
-        lead[orphan] = self.rows[orphan]
-        self.state.plen[f] = 0
+        lead.copy_(torch.where(torch.isin(lead, freed), self.rows, lead))
+        self.state.plen.index_fill_(0, freed, 0)
 
     def _next_turns(self, ended: list, count: list[int]) -> list:
         """Ask the session what follows each ended turn; prefill the appended ids onto the slots that go
@@ -729,9 +729,10 @@ class _Runner:
         moved_to = self.rows.clone()
         moved_to[src] = dst
         lead.copy_(moved_to[lead])
-        lead[src], plen[src] = src, 0
-        self.live[src] = False
-        self.state.pos[src] = 0  # idle, as a released slot
+        lead[src] = src
+        plen.index_fill_(0, src, 0)  # not ``plen[src] = 0``: that copies the 0 to the device (a sync)
+        self.live.index_fill_(0, src, False)
+        self.state.pos.index_fill_(0, src, 0)  # idle, as a released slot
         for a, b in zip(movers, dests):
             self.active[b], self.left[b] = self.active.pop(a), self.left.pop(a)
             if a in self.appended:
