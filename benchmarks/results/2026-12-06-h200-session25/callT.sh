@@ -11,7 +11,7 @@ t() { local lim=$1 name=$2; shift 2; if (( SECONDS - T0 + lim > ${GUARD:-590} ))
 nvidia-smi --query-gpu=name --format=csv,noheader
 K=(actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu=auto rollout.max_num_seqs=auto)
 B=(python3 benchmarks/bench_rl_step.py)
-t 100 fixed_off "${B[@]}" --steps 4 --shape qwen2.5-0.5b --out "$O/fixed_off.json" "${K[@]}"
+t 100 fixed_off "${B[@]}" --steps 4 --shape qwen2.5-0.5b --out "$O/fixed_off.json" --sync-audit "$O/syncs_fixed.json" "${K[@]}"
 t 100 fixed_rope env MEGATRON_RL_DECODE_ROPE_IN_ATTENTION=1 "${B[@]}" --steps 4 --shape qwen2.5-0.5b --out "$O/fixed_rope.json" "${K[@]}"
 t 170 fixed_prof "${B[@]}" --steps 2 --shape qwen2.5-0.5b --out "$O/fixed_prof.json" --profile "$O/prof_fixed" "${K[@]}"
 [ -z "${SKIP_3B:-}" ] && t 110 spread_3b "${B[@]}" --steps 3 --shape qwen2.5-3b --lengths spread --out "$O/spread_3b.json" "${K[@]}"
@@ -26,9 +26,15 @@ for f in ("fixed_off", "fixed_rope", "fixed_prof", "spread_3b", "fixed_3b"):
                                                    "decode_fraction_of_hbm_floor", "actor_update_mfu", "timing_s")}),
               "update", [round(s["timing_s"]["update_actor"], 3) for s in d["steps"]],
               "gen", [round(s["timing_s"]["gen"], 3) for s in d["steps"]],
-              "decode ms", [round(s["decode"]["ms_per_decode_step"], 3) for s in d["steps"]])
+              "decode ms", [round(s["decode"]["ms_per_decode_step"], 3) for s in d["steps"]],
+              "sync host s", [round(s["decode"].get("sync_host_s", -1), 3) for s in d["steps"]])
     except Exception as e:
         print(f, "unreadable", e)
+try:
+    a = json.load(open(f"{O}/syncs_fixed.json"))
+    print("syncs_fixed", a["syncs"], {p: v["syncs"] for p, v in a["phases"].items()}, dict(list(a["sites"].items())[:8]))
+except Exception as e:
+    print("syncs_fixed unreadable", e)
 for n in ("generate", "update"):
     try:
         g = json.load(open(f"{O}/prof_fixed/{n}_gaps.json"))
