@@ -102,16 +102,17 @@ def model_shape(mb: MicroBatch) -> tuple[int, int]:
     return (1, mb.packed.total) if mb.packed is not None else (len(mb), mb.seq_len)
 
 
-def _forward(model_chunk, mb: MicroBatch, at_response: bool, cells: torch.Tensor | None):
+def _forward(model_chunk, mb: MicroBatch, at_response: bool, cells: torch.Tensor | None, seq_params=None):
     """One micro-batch through the model: its rows, or its packed row with the THD layout (the response
-    scoring positions then index the packed row)."""
+    scoring positions then index the packed row; ``seq_params``: its layout's ``seq_params()``, built before
+    the schedule)."""
     lay = mb.packed
     if at_response:
         set_head_positions(model_chunk, mb.score_pos if lay is None else lay.score_pos, cells)
     if lay is None:
         return model_chunk(mb.input_ids, _positions(mb.input_ids), attention_mask=None)
     set_rope_positions(model_chunk, lay.positions[0])
-    return model_chunk(lay.input_ids, lay.positions, attention_mask=None, packed_seq_params=lay.seq_params())
+    return model_chunk(lay.input_ids, lay.positions, attention_mask=None, packed_seq_params=seq_params)
 
 
 def run_micro_batches(
@@ -138,13 +139,15 @@ def run_micro_batches(
         micro_batches = [pad_to_length(mb, -(-mb.seq_len // tp) * tp, pad_id=0) for mb in micro_batches]
     # micro-batches of different shapes (dynamic batch size): stages exchange each activation's shape
     config.variable_seq_lengths = len({model_shape(mb) for mb in micro_batches}) > 1
-    # the response cells of every micro-batch up front: their host syncs before any of the schedule's work
+    # the response cells and packed-attention parameters of every micro-batch up front: their host syncs
+    # (a nonzero, a host-to-device copy) before any of the schedule's work, not between micro-batches
     cells = [response_cells(mb) if response_logits else None for mb in micro_batches]
+    seq_params = [mb.packed.seq_params() if mb.packed is not None else None for mb in micro_batches]
 
     def forward_step(data_iterator, model_chunk):
-        mb, mb_cells = next(data_iterator)
+        mb, mb_cells, mb_seq = next(data_iterator)
         at_response = response_logits and head_on_response(model_chunk, mb)
-        out = _forward(model_chunk, mb, at_response, mb_cells)
+        out = _forward(model_chunk, mb, at_response, mb_cells, mb_seq)
         if unwrap(model_chunk).post_process:
             out = _loss_frame(out, mb, response_logits, at_response, mb_cells)
         return out, partial(_scaled, loss_fn, mb, n)
@@ -153,7 +156,7 @@ def run_micro_batches(
     rows, tokens = model_shape(micro_batches[0])
     return get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=zip(micro_batches, cells),
+        data_iterator=zip(micro_batches, cells, seq_params),
         model=model,
         num_microbatches=n,
         seq_length=tokens,
