@@ -265,7 +265,7 @@ def decode_numbers(c, dims, batch) -> dict:
             "fraction_of_hbm_floor": floor_total_s / max(s.decode_s, 1e-12), "slots": s.slots,
             "fraction_of_hbm_floor_prompts_once": unique_s / max(s.decode_s, 1e-12),
             "mean_rows_per_step": s.decode_rows / max(s.decode_steps, 1), "compactions": s.compactions,
-            "syncs": s.syncs, "sync_host_s": s.sync_host_s,
+            "syncs": s.syncs, "sync_host_s": s.sync_host_s, "async_retires": s.async_retires,
             "prefill_s": s.prefill_s, "prefill_tokens": s.prefill_tokens, "decode_s": s.decode_s,
             # the rest of the generation phase: layout change (gather, cache, graph capture) and back
             "reshard_s": s.reshard_s, "capture_s": s.capture_s, "gather_back_s": s.gather_back_s}  # fmt: skip

@@ -593,6 +593,7 @@ def test_sync_statistics_count_the_host_syncs(monkeypatch):
     spec = spec_of(hf)
     params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
     monkeypatch.setattr(engine_mod, "_SYNC_EVERY", 4)
+    monkeypatch.setattr(engine_mod, "ASYNC_RETIRE", False)  # every retire reads the device (and counts)
     sp = SamplingParams(temperature=0, max_new_tokens=20)
     stats = []
     for delay in (0.0, 0.02):
@@ -612,3 +613,58 @@ def test_sync_statistics_count_the_host_syncs(monkeypatch):
     # each sleep lies inside a counted stretch: at least 20 ms a sync (a bound the fast run's own noise, e.g.
     # other processes on the CPU, cannot break, as a difference of the two could)
     assert slowed.sync_host_s >= 0.02 * slowed.syncs and slowed.sync_host_s > fast.sync_host_s
+
+
+@pytest.mark.parametrize("slots,sync_every,top_k", [(27, 3, -1), (7, 5, -1), (18, 1, 5)])
+def test_async_retire_gives_the_same_completions_as_syncing_retires(monkeypatch, slots, sync_every, top_k):
+    """``MEGATRON_RL_ASYNC_RETIRE``: retires read a snapshot of the device state taken ``_AHEAD`` steps
+    earlier while those steps run. Through stop tokens, compaction (27, 18 slots), continuous batching with
+    waiting sequences (7 slots) and prompt sharing, greedy tokens equal HF's and every completion (tokens,
+    finish reasons) equals the syncing engine's, log-probs (and top-k's truncated ones) to 1e-5; most
+    retires did not wait for the device (blocking ones remain near the cap)."""
+    from megatron_rl.rollout import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "_SYNC_EVERY", sync_every)
+    hf = tiny_hf("qwen2")
+    spec = spec_of(hf)
+    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
+    prompts = random_prompts(9, seed=7)
+    full = [hf_greedy(hf, p, 20) for p in prompts]
+    stop = tuple({full[0][1], full[2][4], full[5][8], full[7][13], full[3][16]})
+    greedy = SamplingParams(temperature=0, max_new_tokens=20, stop_token_ids=stop)
+    sampled = SamplingParams(temperature=1.0, n=3, max_new_tokens=20, seed=3, stop_token_ids=stop, top_k=top_k,
+                             layout_invariant_sampling=True)  # fmt: skip
+    for sp in (greedy, sampled):
+        runs = {}
+        for on in (False, True):
+            monkeypatch.setattr(engine_mod, "ASYNC_RETIRE", on)
+            engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=slots))
+            runs[on] = (engine.generate(prompts, sp), engine.last_stats)
+        (out, stats), (want, plain) = runs[True], runs[False]
+        assert [(c.response_ids, c.finish_reason) for c in out] == [
+            (c.response_ids, c.finish_reason) for c in want
+        ]
+        for a, b in zip(
+            out, want
+        ):  # compaction at other steps: other batch shapes, last-bit matmul differences
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+            assert (
+                len(a.truncated_logprobs)
+                == len(b.truncated_logprobs)
+                == (len(a.logprobs) if sp.top_k > 0 else 0)
+            )
+            assert torch.allclose(
+                torch.tensor(a.truncated_logprobs), torch.tensor(b.truncated_logprobs), atol=1e-5
+            )
+        assert len({len(c.response_ids) for c in out}) >= 3 and {c.finish_reason for c in out} == {
+            "stop",
+            "length",
+        }
+        assert plain.async_retires == 0 and stats.async_retires > 0 and stats.new_tokens == plain.new_tokens
+        # blocking: near the cap (20 tokens here), and with fewer slots than sequences where the cap is hit
+        # at every admission wave; with every sequence admitted at once they are fewer
+        assert stats.syncs < plain.syncs if slots > len(prompts) * sp.n // 2 else stats.syncs <= plain.syncs
+        if sp.n == 1:
+            for c, ref in zip(out, full):
+                cut = next((i + 1 for i, t in enumerate(ref) if t in stop), len(ref))
+                assert c.response_ids == ref[:cut]

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Session 25, second call: the decode step's RoPE + KV write inside the attention kernel (session 19's
-# MEGATRON_RL_DECODE_ROPE_IN_ATTENTION, never measured) against the default, 0.5B fixed, in one call; one 0.5B
-# fixed step with generation and the update under the profiler: where the 2.8 ms of a
-# 512-row decode step and the update's 2 s go; then the 3B shape on an H200 with the tree as it is (spread and
-# fixed; the last H200 figures are session 18's). Carry `.whl`; ~8-9 min (SKIP_3B=1: the 0.5B parts only, ~4 min).
+# Session 25, second call: the engine's retire without draining the device (MEGATRON_RL_ASYNC_RETIRE=1)
+# against the default, 0.5B fixed and spread, in one call; the 3B
+# shape on an H200 with the tree as it is (spread and fixed; the last H200 figures are session 18's); then one
+# 0.5B fixed step with generation and the update under the profiler: where the 2.8 ms of a 512-row decode
+# step and the update's 2 s go; the decode step's RoPE + KV write inside the attention kernel (session 19's
+# MEGATRON_RL_DECODE_ROPE_IN_ATTENTION, never measured) against fixed_off. Carry `.whl`; ~8-9 min (SKIP_3B=1: the 0.5B parts only, ~4 min).
 set -u
 O=$OUT/cT; mkdir -p "$O"; T0=$SECONDS
 t() { local lim=$1 name=$2; shift 2; if (( SECONDS - T0 + lim > ${GUARD:-590} )); then echo "$name skipped (time)"; return; fi
@@ -12,14 +13,17 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 K=(actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu=auto rollout.max_num_seqs=auto)
 B=(python3 benchmarks/bench_rl_step.py)
 t 100 fixed_off "${B[@]}" --steps 4 --shape qwen2.5-0.5b --out "$O/fixed_off.json" --sync-audit "$O/syncs_fixed.json" "${K[@]}"
-t 100 fixed_rope env MEGATRON_RL_DECODE_ROPE_IN_ATTENTION=1 "${B[@]}" --steps 4 --shape qwen2.5-0.5b --out "$O/fixed_rope.json" "${K[@]}"
-t 170 fixed_prof "${B[@]}" --steps 2 --shape qwen2.5-0.5b --out "$O/fixed_prof.json" --profile "$O/prof_fixed" "${K[@]}"
+t 90 fixed_async env MEGATRON_RL_ASYNC_RETIRE=1 "${B[@]}" --steps 4 --shape qwen2.5-0.5b --out "$O/fixed_async.json" "${K[@]}"
+t 80 spread_off "${B[@]}" --steps 4 --shape qwen2.5-0.5b --lengths spread --out "$O/spread_off.json" "${K[@]}"
+t 80 spread_async env MEGATRON_RL_ASYNC_RETIRE=1 "${B[@]}" --steps 4 --shape qwen2.5-0.5b --lengths spread --out "$O/spread_async.json" "${K[@]}"
 [ -z "${SKIP_3B:-}" ] && t 110 spread_3b "${B[@]}" --steps 3 --shape qwen2.5-3b --lengths spread --out "$O/spread_3b.json" "${K[@]}"
 [ -z "${SKIP_3B:-}" ] && t 150 fixed_3b "${B[@]}" --steps 3 --shape qwen2.5-3b --out "$O/fixed_3b.json" "${K[@]}"
+t 90 fixed_rope env MEGATRON_RL_DECODE_ROPE_IN_ATTENTION=1 "${B[@]}" --steps 4 --shape qwen2.5-0.5b --out "$O/fixed_rope.json" "${K[@]}"
+t 170 fixed_prof "${B[@]}" --steps 2 --shape qwen2.5-0.5b --out "$O/fixed_prof.json" --profile "$O/prof_fixed" "${K[@]}"
 python3 - "$O" <<'PY'
 import json, sys
 O = sys.argv[1]
-for f in ("fixed_off", "fixed_rope", "fixed_prof", "spread_3b", "fixed_3b"):
+for f in ("fixed_off", "fixed_async", "spread_off", "spread_async", "spread_3b", "fixed_3b", "fixed_rope", "fixed_prof"):
     try:
         d = json.load(open(f"{O}/{f}.json")); r = d["median_after_warmup"]
         print(f, json.dumps({k: r.get(k) for k in ("step_s", "step_over_roofline", "step_over_roofline_this_gpu",
@@ -27,7 +31,8 @@ for f in ("fixed_off", "fixed_rope", "fixed_prof", "spread_3b", "fixed_3b"):
               "update", [round(s["timing_s"]["update_actor"], 3) for s in d["steps"]],
               "gen", [round(s["timing_s"]["gen"], 3) for s in d["steps"]],
               "decode ms", [round(s["decode"]["ms_per_decode_step"], 3) for s in d["steps"]],
-              "sync host s", [round(s["decode"].get("sync_host_s", -1), 3) for s in d["steps"]])
+              "sync host s", [round(s["decode"].get("sync_host_s", -1), 3) for s in d["steps"]],
+              "syncs", [s["decode"].get("syncs") for s in d["steps"]])
     except Exception as e:
         print(f, "unreadable", e)
 try:
