@@ -3,8 +3,7 @@
 # against the default, 0.5B fixed and spread, in one call; the 3B
 # shape on an H200 with the tree as it is (spread and fixed; the last H200 figures are session 18's); then one
 # 0.5B fixed step with generation and the update under the profiler: where the 2.8 ms of a 512-row decode
-# step and the update's 2 s go; the decode step's RoPE + KV write inside the attention kernel (session 19's
-# MEGATRON_RL_DECODE_ROPE_IN_ATTENTION, never measured) against fixed_off. Carry `.whl`; ~8-9 min (SKIP_3B=1: the 0.5B parts only, ~4 min).
+# step and the update's 2 s go. Carry `.whl`; ~8-9 min (SKIP_3B=1: the 0.5B parts only, ~4 min).
 set -u
 O=$OUT/cT; mkdir -p "$O"; T0=$SECONDS
 t() { local lim=$1 name=$2; shift 2; if (( SECONDS - T0 + lim > ${GUARD:-590} )); then echo "$name skipped (time)"; return; fi
@@ -18,12 +17,11 @@ t 80 spread_off "${B[@]}" --steps 4 --shape qwen2.5-0.5b --lengths spread --out 
 t 80 spread_async env MEGATRON_RL_ASYNC_RETIRE=1 "${B[@]}" --steps 4 --shape qwen2.5-0.5b --lengths spread --out "$O/spread_async.json" "${K[@]}"
 [ -z "${SKIP_3B:-}" ] && t 110 spread_3b "${B[@]}" --steps 3 --shape qwen2.5-3b --lengths spread --out "$O/spread_3b.json" "${K[@]}"
 [ -z "${SKIP_3B:-}" ] && t 150 fixed_3b "${B[@]}" --steps 3 --shape qwen2.5-3b --out "$O/fixed_3b.json" "${K[@]}"
-t 90 fixed_rope env MEGATRON_RL_DECODE_ROPE_IN_ATTENTION=1 "${B[@]}" --steps 4 --shape qwen2.5-0.5b --out "$O/fixed_rope.json" "${K[@]}"
 t 170 fixed_prof "${B[@]}" --steps 2 --shape qwen2.5-0.5b --out "$O/fixed_prof.json" --profile "$O/prof_fixed" "${K[@]}"
 python3 - "$O" <<'PY'
 import json, sys
 O = sys.argv[1]
-for f in ("fixed_off", "fixed_async", "spread_off", "spread_async", "spread_3b", "fixed_3b", "fixed_rope", "fixed_prof"):
+for f in ("fixed_off", "fixed_async", "spread_off", "spread_async", "spread_3b", "fixed_3b", "fixed_prof"):
     try:
         d = json.load(open(f"{O}/{f}.json")); r = d["median_after_warmup"]
         print(f, json.dumps({k: r.get(k) for k in ("step_s", "step_over_roofline", "step_over_roofline_this_gpu",
