@@ -306,9 +306,12 @@ _SYNC_EVERY = 16  # decode steps between host syncs; a finished sequence is noti
 # (for the copy, not for the steps) and retire / compact from it, while the device runs those steps. Without
 # it every window ends in a sync the device idles through while the host retires (``sync_host_s``: 57-66 ms
 # a 0.5B generation, session 25). A finished sequence is then noticed _AHEAD steps later (frozen on the
-# device meanwhile). Off until measured on a GPU.
+# device meanwhile), so compaction runs at other steps: greedy and layout-invariant sampling give the same
+# tokens, the generator's stream (``layout_invariant_sampling=False``) other, equally valid, samples (as
+# compaction itself does). Off until measured on a GPU.
 ASYNC_RETIRE = env_switch("MEGATRON_RL_ASYNC_RETIRE", False)
 _AHEAD = 2
+_SNAPSHOT_MAX_CELLS = 1 << 19  # slots x tokens a snapshot copies at most (12-16 bytes a cell)
 
 
 def _weights_key(w: GenWeights) -> tuple:
@@ -586,6 +589,15 @@ class _Runner:
         _sync(dev)
         self.stats.prefill_s += time.perf_counter() - t0
 
+    def _async_retire_fits(self) -> bool:
+        """``ASYNC_RETIRE`` serves this retire: single-turn, no live slot reaches the cap in the ``_AHEAD``
+        steps, and the snapshot is small (it waits in the stream before those steps: at ~25 GB/s 6 MB is
+        ~0.25 ms, against the ~2 ms a sync costs a 0.5B window; long responses keep the syncing retire)."""
+        if not (ASYNC_RETIRE and self.session is None and min(self.left.values()) > _AHEAD):
+            return False
+        cols = self.params.max_new_tokens - min(self.left.values()) + 1
+        return (max(self.active) + 1) * cols <= _SNAPSHOT_MAX_CELLS
+
     def _snapshot(self) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
         """What a retire reads of the device state (live, count and the tokens, log-probs so far of the slots
         up to the highest active one), copied behind the queued steps into pinned host memory (on CUDA: no
@@ -605,7 +617,9 @@ class _Runner:
             h.copy_(t, non_blocking=cuda)
         event = torch.cuda.Event() if cuda else None
         if event is not None:
-            event.record()
+            event.record(
+                torch.cuda.current_stream(self.rows.device)
+            )  # the engine's stream, not the current device's
         return host, event
 
     def _retire(self, snapshot: tuple[list[torch.Tensor], torch.cuda.Event | None] | None = None) -> None:
@@ -798,11 +812,7 @@ class _Runner:
                 with annotate("rollout.admit"):
                     self._admit(waiting)
             elif since_sync >= _SYNC_EVERY or min(self.left.values()) <= 0:
-                ahead = (
-                    _AHEAD
-                    if ASYNC_RETIRE and self.session is None and min(self.left.values()) > _AHEAD
-                    else 0
-                )
+                ahead = _AHEAD if self._async_retire_fits() else 0
                 if ahead:  # read the state behind the window, queue more steps, retire while they run
                     snapshot = self._snapshot()
                     for _ in range(ahead):

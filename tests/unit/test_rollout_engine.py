@@ -668,3 +668,8 @@ def test_async_retire_gives_the_same_completions_as_syncing_retires(monkeypatch,
             for c, ref in zip(out, full):
                 cut = next((i + 1 for i, t in enumerate(ref) if t in stop), len(ref))
                 assert c.response_ids == ref[:cut]
+    # a snapshot larger than the bound (long responses) keeps the syncing retire
+    monkeypatch.setattr(engine_mod, "_SNAPSHOT_MAX_CELLS", 8)
+    engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=slots))
+    engine.generate(prompts, greedy)
+    assert engine.last_stats.async_retires == 0 and engine.last_stats.syncs > 0
