@@ -518,6 +518,20 @@ def test_logits_into_a_shared_buffer_equal_the_plain_ones(model):
     assert got.data_ptr() == buf.data_ptr() and torch.isnan(buf[5:]).all()
 
 
+def _stop_workload(top_k: int = -1):
+    """The tiny qwen2 model, 9 prompts, their 20 greedy HF tokens, stop ids that end five of them early
+    (at 2-17 tokens), and greedy / sampled (n=3, layout-invariant, ``top_k``) sampling to 20 tokens."""
+    hf = tiny_hf("qwen2")
+    spec = spec_of(hf)
+    prompts = random_prompts(9, seed=7)
+    full = [hf_greedy(hf, p, 20) for p in prompts]
+    stop = tuple({full[0][1], full[2][4], full[5][8], full[7][13], full[3][16]})
+    greedy = SamplingParams(temperature=0, max_new_tokens=20, stop_token_ids=stop)
+    sampled = SamplingParams(temperature=1.0, n=3, max_new_tokens=20, seed=3, stop_token_ids=stop, top_k=top_k,
+                             layout_invariant_sampling=True)  # fmt: skip
+    return hf, spec, hf_to_mcore(hf, spec, 1, 0, 1, 0), prompts, full, stop, greedy, sampled
+
+
 @pytest.mark.parametrize("fine", [False, True])
 def test_fine_batch_buckets_and_one_logits_buffer_leave_tokens_and_logprobs_unchanged(monkeypatch, fine):
     """The GPU path on CPU: every decode step runs its bucket's rows (idle slots padding it, as a replayed graph
@@ -528,15 +542,7 @@ def test_fine_batch_buckets_and_one_logits_buffer_leave_tokens_and_logprobs_unch
     from megatron_rl.rollout import engine as engine_mod
 
     monkeypatch.setattr(engine_mod, "_SYNC_EVERY", 2)
-    hf = tiny_hf("qwen2")
-    spec = spec_of(hf)
-    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
-    prompts = random_prompts(9, seed=7)
-    full = [hf_greedy(hf, p, 20) for p in prompts]
-    stop = tuple({full[0][1], full[2][4], full[5][8], full[7][13], full[3][16]})
-    greedy = SamplingParams(temperature=0, max_new_tokens=20, stop_token_ids=stop)
-    sampled = SamplingParams(temperature=1.0, n=3, max_new_tokens=20, seed=3, stop_token_ids=stop,
-                             layout_invariant_sampling=True)  # fmt: skip
+    hf, spec, params, prompts, full, stop, greedy, sampled = _stop_workload()
     plain = {sp.n: RolloutEngine(params, spec, EngineConfig(max_num_seqs=27)).generate(prompts, sp)
              for sp in (greedy, sampled)}  # fmt: skip
 
@@ -625,15 +631,7 @@ def test_async_retire_gives_the_same_completions_as_syncing_retires(monkeypatch,
     from megatron_rl.rollout import engine as engine_mod
 
     monkeypatch.setattr(engine_mod, "_SYNC_EVERY", sync_every)
-    hf = tiny_hf("qwen2")
-    spec = spec_of(hf)
-    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
-    prompts = random_prompts(9, seed=7)
-    full = [hf_greedy(hf, p, 20) for p in prompts]
-    stop = tuple({full[0][1], full[2][4], full[5][8], full[7][13], full[3][16]})
-    greedy = SamplingParams(temperature=0, max_new_tokens=20, stop_token_ids=stop)
-    sampled = SamplingParams(temperature=1.0, n=3, max_new_tokens=20, seed=3, stop_token_ids=stop, top_k=top_k,
-                             layout_invariant_sampling=True)  # fmt: skip
+    hf, spec, params, prompts, full, stop, greedy, sampled = _stop_workload(top_k)
     for sp in (greedy, sampled):
         runs = {}
         for on in (False, True):
