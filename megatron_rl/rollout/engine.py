@@ -616,10 +616,8 @@ class _Runner:
         for h, t in zip(host, parts):
             h.copy_(t, non_blocking=cuda)
         event = torch.cuda.Event() if cuda else None
-        if event is not None:
-            event.record(
-                torch.cuda.current_stream(self.rows.device)
-            )  # the engine's stream, not the current device's
+        if event is not None:  # on the engine device's stream (not the current device's)
+            event.record(torch.cuda.current_stream(self.rows.device))
         return host, event
 
     def _retire(self, snapshot: tuple[list[torch.Tensor], torch.cuda.Event | None] | None = None) -> None:
