@@ -102,7 +102,7 @@ def model_shape(mb: MicroBatch) -> tuple[int, int]:
     return (1, mb.packed.total) if mb.packed is not None else (len(mb), mb.seq_len)
 
 
-def _forward(model_chunk, mb: MicroBatch, at_response: bool, cells: torch.Tensor | None, seq_params=None):
+def _forward(model_chunk, mb: MicroBatch, at_response: bool, cells: torch.Tensor | None, seq_params):
     """One micro-batch through the model: its rows, or its packed row with the THD layout (the response
     scoring positions then index the packed row; ``seq_params``: its layout's ``seq_params()``, built before
     the schedule)."""

@@ -589,21 +589,25 @@ class _Runner:
         _sync(dev)
         self.stats.prefill_s += time.perf_counter() - t0
 
+    def _snapshot_shape(self) -> tuple[int, int]:
+        """(slots, tokens) a snapshot copies: the slots up to the highest active one, and one column more than
+        any slot holds yet (a live slot's count is ``max_new_tokens - left``, a finished one's less)."""
+        return max(self.active) + 1, self.params.max_new_tokens - min(self.left.values()) + 1
+
     def _async_retire_fits(self) -> bool:
         """``ASYNC_RETIRE`` serves this retire: single-turn, no live slot reaches the cap in the ``_AHEAD``
         steps, and the snapshot is small (it waits in the stream before those steps: at ~25 GB/s 6 MB is
         ~0.25 ms, against the ~2 ms a sync costs a 0.5B window; long responses keep the syncing retire)."""
         if not (ASYNC_RETIRE and self.session is None and min(self.left.values()) > _AHEAD):
             return False
-        cols = self.params.max_new_tokens - min(self.left.values()) + 1
-        return (max(self.active) + 1) * cols <= _SNAPSHOT_MAX_CELLS
+        b, n = self._snapshot_shape()
+        return b * n <= _SNAPSHOT_MAX_CELLS
 
     def _snapshot(self) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
         """What a retire reads of the device state (live, count and the tokens, log-probs so far of the slots
         up to the highest active one), copied behind the queued steps into pinned host memory (on CUDA: no
         host sync; the event marks the copies done). ``_retire(snapshot)`` reads it after more steps ran."""
-        b = max(self.active) + 1
-        n = self.params.max_new_tokens - min(self.left.values()) + 1  # no slot holds more tokens yet
+        b, n = self._snapshot_shape()
         parts = [
             torch.stack([self.live[:b].long(), self.count[:b]]),
             self.out_tok[:b, :n],
@@ -811,14 +815,14 @@ class _Runner:
                     self._admit(waiting)
             elif since_sync >= _SYNC_EVERY or min(self.left.values()) <= 0:
                 ahead = _AHEAD if self._async_retire_fits() else 0
-                if ahead:  # read the state behind the window, queue more steps, retire while they run
-                    snapshot = self._snapshot()
-                    for _ in range(ahead):
-                        with annotate("rollout.decode_step"):
-                            self._step()
-                        self.stats.decode_steps += 1
+                # with ahead: read the state behind the window, queue more steps, retire while they run
+                snapshot = self._snapshot() if ahead else None
+                for _ in range(ahead):
+                    with annotate("rollout.decode_step"):
+                        self._step()
+                    self.stats.decode_steps += 1
                 with annotate("rollout.retire"):
-                    self._retire(snapshot if ahead else None)
+                    self._retire(snapshot)
                     if not waiting and _COMPACT:
                         self._compact()
                 since_sync = ahead
