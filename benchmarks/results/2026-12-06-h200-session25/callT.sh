@@ -3,7 +3,8 @@
 # against the default, 0.5B fixed and spread, in one call; the 3B
 # shape on an H200 with the tree as it is (spread and fixed; the last H200 figures are session 18's); then one
 # 0.5B fixed step with generation and the update under the profiler: where the 2.8 ms of a 512-row decode
-# step and the update's 2 s go. Carry `.whl`; ~8-9 min (SKIP_3B=1: the 0.5B parts only, ~4 min).
+# step and the update's 2 s go. Carry `.whl`; ~8-9 min (SKIP_3B=1: without the 3B parts; ASYNC_ONLY=1: the async
+# retire A/B alone, ~4-5 min).
 set -u
 O=$OUT/cT; mkdir -p "$O"; T0=$SECONDS
 t() { local lim=$1 name=$2; shift 2; if (( SECONDS - T0 + lim > ${GUARD:-590} )); then echo "$name skipped (time)"; return; fi
@@ -15,9 +16,9 @@ t 100 fixed_off "${B[@]}" --steps 4 --shape qwen2.5-0.5b --out "$O/fixed_off.jso
 t 90 fixed_async env MEGATRON_RL_ASYNC_RETIRE=1 "${B[@]}" --steps 4 --shape qwen2.5-0.5b --out "$O/fixed_async.json" "${K[@]}"
 t 80 spread_off "${B[@]}" --steps 4 --shape qwen2.5-0.5b --lengths spread --out "$O/spread_off.json" "${K[@]}"
 t 80 spread_async env MEGATRON_RL_ASYNC_RETIRE=1 "${B[@]}" --steps 4 --shape qwen2.5-0.5b --lengths spread --out "$O/spread_async.json" "${K[@]}"
-[ -z "${SKIP_3B:-}" ] && t 110 spread_3b "${B[@]}" --steps 3 --shape qwen2.5-3b --lengths spread --out "$O/spread_3b.json" "${K[@]}"
-[ -z "${SKIP_3B:-}" ] && t 150 fixed_3b "${B[@]}" --steps 3 --shape qwen2.5-3b --out "$O/fixed_3b.json" "${K[@]}"
-t 170 fixed_prof "${B[@]}" --steps 2 --shape qwen2.5-0.5b --out "$O/fixed_prof.json" --profile "$O/prof_fixed" "${K[@]}"
+[ -z "${SKIP_3B:-}${ASYNC_ONLY:-}" ] && t 110 spread_3b "${B[@]}" --steps 3 --shape qwen2.5-3b --lengths spread --out "$O/spread_3b.json" "${K[@]}"
+[ -z "${SKIP_3B:-}${ASYNC_ONLY:-}" ] && t 150 fixed_3b "${B[@]}" --steps 3 --shape qwen2.5-3b --out "$O/fixed_3b.json" "${K[@]}"
+[ -z "${ASYNC_ONLY:-}" ] && t 170 fixed_prof "${B[@]}" --steps 2 --shape qwen2.5-0.5b --out "$O/fixed_prof.json" --profile "$O/prof_fixed" "${K[@]}"
 python3 - "$O" <<'PY'
 import json, sys
 O = sys.argv[1]
