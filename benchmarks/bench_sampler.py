@@ -39,6 +39,23 @@ def bench(rows: int, vocab: int, key_sets: int) -> dict:
             logits, k, inv_temp, True, mix=True, logprobs=True, block_skip=True
         ),
     }
+    # the engine's call at other software-pipelining depths of the vocab loop (session 26: is the loop latency-bound?)
+    for stages in (1, 2, 4):
+        ways[f"triton_block_skip_stages{stages}"] = lambda k, n=stages: kernel.draw(
+            logits, k, inv_temp, True, mix=True, logprobs=True, block_skip=True, num_stages=n
+        )
+        ways[f"triton_block_skip_b1024_w4_stages{stages}"] = lambda k, n=stages: kernel.draw(
+            logits,
+            k,
+            inv_temp,
+            True,
+            mix=True,
+            logprobs=True,
+            block_skip=True,
+            block=1024,
+            num_warps=4,
+            num_stages=n,
+        )
     d = kernel.splits_for(rows)
     for splits in sorted({max(1, d // 4), d, min(64, 4 * d)}):
         for block, warps in ((1024, 4), (4096, 8)):

@@ -439,6 +439,13 @@ class RewardConfig:
     format_score: float = doc(0.0, "Score for a well-formatted but wrong answer (rule rewards).")
     gsm8k_mode: str = doc("strict", "GSM8K answer extraction: strict (#### N) | flexible (last number).")
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    overlap: bool = doc(
+        True,
+        "Score the responses (and estimate the advantages) while the first update's first micro-batch runs its "
+        "forward on the device, instead of before the update with the device idle (same results). Applies "
+        "where nothing before the update needs the scores: not with reward_fn=model, ReMax, "
+        "algorithm.filter_groups, algorithm.overlong_filter or actor.rollout_rs.",
+    )
 
 
 @dataclass

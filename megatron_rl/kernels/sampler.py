@@ -260,14 +260,14 @@ def splits_for(rows: int, target_programs: int = 1024, most: int = 64) -> int:
 def draw(
     logits: torch.Tensor, row_keys32: torch.Tensor, inv_temp: float, noisy: bool,
     splits: int | None = None, block: int = 2048, num_warps: int = 8, filtered: bool | None = None,
-    mix: bool = False, logprobs: bool = False, block_skip: bool | None = None,
+    mix: bool = False, logprobs: bool = False, block_skip: bool | None = None, num_stages: int | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """logits [B, V], row_keys32 [B] int64 (``mix64(row_keys) & 0xFFFFFFFF``; with ``mix`` the raw row keys,
     mixed in the kernel) -> tokens [B] int64 (the argmax of ``logits * inv_temp`` minus the counter noise,
     or without it when not ``noisy``) and the log-sum-exp [B] (fp32) of ``logits * inv_temp``; with
     ``logprobs`` also the tokens' log-probs [B] (fp32, ``logits[b, token] * inv_temp - lse``, the eager
     ops). ``filtered`` / ``block_skip``: ``FILTERED`` / ``BLOCK_SKIP`` when None (the skip only with the
-    filter). Mixing the keys and reading the log-probs here saves the decode step ~16 small kernels
+    filter). ``num_stages``: Triton's launch option (None: its default), swept by ``benchmarks/bench_sampler.py``. Mixing the keys and reading the log-probs here saves the decode step ~16 small kernels
     (``mix64``'s eleven, the gather, the cast, the scale, the difference)."""
     rows, vocab = logits.shape
     filtered = FILTERED if filtered is None else filtered
@@ -282,6 +282,8 @@ def draw(
     part_idx = part[3].view(torch.int32)  # [B * splits] best ids, sharing the one allocation
     on_gpu = dev.type != "cpu"
     opts = {"enable_fp_fusion": False} if on_gpu else {}
+    if num_stages is not None and on_gpu:  # the loop's software pipelining depth (Triton's default otherwise)
+        opts["num_stages"] = num_stages
     _draw_partial_kernel[(rows, splits)](
         logits, row_keys32, part[0], part[1], part[2], part_idx, tokens, lse, lp, float(inv_temp),
         logits.stride(0), vocab, chunk, splits=splits, noisy=noisy, block=block, libdevice_log=on_gpu,

@@ -56,6 +56,10 @@ class Timer:
             self._sync()
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
+    def add(self, phase: str, seconds: float) -> None:
+        """Charge ``seconds`` measured elsewhere (host time of work that overlaps the device's, unsynced) to ``phase``."""
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """``{"timing_s/<phase>": seconds}`` for the phases timed since the last reset."""
         out = {timing_key(phase): s for phase, s in self.seconds.items()}
@@ -72,8 +76,8 @@ PHASE_WORK = {
     "values": "the critic's values",
     "reward": "scoring: the reward function (reward.reward_fn, reward.custom_reward_function) or reward model",
     "adv": "advantage estimation",
-    "update_critic": "the critic update",
-    "update_actor": "the actor update",
+    "update_critic": "the critic update (with reward.overlap it may include scoring, see reward)",
+    "update_actor": "the actor update (with reward.overlap it may include scoring, see reward)",
     "val": "validation (generation and scoring on data.val_files)",
     "save_checkpoint": "a checkpoint write",
 }

@@ -10,7 +10,8 @@ rank); ``score_pos`` maps response token j of row i to the position whose logits
 from __future__ import annotations
 
 import array
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -61,11 +62,16 @@ class RolloutBatch:
         """Rows ``idx`` of every per-sequence field (tensors indexed on dim 0, lists likewise)."""
         idx_list = idx.tolist() if isinstance(idx, torch.Tensor) else list(idx)
         index = torch.tensor(idx_list, dtype=torch.long)
+        on_device: dict[torch.device, torch.Tensor] = {}  # one copy of the index per device, not one a field
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
-                out[f.name] = value[index.to(value.device)]
+                if value.device not in on_device:
+                    on_device[value.device] = _index_on(index, value.device)
+                out[f.name] = value[on_device[value.device]]
+            elif isinstance(value, Deferred):
+                out[f.name] = value.select(index)
             elif isinstance(value, list) and value:
                 out[f.name] = [value[i] for i in idx_list]
             elif f.name == "packed":
@@ -73,6 +79,66 @@ class RolloutBatch:
             else:
                 out[f.name] = value
         return RolloutBatch(**out)
+
+
+def _index_on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An int64 host index on ``device``; to a GPU pinned and non-blocking (a pageable copy waits for the stream)."""
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
+
+
+class Pending:
+    """Fields of a batch computed on first use (``reward.overlap``: the advantages and returns, whose scoring
+    runs while the update's first forward is on the device). Each named field of ``batch`` becomes a
+    ``Deferred``; the first ``resolve`` calls ``finish``, which sets the batch's real tensors (once)."""
+
+    def __init__(self, batch: RolloutBatch, finish: Callable[[], None], names: tuple[str, ...]):
+        self.batch, self._finish, self.done = batch, finish, False
+        for name in names:
+            setattr(batch, name, Deferred(self, name))
+
+    def resolve(self) -> None:
+        if not self.done:
+            self._finish()
+            self.done = True
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A response-frame field [B, R] of ``pending.batch`` not computed yet, as a micro-batch sees it: its
+    ``rows`` of the batch (int64 on the host; None: all) and its first ``cols`` columns (None: all).
+    ``RolloutBatch.select`` and ``trim`` compose on it; ``resolve()`` computes the batch's field (the first
+    time) and returns this view of it."""
+
+    pending: Pending
+    name: str
+    rows: torch.Tensor | None = None
+    cols: int | None = None
+
+    def select(self, index: torch.Tensor) -> Deferred:
+        return replace(self, rows=index if self.rows is None else self.rows[index])
+
+    def __getitem__(self, key) -> Deferred:
+        """``[:, :r]`` (``trim``'s cut to a micro-batch's longest response) and nothing else."""
+        rows, cols = key if isinstance(key, tuple) and len(key) == 2 else (None, None)
+        if rows != slice(None) or not isinstance(cols, slice) or cols.start or cols.step or cols.stop is None:
+            raise TypeError(f"a deferred {self.name} is cut only as [:, :r], not {key!r}")
+        return replace(self, cols=cols.stop if self.cols is None else min(self.cols, cols.stop))
+
+    def resolve(self) -> torch.Tensor | None:
+        self.pending.resolve()
+        value = getattr(self.pending.batch, self.name)
+        if value is None or isinstance(value, Deferred):
+            raise RuntimeError(f"resolving the deferred {self.name} left the batch's field unset")
+        if self.rows is not None:  # no host sync behind the queued forward
+            value = value[_index_on(self.rows, value.device)]
+        return value if self.cols is None else value[:, : self.cols]
+
+
+def resolved(value):
+    """``value``, or the tensor a ``Deferred`` stands for."""
+    return value.resolve() if isinstance(value, Deferred) else value
 
 
 # the per-token fields in the response-aligned [B, R] frame

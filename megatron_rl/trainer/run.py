@@ -19,8 +19,8 @@ from megatron_rl.distributed.phase_watchdog import phase, set_error_dir
 from megatron_rl.distributed.shutdown import EXIT_SIGNALLED, agreed_stop
 from megatron_rl.logging import Timer
 from megatron_rl.logging.perf import step_perf
-from megatron_rl.logging.timer import PhaseTimer
-from megatron_rl.rollout.batch import RolloutBatch, build_batch
+from megatron_rl.logging.timer import PhaseTimer, annotate
+from megatron_rl.rollout.batch import Pending, RolloutBatch, build_batch
 from megatron_rl.rollout.multi_turn import episode_state
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.advantage import (
@@ -124,8 +124,11 @@ def on_policy(cfg: JobConfig) -> bool:
     )
 
 
-def scored_rollout(c: Components, rows, offset: int, seed: int, timer: Timer) -> tuple[RolloutBatch, dict]:
-    """Generate, score (and, for ReMax, score a greedy sample per prompt as the baseline)."""
+def scored_rollout(
+    c: Components, rows, offset: int, seed: int, timer: Timer, score: bool = True
+) -> tuple[RolloutBatch, dict]:
+    """Generate, score (and, for ReMax, score a greedy sample per prompt as the baseline). ``score=False``:
+    the batch unscored (``reward.overlap``: ``_score`` runs later)."""
     cfg = c.cfg
     batch = rollout(c, rows, offset, _sampling(c, cfg.rollout.temperature, cfg.rollout.n, seed), timer)
     if get_estimator_traits(cfg.algorithm.adv_estimator).greedy_baseline:
@@ -135,11 +138,51 @@ def scored_rollout(c: Components, rows, offset: int, seed: int, timer: Timer) ->
         by_prompt = torch.zeros(len(rows), dtype=greedy_scores.dtype, device=greedy_scores.device)
         by_prompt[greedy.group_index - offset] = greedy_scores  # [prompts]
         batch.reward_baselines = by_prompt[batch.group_index - offset]  # [B]
+    if not score:
+        return batch, {}
     with timer("reward"):
-        scored = score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)
-        metrics = apply_overlong_penalty(batch, cfg.reward.overlong_buffer, cfg.rollout.max_new_tokens)
-        metrics |= reward_extra_metrics(scored)  # extra keys of a custom reward's dict: reward/<key>/mean
+        metrics = _score(c, batch)
     return batch, metrics
+
+
+def _score(c: Components, batch: RolloutBatch) -> dict[str, float]:
+    """The responses' scores on the batch (``token_level_scores``), the overlong penalty; their metrics."""
+    scored = score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)
+    metrics = apply_overlong_penalty(batch, c.cfg.reward.overlong_buffer, c.cfg.rollout.max_new_tokens)
+    return metrics | reward_extra_metrics(scored)  # extra keys of a custom reward's dict: reward/<key>/mean
+
+
+def overlap_reward(c: Components) -> bool:
+    """``reward.overlap`` applies: nothing between generation and the update reads the scores or changes the
+    response mask after the advantages (see the key's doc)."""
+    cfg = c.cfg
+    return (
+        cfg.reward.overlap
+        and c.reward_model is None
+        and not get_estimator_traits(cfg.algorithm.adv_estimator).greedy_baseline
+        and not cfg.algorithm.filter_groups.enable
+        and not cfg.algorithm.overlong_filter
+        and cfg.actor.rollout_rs is None
+    )
+
+
+def _defer_advantages(c: Components, batch: RolloutBatch, timer: Timer, into: dict) -> Pending:
+    """``batch.advantages`` / ``returns`` computed on first use (the first update loss reads them after its
+    forward is queued): scoring and the advantage estimate then run on the host while the device runs that
+    forward. Their metrics land in ``into``, their host seconds in the timer's reward / adv phases (not synced:
+    a sync would wait for the forward)."""
+
+    def finish() -> None:
+        t0 = time.perf_counter()
+        with annotate("update.overlapped_reward"):
+            into.update(_score(c, batch))
+        t1 = time.perf_counter()
+        with annotate("update.overlapped_adv"):
+            into.update(compute_advantages(batch, c.cfg.algorithm, c.kl_ctrl))
+        timer.add("reward", t1 - t0)
+        timer.add("adv", time.perf_counter() - t1)
+
+    return Pending(batch, finish, ("advantages", "returns"))
 
 
 def _extra_round(c: Components, step: int, round_: int, timer: Timer) -> RolloutBatch:
@@ -156,7 +199,8 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     global_rows = c.train_loader.global_batch(step)
     rows = _dp_rows(c, global_rows)
     offset = step * len(global_rows) + ps.get_data_parallel_rank() * len(rows)
-    batch, metrics = scored_rollout(c, rows, offset, cfg.trainer.seed + step, timer)
+    overlap = overlap_reward(c)
+    batch, metrics = scored_rollout(c, rows, offset, cfg.trainer.seed + step, timer, score=not overlap)
     if cfg.algorithm.filter_groups.enable:
         batch, ds_metrics = fill_with_informative_groups(
             batch, lambda r: _extra_round(c, step, r, timer), cfg.algorithm.filter_groups.max_num_gen_batches,
@@ -172,8 +216,10 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     if c.critic is not None:
         with timer("values"):
             batch.values = c.critic.values(batch)
+    pending = _defer_advantages(c, batch, timer, metrics) if overlap else None
     with timer("adv"):
-        metrics |= compute_advantages(batch, cfg.algorithm, c.kl_ctrl)
+        if pending is None:
+            metrics |= compute_advantages(batch, cfg.algorithm, c.kl_ctrl)
         metrics |= rollout_correction(batch, cfg.actor)
     if c.critic is not None:
         with timer("update_critic"):
@@ -181,6 +227,8 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     if step >= cfg.trainer.critic_warmup:
         with timer("update_actor"):
             metrics |= c.actor.update(batch, cfg.actor.ppo_mini_batch_size * cfg.rollout.n // c.dims.dp)
+    if pending is not None:  # pipeline stages without the loss (and a critic-warmup step) resolve it here
+        pending.resolve()
     for name in ("logprob_abs_diff", "logprob_mismatch_frac", "truncated_logprob_abs_diff",
                  "truncated_logprob_mismatch_frac"):  # fmt: skip
         diff = metrics.pop(f"actor/rollout_{name}", None)

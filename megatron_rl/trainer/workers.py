@@ -43,7 +43,14 @@ from megatron_rl.models.pipeline import (
     run_micro_batches,
 )
 from megatron_rl.optim import build_optimizer
-from megatron_rl.rollout.batch import RolloutBatch, pad_response, split_by_tokens, split_micro_batches, trim
+from megatron_rl.rollout.batch import (
+    RolloutBatch,
+    pad_response,
+    resolved,
+    split_by_tokens,
+    split_micro_batches,
+    trim,
+)
 from megatron_rl.rollout.packing import pack, split_packed, token_counts
 from megatron_rl.rollout.sampling import truncated_token_logprobs
 from megatron_rl.rollout.shared_prompts import share, split_shared
@@ -287,7 +294,7 @@ class PolicyWorker(_TrainedModel):
             cfg.policy_loss,
             old_log_prob=old,
             log_prob=lp,
-            advantages=mb.advantages,
+            advantages=resolved(mb.advantages),  # reward.overlap: scored now, this forward queued
             response_mask=mb.response_mask,
             clip_ratio_low=cfg.clip_ratio_low,
             clip_ratio_high=cfg.clip_ratio_high,
@@ -359,7 +366,7 @@ class CriticWorker(_TrainedModel):
         loss, metrics = compute_value_loss(
             vpreds=vpreds,
             values=mb.values,
-            returns=mb.returns,
+            returns=resolved(mb.returns),
             response_mask=mb.response_mask,
             cliprange_value=self.cfg.cliprange_value,
             loss_agg_mode=self.cfg.loss_agg_mode,

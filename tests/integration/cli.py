@@ -17,13 +17,17 @@ FAST = [
 ]
 
 
-def train(out: Path, *overrides: str, nproc: int = 1, timeout: float = 900) -> subprocess.CompletedProcess:
+def train(
+    out: Path, *overrides: str, nproc: int = 1, timeout: float = 900, env: dict | None = None
+) -> subprocess.CompletedProcess:
     args = [f"trainer.output_dir={out}", *FAST, *overrides]
     if nproc == 1:
         cmd = [sys.executable, "-m", "megatron_rl.cli", "train", *args]
     else:
         cmd = torchrun_cmd(nproc, "-m", "megatron_rl.train", *args)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cpu_env(), cwd=out.parent)
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=cpu_env(env), cwd=out.parent
+    )
 
 
 def metrics(out: Path) -> list[dict]:

@@ -1,5 +1,6 @@
 """Dynamic batch size: micro-batches by token budget."""
 
+import pytest
 import torch
 
 from megatron_rl.rollout.batch import RolloutBatch, split_by_tokens
@@ -35,3 +36,44 @@ def test_split_by_tokens_respects_the_budget_and_returns_a_permutation():
 def test_split_by_tokens_gives_an_overlong_sequence_its_own_micro_batch():
     mbs, order = split_by_tokens(_batch([20, 2], [5, 1]), max_tokens=10)
     assert [len(mb) for mb in mbs] == [1, 1] and order == [0, 1]
+
+
+def test_deferred_fields_follow_select_and_trim_and_resolve_once():
+    """``reward.overlap``: micro-batches carry the batch's advantages / returns as ``Deferred`` views through
+    every split (rows picked and reordered, columns trimmed); resolving computes the batch's fields once and
+    gives each micro-batch exactly the rows and columns the computed-first split would hold."""
+    from megatron_rl.rollout.batch import Deferred, Pending, resolved
+    from megatron_rl.rollout.packing import split_packed
+    from megatron_rl.rollout.shared_prompts import split_shared
+
+    def filled(batch):
+        g = torch.Generator().manual_seed(0)
+        batch.advantages = torch.randn(len(batch), batch.responses.shape[1], generator=g)
+        batch.returns = batch.advantages * 2 + 1
+
+    for split in (split_by_tokens, split_packed, split_shared):
+        eager = _batch([3, 9, 2, 5, 4, 1, 7], [6, 1, 2, 6, 3, 1, 5])
+        eager.group_index = torch.tensor([0, 0, 1, 1, 2, 2, 3])
+        lazy = _batch([3, 9, 2, 5, 4, 1, 7], [6, 1, 2, 6, 3, 1, 5])
+        lazy.group_index = eager.group_index.clone()
+        filled(eager)
+        calls = []
+        pending = Pending(
+            lazy, lambda calls=calls, lazy=lazy: (calls.append(1), filled(lazy)), ("advantages", "returns")
+        )
+        assert isinstance(lazy.advantages, Deferred) and isinstance(lazy.returns, Deferred)
+        want, _ = split(eager, 24, None) if split is not split_by_tokens else split(eager, 24)
+        got, _ = split(lazy, 24, None) if split is not split_by_tokens else split(lazy, 24)
+        sub = got[0].select([1, 0])  # a selection of a selection composes
+        assert calls == []
+        assert len(got) == len(want) > 1
+        for w, m in zip(want, got, strict=True):
+            assert isinstance(m.advantages, Deferred)
+            assert torch.equal(resolved(m.advantages), w.advantages) and torch.equal(
+                resolved(m.returns), w.returns
+            )
+        assert calls == [1] and pending.done  # computed once, for the whole batch
+        assert torch.equal(resolved(sub.advantages), want[0].advantages[[1, 0]])
+        assert torch.equal(lazy.advantages, eager.advantages)  # the batch now holds the real tensors
+    with pytest.raises(TypeError, match=r"\[:, :r\]"):
+        Deferred(pending, "advantages")[:, 1:3]
