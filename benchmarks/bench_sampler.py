@@ -83,11 +83,13 @@ def bench(rows: int, vocab: int, key_sets: int) -> dict:
     for tag, peak in (("peaked", 20), ("peaked40", 40)):
         peaked = logits.clone()
         peaked[torch.arange(rows, device="cuda"), hot] += peak
-        for name, filt, skip in ((f"{tag}_triton", True, False), (f"{tag}_triton_unfiltered", False, False),
-                                 (f"{tag}_triton_block_skip", True, True)):  # fmt: skip
+        for name, filt, skip, tile in ((f"{tag}_triton", True, False, ()), (f"{tag}_triton_unfiltered", False, False, ()),
+                                       (f"{tag}_triton_block_skip", True, True, ()),
+                                       (f"{tag}_triton_block_skip_b1024_w4", True, True, (1024, 4))):  # fmt: skip
 
-            def fn(k, f=filt, b=skip, x=peaked):
-                return kernel.draw(x, mix64(k) & _M32, inv_temp, True, filtered=f, block_skip=b)
+            def fn(k, f=filt, b=skip, x=peaked, tile=tile):
+                shape = dict(zip(("block", "num_warps"), tile))
+                return kernel.draw(x, mix64(k) & _M32, inv_temp, True, filtered=f, block_skip=b, **shape)
 
             out[f"{name}_us"] = timed_us(lambda fn=fn: fn(keys), n=200, warmup=5)
             want_p = [_draw(peaked, k, ids, inv_temp, True) for k in key_batches]

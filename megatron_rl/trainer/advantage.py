@@ -82,16 +82,51 @@ def batch_decode(tokenizer, seqs: list[list[int]]) -> list[str]:
     return [text for part in parts for text in part]
 
 
-def decode_responses(batch: RolloutBatch, tokenizer) -> list[str]:
-    lens = batch.response_lens.tolist()
-    ids = batch.responses.tolist()
+def decode_responses(batch: RolloutBatch, tokenizer, host: HostResponses | None = None) -> list[str]:
+    """The responses' text; from ``host`` (``HostResponses.start(batch)``) without reading the device."""
+    source = (batch.response_lens, batch.responses) if host is None else host.tensors()
+    lens, ids = (t.tolist() for t in source)
     return batch_decode(tokenizer, [row[:n] for row, n in zip(ids, lens)])
 
 
-def score_responses(batch: RolloutBatch, reward_fn, tokenizer, reward_model=None) -> dict[str, torch.Tensor]:
+class HostResponses:
+    """The batch's response ids and lengths copied to pinned host memory behind the work queued so far, without
+    a host sync: a scoring that runs later (``reward.overlap``, inside the update's first loss) reads them
+    without waiting for the device work queued after the copy (a ``.tolist()`` of the device tensors would)."""
+
+    def __init__(self, lens: torch.Tensor, ids: torch.Tensor, event):
+        self._lens, self._ids, self._event = lens, ids, event
+
+    @classmethod
+    def start(cls, batch: RolloutBatch) -> HostResponses:
+        src = (batch.response_lens, batch.responses)
+        if src[1].device.type != "cuda":
+            return cls(*(t.clone() for t in src), None)
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in src]
+        for h, t in zip(host, src):
+            h.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(src[1].device))
+        return cls(*host, event)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._event is not None:
+            self._event.synchronize()  # the copies only, not the work queued after them
+        return self._lens, self._ids
+
+
+def _on_device(values: list[float], dev: torch.device) -> torch.Tensor:
+    """fp32 [len(values)] on ``dev``; to a GPU pinned and non-blocking (a pageable copy waits for the stream)."""
+    t = torch.tensor(values, dtype=torch.float32)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+
+
+def score_responses(
+    batch: RolloutBatch, reward_fn, tokenizer, reward_model=None, host: HostResponses | None = None
+) -> dict[str, torch.Tensor]:
     """Rule/custom (or reward-model) scores, placed on the last response token of each sequence
-    (``token_level_scores``)."""
-    batch.response_texts = decode_responses(batch, tokenizer)
+    (``token_level_scores``). ``host``: the responses as copied to the host earlier (no device read here)."""
+    batch.response_texts = decode_responses(batch, tokenizer, host)
     rows, dev, extra = batch.rows, batch.response_mask.device, {}
     if reward_model is not None:
         score_t = reward_model(batch).float()  # [B]
@@ -103,18 +138,17 @@ def score_responses(batch: RolloutBatch, reward_fn, tokenizer, reward_model=None
             [r.ground_truth for r in rows],
             [r.extra_info for r in rows],
         )
-        score_t = torch.tensor(scores, dtype=torch.float32, device=dev)  # [B]
+        score_t = _on_device(scores, dev)  # [B]
     if batch.tool_reward is not None:  # multi-turn: the tools' / interaction's reward deltas
         score_t = score_t + batch.tool_reward.to(score_t)
-    tls = torch.zeros_like(batch.response_mask)
     last = (batch.response_lens - 1).clamp(min=0)
     has_tokens = batch.response_lens > 0
-    tls[has_tokens, last[has_tokens]] = score_t[has_tokens]
+    # each row's score on its last response token (an empty row keeps zeros): no boolean indexing, no host sync
+    tls = torch.zeros_like(batch.response_mask)
+    tls.scatter_(1, last[:, None], torch.where(has_tokens, score_t, 0.0).to(tls.dtype)[:, None])
     batch.token_level_scores = tls
     out = {"score": score_t}
-    out.update(
-        {reward_extra_key(k): torch.tensor(v, dtype=torch.float32, device=dev) for k, v in extra.items()}
-    )
+    out.update({reward_extra_key(k): _on_device(v, dev) for k, v in extra.items()})
     return out
 
 

@@ -24,6 +24,7 @@ from megatron_rl.rollout.batch import Pending, RolloutBatch, build_batch
 from megatron_rl.rollout.multi_turn import episode_state
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.advantage import (
+    HostResponses,
     apply_overlong_penalty,
     batch_metrics,
     compute_advantages,
@@ -145,9 +146,10 @@ def scored_rollout(
     return batch, metrics
 
 
-def _score(c: Components, batch: RolloutBatch) -> dict[str, float]:
-    """The responses' scores on the batch (``token_level_scores``), the overlong penalty; their metrics."""
-    scored = score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model)
+def _score(c: Components, batch: RolloutBatch, host: HostResponses | None = None) -> dict[str, float]:
+    """The responses' scores on the batch (``token_level_scores``), the overlong penalty; their metrics.
+    ``host``: the responses already copied to the host (``score_responses``)."""
+    scored = score_responses(batch, c.reward_fn, c.tokenizer, c.reward_model, host)
     metrics = apply_overlong_penalty(batch, c.cfg.reward.overlong_buffer, c.cfg.rollout.max_new_tokens)
     return metrics | reward_extra_metrics(scored)  # extra keys of a custom reward's dict: reward/<key>/mean
 
@@ -169,13 +171,15 @@ def overlap_reward(c: Components) -> bool:
 def _defer_advantages(c: Components, batch: RolloutBatch, timer: Timer, into: dict) -> Pending:
     """``batch.advantages`` / ``returns`` computed on first use (the first update loss reads them after its
     forward is queued): scoring and the advantage estimate then run on the host while the device runs that
-    forward. Their metrics land in ``into``, their host seconds in the timer's reward / adv phases (not synced:
-    a sync would wait for the forward)."""
+    forward. The responses go to the host now, before that forward is queued (reading the device tensors
+    then would wait for it). Their metrics land in ``into``, their host seconds in the timer's reward / adv
+    phases (not synced: a sync would wait for the forward)."""
+    host = HostResponses.start(batch)
 
     def finish() -> None:
         t0 = time.perf_counter()
         with annotate("update.overlapped_reward"):
-            into.update(_score(c, batch))
+            into.update(_score(c, batch, host))
         t1 = time.perf_counter()
         with annotate("update.overlapped_adv"):
             into.update(compute_advantages(batch, c.cfg.algorithm, c.kl_ctrl))

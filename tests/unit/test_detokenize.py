@@ -82,3 +82,50 @@ def test_a_tokenizer_that_cannot_be_weakly_referenced_is_cached_by_id(monkeypatc
     seqs = _seqs(tok, 100, seed=3)
     assert advantage.batch_decode(tok, seqs) == tok.batch_decode(seqs, skip_special_tokens=True)
     assert advantage._FAST_DECODE == {id(stand_in): (stand_in, True)}
+
+
+def test_scores_land_on_each_last_response_token_and_host_copies_read_the_same(monkeypatch):
+    """``score_responses``: each row's score on its last response token, nothing on an empty response (the
+    placement has no boolean indexing, which would sync the device); reading the responses from a
+    ``HostResponses`` copy (``reward.overlap``) gives the same texts and scores as reading the batch."""
+    import torch
+
+    from megatron_rl.rollout.batch import RolloutBatch
+
+    tok = build_char_tokenizer()
+    seqs = [s[:6] for s in _seqs(tok, 5, seed=2)] + [[]]  # the last response is empty
+    lens = torch.tensor([len(s) for s in seqs])
+    r = 6
+    responses = torch.tensor([s + [0] * (r - len(s)) for s in seqs])
+    mask = (torch.arange(r)[None] < lens[:, None]).float()
+
+    row = type("Row", (), {"data_source": "t", "ground_truth": "", "extra_info": None})()
+
+    def batch():
+        b = len(seqs)
+        return RolloutBatch(input_ids=responses.clone(), responses=responses.clone(), response_mask=mask.clone(),
+                            score_pos=torch.zeros(b, r, dtype=torch.long), prompt_lens=torch.zeros(b, dtype=torch.long),
+                            response_lens=lens.clone(), group_index=torch.arange(b), rollout_log_probs=torch.zeros(b, r),
+                            finish_reasons=["stop"] * b, rows=[row] * b)  # fmt: skip
+
+    def reward(solution_str, **_):
+        return float(len(solution_str)) + 0.5
+
+    monkeypatch.setattr(
+        advantage,
+        "score_batch",
+        lambda fn, srcs, texts, gts, infos: ([fn(solution_str=t) for t in texts], {}),
+    )
+    plain, copied = batch(), batch()
+    host = advantage.HostResponses.start(copied)
+    copied.responses.zero_()  # the copy was taken before: later changes to the device tensors do not reach it
+    out_plain = advantage.score_responses(plain, reward, tok)
+    out_copied = advantage.score_responses(copied, reward, tok, host=host)
+    assert copied.response_texts == plain.response_texts
+    assert torch.equal(out_copied["score"], out_plain["score"])
+    want = torch.zeros(len(seqs), r)
+    for i, n in enumerate(lens.tolist()):
+        if n:
+            want[i, n - 1] = out_plain["score"][i]
+    assert torch.equal(plain.token_level_scores, want) and torch.equal(copied.token_level_scores, want)
+    assert plain.token_level_scores[-1].abs().sum() == 0 and out_plain["score"][-1] == 0.5
