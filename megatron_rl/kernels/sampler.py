@@ -251,6 +251,20 @@ def usable(logits: torch.Tensor, any_rows: bool = False) -> bool:
     )
 
 
+# The vocab loop's tile (elements a block, warps a program) by rows. Measured (session 26, H100, bf16 [rows,
+# 151936], the engine's call: mixed keys, log-probs, block skip; 0 token mismatches): at 512 rows 1024 / 4 took
+# 207.7-213.5 us against 2048 / 8's 246.3-250.5 on flat rows, 251.0 against 273.1 on peaked ones, 242.5 against
+# 263.2 on very peaked ones; at 256 rows 113.4 against 136.7 (flat); below 256 rows the two time alike (launch
+# bound there: ~80-90 us). Software pipelining depth (num_stages 1, 2, 4) changed nothing.
+# ``benchmarks/results/2026-12-06-session26/`` (calls U-W).
+SMALL_TILE_FROM_ROWS = 256
+
+
+def tile_for(rows: int) -> tuple[int, int]:
+    """(block, num_warps) of the draw for ``rows`` rows: 1024 / 4 from ``SMALL_TILE_FROM_ROWS`` rows, else 2048 / 8."""
+    return (1024, 4) if rows >= SMALL_TILE_FROM_ROWS else (2048, 8)
+
+
 def splits_for(rows: int, target_programs: int = 1024, most: int = 64) -> int:
     """Programs per row (a power of two): about ``target_programs`` in all (an H200 has 132 SMs), one per
     row once B reaches it. A function of B only, so the launch shape is fixed for a captured batch."""
@@ -259,7 +273,7 @@ def splits_for(rows: int, target_programs: int = 1024, most: int = 64) -> int:
 
 def draw(
     logits: torch.Tensor, row_keys32: torch.Tensor, inv_temp: float, noisy: bool,
-    splits: int | None = None, block: int = 2048, num_warps: int = 8, filtered: bool | None = None,
+    splits: int | None = None, block: int | None = None, num_warps: int | None = None, filtered: bool | None = None,
     mix: bool = False, logprobs: bool = False, block_skip: bool | None = None, num_stages: int | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """logits [B, V], row_keys32 [B] int64 (``mix64(row_keys) & 0xFFFFFFFF``; with ``mix`` the raw row keys,
@@ -267,12 +281,14 @@ def draw(
     or without it when not ``noisy``) and the log-sum-exp [B] (fp32) of ``logits * inv_temp``; with
     ``logprobs`` also the tokens' log-probs [B] (fp32, ``logits[b, token] * inv_temp - lse``, the eager
     ops). ``filtered`` / ``block_skip``: ``FILTERED`` / ``BLOCK_SKIP`` when None (the skip only with the
-    filter). ``num_stages``: Triton's launch option (None: its default), swept by ``benchmarks/bench_sampler.py``. Mixing the keys and reading the log-probs here saves the decode step ~16 small kernels
-    (``mix64``'s eleven, the gather, the cast, the scale, the difference)."""
+    filter). ``block`` / ``num_warps``: ``tile_for(rows)``'s where None. ``num_stages``: Triton's launch option
+    (None: its default), swept by ``benchmarks/bench_sampler.py``. Mixing the keys and reading the log-probs here
+    saves the decode step ~16 small kernels (``mix64``'s eleven, the gather, the cast, the scale, the difference)."""
     rows, vocab = logits.shape
     filtered = FILTERED if filtered is None else filtered
     block_skip = filtered and (BLOCK_SKIP if block_skip is None else block_skip)  # the skip needs the filter
     splits = splits_for(rows) if splits is None else splits
+    block, num_warps = block or tile_for(rows)[0], num_warps or tile_for(rows)[1]
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block  # each split starts on a block boundary
     dev = logits.device
     tokens = torch.empty(rows, dtype=torch.long, device=dev)

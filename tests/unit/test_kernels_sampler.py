@@ -38,11 +38,22 @@ def _kernel(logits, keys, inv_temp, noisy, **kw):
 
 @pytest.mark.parametrize(
     "rows,vocab,splits,block",
-    [(37, 3001, None, 2048), (1, 3001, None, 256), (8, 1000, 1, 256), (6, 5000, 4, 512)],
+    [
+        (37, 3001, None, 2048),
+        (1, 3001, None, 256),
+        (8, 1000, 1, 256),
+        (6, 5000, 4, 512),
+        (9, 3001, 4, None),
+    ],
 )
-def test_tokens_and_lse_equal_the_eager_draw(rows, vocab, splits, block):
+def test_tokens_and_lse_equal_the_eager_draw(rows, vocab, splits, block, monkeypatch):
     """B = 37 and 1 with the splits chosen from B (many empty ones for B = 1), one split, several; V not a
-    multiple of the block; masked (-inf) columns as in a padded vocab."""
+    multiple of the block; masked (-inf) columns as in a padded vocab; the tile chosen from B (``tile_for``:
+    1024 / 4 from 256 rows, here from 9 to keep the interpreter quick)."""
+    if block is None:
+        assert kernel.tile_for(256) == (1024, 4) and kernel.tile_for(255) == (2048, 8)
+        monkeypatch.setattr(kernel, "SMALL_TILE_FROM_ROWS", rows)
+        assert kernel.tile_for(rows) == (1024, 4)
     torch.manual_seed(rows)
     logits = 4 * torch.randn(rows, vocab)
     logits[:, -7:] = float("-inf")
