@@ -442,9 +442,12 @@ class RewardConfig:
     overlap: bool = doc(
         True,
         "Score the responses (and estimate the advantages) while the first update's first micro-batch runs its "
-        "forward on the device, instead of before the update with the device idle (same results). Applies "
-        "where nothing before the update needs the scores: not with reward_fn=model, ReMax, "
-        "algorithm.filter_groups, algorithm.overlong_filter or actor.rollout_rs.",
+        "forward on the device, instead of before the update with the device idle (same results, unless the "
+        "reward function draws from torch's default generator while dropout does too). The update's timing then "
+        "includes what of the scoring did not overlap. Applies at pipeline size 1 where nothing before the "
+        "update needs the scores: not with reward_fn=model, ReMax, algorithm.filter_groups, "
+        "algorithm.overlong_filter or actor.rollout_rs. Set false for a custom reward function that runs its "
+        "own GPU model (it would share the device with the update's first micro-batch).",
     )
 
 

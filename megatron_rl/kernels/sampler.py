@@ -281,14 +281,16 @@ def draw(
     or without it when not ``noisy``) and the log-sum-exp [B] (fp32) of ``logits * inv_temp``; with
     ``logprobs`` also the tokens' log-probs [B] (fp32, ``logits[b, token] * inv_temp - lse``, the eager
     ops). ``filtered`` / ``block_skip``: ``FILTERED`` / ``BLOCK_SKIP`` when None (the skip only with the
-    filter). ``block`` / ``num_warps``: ``tile_for(rows)``'s where None. ``num_stages``: Triton's launch option
+    filter). ``block`` / ``num_warps``: ``tile_for(rows)`` when both are None (one given: the other 2048 / 8). ``num_stages``: Triton's launch option
     (None: its default), swept by ``benchmarks/bench_sampler.py``. Mixing the keys and reading the log-probs here
     saves the decode step ~16 small kernels (``mix64``'s eleven, the gather, the cast, the scale, the difference)."""
     rows, vocab = logits.shape
     filtered = FILTERED if filtered is None else filtered
     block_skip = filtered and (BLOCK_SKIP if block_skip is None else block_skip)  # the skip needs the filter
     splits = splits_for(rows) if splits is None else splits
-    block, num_warps = block or tile_for(rows)[0], num_warps or tile_for(rows)[1]
+    if block is None and num_warps is None:
+        block, num_warps = tile_for(rows)
+    block, num_warps = block or 2048, num_warps or 8  # one given: the other at its earlier default
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block  # each split starts on a block boundary
     dev = logits.device
     tokens = torch.empty(rows, dtype=torch.long, device=dev)

@@ -101,10 +101,10 @@ class Pending:
     def resolve(self) -> None:
         if not self.done:
             self._finish()
-            self.done = True
+            self.done, self._finish = True, None  # the closure's buffers go
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Deferred:
     """A response-frame field [B, R] of ``pending.batch`` not computed yet, as a micro-batch sees it: its
     ``rows`` of the batch (int64 on the host; None: all) and its first ``cols`` columns (None: all).

@@ -19,7 +19,7 @@ from megatron_rl.distributed.phase_watchdog import phase, set_error_dir
 from megatron_rl.distributed.shutdown import EXIT_SIGNALLED, agreed_stop
 from megatron_rl.logging import Timer
 from megatron_rl.logging.perf import step_perf
-from megatron_rl.logging.timer import PhaseTimer, annotate
+from megatron_rl.logging.timer import PHASE_WORK, PhaseTimer, annotate
 from megatron_rl.rollout.batch import Pending, RolloutBatch, build_batch
 from megatron_rl.rollout.multi_turn import episode_state
 from megatron_rl.rollout.sampling import SamplingParams
@@ -160,6 +160,8 @@ def overlap_reward(c: Components) -> bool:
     cfg = c.cfg
     return (
         cfg.reward.overlap
+        and ps.get_pipeline_model_parallel_world_size()
+        == 1  # a last stage scoring in its loss stalls the others
         and c.reward_model is None
         and not get_estimator_traits(cfg.algorithm.adv_estimator).greedy_baseline
         and not cfg.algorithm.filter_groups.enable
@@ -170,18 +172,24 @@ def overlap_reward(c: Components) -> bool:
 
 def _defer_advantages(c: Components, batch: RolloutBatch, timer: Timer, into: dict) -> Pending:
     """``batch.advantages`` / ``returns`` computed on first use (the first update loss reads them after its
-    forward is queued): scoring and the advantage estimate then run on the host while the device runs that
-    forward. The responses go to the host now, before that forward is queued (reading the device tensors
-    then would wait for it). Their metrics land in ``into``, their host seconds in the timer's reward / adv
-    phases (not synced: a sync would wait for the forward)."""
+    forward is queued): the reward function then runs on the host while the device runs that forward (the
+    detokenising too: the responses go to the host now, before that forward is queued, since reading the
+    device tensors then would wait for it; the advantage estimate may sync, e.g. DP's gather of row counts).
+    Their metrics land in ``into``, their host seconds in the timer's reward / adv phases (not synced: a sync
+    would wait for the forward), each bounded by ``trainer.timeout_minutes`` as before; no autograd graph."""
     host = HostResponses.start(batch)
+    minutes = c.cfg.trainer.timeout_minutes
 
     def finish() -> None:
         t0 = time.perf_counter()
-        with annotate("update.overlapped_reward"):
+        with (
+            torch.no_grad(),
+            annotate("update.overlapped_reward"),
+            phase("reward", minutes, PHASE_WORK["reward"]),
+        ):
             into.update(_score(c, batch, host))
         t1 = time.perf_counter()
-        with annotate("update.overlapped_adv"):
+        with torch.no_grad(), annotate("update.overlapped_adv"), phase("adv", minutes, PHASE_WORK["adv"]):
             into.update(compute_advantages(batch, c.cfg.algorithm, c.kl_ctrl))
         timer.add("reward", t1 - t0)
         timer.add("adv", time.perf_counter() - t1)
@@ -231,7 +239,9 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     if step >= cfg.trainer.critic_warmup:
         with timer("update_actor"):
             metrics |= c.actor.update(batch, cfg.actor.ppo_mini_batch_size * cfg.rollout.n // c.dims.dp)
-    if pending is not None:  # pipeline stages without the loss (and a critic-warmup step) resolve it here
+    if (
+        pending is not None
+    ):  # a step that ran no loss reading them (critic warmup without a critic) resolves here
         pending.resolve()
     for name in ("logprob_abs_diff", "logprob_mismatch_frac", "truncated_logprob_abs_diff",
                  "truncated_logprob_mismatch_frac"):  # fmt: skip

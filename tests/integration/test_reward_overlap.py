@@ -1,7 +1,7 @@
 """``reward.overlap``: the responses are scored (and the advantages estimated) inside the update's first loss,
 after its forward is queued, so the host's scoring runs while the device computes. Same metrics as scoring
-before the update, single-process (GRPO) and at DP 2 x PP 2 (PPO: the critic's loss reads the returns first;
-the first pipeline stage, which computes no loss, resolves after its update)."""
+before the update, single-process (GRPO) and at DP 2 x TP 2 (PPO: the critic's loss reads the returns first);
+at pipeline size 2 the scoring stays before the update (a last stage scoring in its loss would stall the others)."""
 
 import pytest
 
@@ -13,10 +13,11 @@ REWARD = """
 import inspect, os
 
 def score(data_source, solution_str, ground_truth, extra_info=None, **_):
+    import torch
     path = os.environ["REWARD_STACK_LOG"] + f".{os.environ.get('RANK', '0')}"
-    if not os.path.exists(path):  # the first call's callers, outermost last
+    if not os.path.exists(path):  # the first call's callers (outermost last), then whether grad was on
         with open(path, "w") as f:
-            f.write(" ".join(frame.function for frame in inspect.stack()))
+            f.write(" ".join(frame.function for frame in inspect.stack()) + f" grad={torch.is_grad_enabled()}")
     return float(len(solution_str) % 3 == 0)
 """
 
@@ -38,7 +39,7 @@ def _run(tmp_path, name, overlap, *extra, nproc=1):
 @pytest.mark.parametrize(
     "algorithm, extra, nproc",
     [("grpo", (), 1),
-     ("ppo", ("parallel.pipeline_model_parallel_size=2",), 4)],
+     ("ppo", ("parallel.tensor_model_parallel_size=2",), 4)],
 )  # fmt: skip
 def test_overlapped_scoring_gives_the_same_metrics(tmp_path, algorithm, extra, nproc):
     on, on_stacks = _run(tmp_path, "on", True, f"algorithm={algorithm}", *extra, nproc=nproc)
@@ -48,7 +49,16 @@ def test_overlapped_scoring_gives_the_same_metrics(tmp_path, algorithm, extra, n
     assert len(on_stacks) == nproc and len(off_stacks) == nproc
     for rank, stack in on_stacks.items():
         assert "scored_rollout" in off_stacks[rank] and "run_micro_batches" not in off_stacks[rank]
-        # scored inside the first loss (PP=2: the last stage's ranks 2, 3); stage 0 after its update
-        inside = nproc == 1 or int(rank) >= 2
-        assert ("_loss" in stack and "run_micro_batches" in stack) == inside, (rank, stack[:12])
+        # every rank scored inside its first loss (PPO: the critic's), under no autograd graph
+        assert "_loss" in stack and "run_micro_batches" in stack, (rank, stack[:12])
+        assert stack[-1] == "grad=False"  # no autograd graph built by the scoring inside the loss
         assert "scored_rollout" not in stack and "train_step" in stack
+
+
+def test_pipeline_parallel_scores_before_the_update(tmp_path):
+    rows, stacks = _run(
+        tmp_path, "pp", True, "algorithm=grpo", "parallel.pipeline_model_parallel_size=2", nproc=2
+    )
+    assert len(rows) == 2 and len(stacks) == 2
+    for rank, stack in stacks.items():
+        assert "scored_rollout" in stack and "run_micro_batches" not in stack, (rank, stack[:12])

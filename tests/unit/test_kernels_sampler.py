@@ -53,7 +53,9 @@ def test_tokens_and_lse_equal_the_eager_draw(rows, vocab, splits, block, monkeyp
     if block is None:
         assert kernel.tile_for(256) == (1024, 4) and kernel.tile_for(255) == (2048, 8)
         monkeypatch.setattr(kernel, "SMALL_TILE_FROM_ROWS", rows)
-        assert kernel.tile_for(rows) == (1024, 4)
+        asked, tile_for = [], kernel.tile_for
+        monkeypatch.setattr(kernel, "tile_for", lambda b: asked.append(b) or tile_for(b))
+        assert tile_for(rows) == (1024, 4)
     torch.manual_seed(rows)
     logits = 4 * torch.randn(rows, vocab)
     logits[:, -7:] = float("-inf")
@@ -67,6 +69,8 @@ def test_tokens_and_lse_equal_the_eager_draw(rows, vocab, splits, block, monkeyp
             assert torch.equal(tokens, want), (filtered, skip)
             torch.testing.assert_close(lse, torch.logsumexp(logits * inv_temp, -1), rtol=1e-6, atol=1e-5)
             torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-5)
+    if block is None:
+        assert asked and set(asked) == {rows}  # the draw took its tile from the rows
 
 
 @pytest.mark.parametrize("splits", [1, 4])
