@@ -281,9 +281,10 @@ def draw(
     or without it when not ``noisy``) and the log-sum-exp [B] (fp32) of ``logits * inv_temp``; with
     ``logprobs`` also the tokens' log-probs [B] (fp32, ``logits[b, token] * inv_temp - lse``, the eager
     ops). ``filtered`` / ``block_skip``: ``FILTERED`` / ``BLOCK_SKIP`` when None (the skip only with the
-    filter). ``block`` / ``num_warps``: ``tile_for(rows)`` when both are None (one given: the other 2048 / 8). ``num_stages``: Triton's launch option
-    (None: its default), swept by ``benchmarks/bench_sampler.py``. Mixing the keys and reading the log-probs here
-    saves the decode step ~16 small kernels (``mix64``'s eleven, the gather, the cast, the scale, the difference)."""
+    filter). ``block`` / ``num_warps``: ``tile_for(rows)`` when both are None (one given: the other 2048 / 8).
+    ``num_stages``: Triton's launch option (None: its default), swept by ``benchmarks/bench_sampler.py``. Mixing
+    the keys and reading the log-probs here saves the decode step ~16 small kernels (``mix64``'s eleven, the
+    gather, the cast, the scale, the difference)."""
     rows, vocab = logits.shape
     filtered = FILTERED if filtered is None else filtered
     block_skip = filtered and (BLOCK_SKIP if block_skip is None else block_skip)  # the skip needs the filter

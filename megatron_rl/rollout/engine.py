@@ -301,14 +301,14 @@ class RolloutEngine:
 
 
 _SYNC_EVERY = 16  # decode steps between host syncs; a finished sequence is noticed at most this late
-# ASYNC_RETIRE (single-turn generation; MEGATRON_RL_ASYNC_RETIRE=0 turns it off): at each window's end the device state is copied to
-# pinned host memory behind the queued steps, _AHEAD more steps are queued, and only then does the host wait
-# (for the copy, not for the steps) and retire / compact from it, while the device runs those steps. Without
-# it every window ends in a sync the device idles through while the host retires (``sync_host_s``: 57-66 ms
-# a 0.5B generation, session 25). A finished sequence is then noticed _AHEAD steps later (frozen on the
-# device meanwhile), so compaction runs at other steps: greedy and layout-invariant sampling give the same
-# tokens, the generator's stream (``layout_invariant_sampling=False``) other, equally valid, samples (as
-# compaction itself does). Measured (session 26, H100, 0.5B GRPO step, same call): spread lengths generation
+# ASYNC_RETIRE (single-turn generation; MEGATRON_RL_ASYNC_RETIRE=0 turns it off): at each window's end the
+# device state is copied to pinned host memory behind the queued steps, _AHEAD more steps are queued, and only
+# then does the host wait (for the copy, not for the steps) and retire / compact from it, while the device runs
+# those steps. Without it every window ends in a sync the device idles through while the host retires
+# (``sync_host_s``: 57-66 ms a 0.5B generation, session 25). A finished sequence is then noticed _AHEAD steps
+# later (frozen on the device meanwhile), so compaction runs at other steps: greedy and layout-invariant
+# sampling give the same tokens, the generator's stream (``layout_invariant_sampling=False``) other, equally
+# valid, samples (as compaction itself does). Measured (session 26, H100, 0.5B GRPO step, same call): spread lengths generation
 # 1.050 -> 1.036 s, fixed lengths 1.548 -> 1.546 s; host syncs 32 -> 1 a generation. On by default.
 ASYNC_RETIRE = env_switch("MEGATRON_RL_ASYNC_RETIRE", True)
 _AHEAD = 2

@@ -158,10 +158,10 @@ def overlap_reward(c: Components) -> bool:
     """``reward.overlap`` applies: nothing between generation and the update reads the scores or changes the
     response mask after the advantages (see the key's doc)."""
     cfg = c.cfg
+    # pipeline size 1: a last stage scoring inside its loss would stall the other stages
     return (
         cfg.reward.overlap
-        and ps.get_pipeline_model_parallel_world_size()
-        == 1  # a last stage scoring in its loss stalls the others
+        and ps.get_pipeline_model_parallel_world_size() == 1
         and c.reward_model is None
         and not get_estimator_traits(cfg.algorithm.adv_estimator).greedy_baseline
         and not cfg.algorithm.filter_groups.enable
@@ -239,9 +239,7 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
     if step >= cfg.trainer.critic_warmup:
         with timer("update_actor"):
             metrics |= c.actor.update(batch, cfg.actor.ppo_mini_batch_size * cfg.rollout.n // c.dims.dp)
-    if (
-        pending is not None
-    ):  # a step that ran no loss reading them (critic warmup without a critic) resolves here
+    if pending is not None:  # a step whose updates read neither (critic warmup, no critic) resolves here
         pending.resolve()
     for name in ("logprob_abs_diff", "logprob_mismatch_frac", "truncated_logprob_abs_diff",
                  "truncated_logprob_mismatch_frac"):  # fmt: skip
