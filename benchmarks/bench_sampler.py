@@ -39,23 +39,13 @@ def bench(rows: int, vocab: int, key_sets: int) -> dict:
             logits, k, inv_temp, True, mix=True, logprobs=True, block_skip=True
         ),
     }
-    # the engine's call at other software-pipelining depths of the vocab loop (session 26: is the loop latency-bound?)
+    # the engine's call at other software-pipelining depths of the vocab loop (session 26: is the loop latency-bound?),
+    # at the draw's own tile ("") and at 1024-element blocks with 4 warps
     for stages in (1, 2, 4):
-        ways[f"triton_block_skip_stages{stages}"] = lambda k, n=stages: kernel.draw(
-            logits, k, inv_temp, True, mix=True, logprobs=True, block_skip=True, num_stages=n
-        )
-        ways[f"triton_block_skip_b1024_w4_stages{stages}"] = lambda k, n=stages: kernel.draw(
-            logits,
-            k,
-            inv_temp,
-            True,
-            mix=True,
-            logprobs=True,
-            block_skip=True,
-            block=1024,
-            num_warps=4,
-            num_stages=n,
-        )
+        for tag, tile in (("", {}), ("_b1024_w4", {"block": 1024, "num_warps": 4})):
+            ways[f"triton_block_skip{tag}_stages{stages}"] = lambda k, n=stages, t=tile: kernel.draw(
+                logits, k, inv_temp, True, mix=True, logprobs=True, block_skip=True, num_stages=n, **t
+            )
     d = kernel.splits_for(rows)
     for splits in sorted({max(1, d // 4), d, min(64, 4 * d)}):
         for block, warps in ((1024, 4), (4096, 8)):

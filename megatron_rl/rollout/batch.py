@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from megatron_rl.data import PromptRow
+from megatron_rl.distributed.transfer import to_device_async
 from megatron_rl.rollout.engine import Completion
 
 
@@ -68,7 +69,7 @@ class RolloutBatch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 if value.device not in on_device:
-                    on_device[value.device] = _index_on(index, value.device)
+                    on_device[value.device] = to_device_async(index, value.device)
                 out[f.name] = value[on_device[value.device]]
             elif isinstance(value, Deferred):
                 out[f.name] = value.select(index)
@@ -79,13 +80,6 @@ class RolloutBatch:
             else:
                 out[f.name] = value
         return RolloutBatch(**out)
-
-
-def _index_on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """An int64 host index on ``device``; to a GPU pinned and non-blocking (a pageable copy waits for the stream)."""
-    if device.type != "cuda":
-        return index.to(device)
-    return index.pin_memory().to(device, non_blocking=True)
 
 
 class Pending:
@@ -126,13 +120,13 @@ class Deferred:
             raise TypeError(f"a deferred {self.name} is cut only as [:, :r], not {key!r}")
         return replace(self, cols=cols.stop if self.cols is None else min(self.cols, cols.stop))
 
-    def resolve(self) -> torch.Tensor | None:
+    def resolve(self) -> torch.Tensor:
         self.pending.resolve()
         value = getattr(self.pending.batch, self.name)
         if value is None or isinstance(value, Deferred):
             raise RuntimeError(f"resolving the deferred {self.name} left the batch's field unset")
         if self.rows is not None:  # no host sync behind the queued forward
-            value = value[_index_on(self.rows, value.device)]
+            value = value[to_device_async(self.rows, value.device)]
         return value if self.cols is None else value[:, : self.cols]
 
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megatron_rl.config.rollout_rules import check_engine
 from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.distributed.transfer import to_device_async, to_host_async
 from megatron_rl.kernels import batch_invariant, decode_gemm
 from megatron_rl.kernels import decode_attention as decode_kernel
 from megatron_rl.kernels.compile import env_switch
@@ -308,8 +309,9 @@ _SYNC_EVERY = 16  # decode steps between host syncs; a finished sequence is noti
 # (``sync_host_s``: 57-66 ms a 0.5B generation, session 25). A finished sequence is then noticed _AHEAD steps
 # later (frozen on the device meanwhile), so compaction runs at other steps: greedy and layout-invariant
 # sampling give the same tokens, the generator's stream (``layout_invariant_sampling=False``) other, equally
-# valid, samples (as compaction itself does). Measured (session 26, H100, 0.5B GRPO step, same call): spread lengths generation
-# 1.050 -> 1.036 s, fixed lengths 1.548 -> 1.546 s; host syncs 32 -> 1 a generation. On by default.
+# valid, samples (as compaction itself does). Measured (session 26, H100, 0.5B GRPO step, same call): spread
+# lengths generation 1.050 -> 1.036 s, fixed lengths 1.548 -> 1.546 s; host syncs 32 -> 1 a generation. On by
+# default.
 ASYNC_RETIRE = env_switch("MEGATRON_RL_ASYNC_RETIRE", True)
 _AHEAD = 2
 _SNAPSHOT_MAX_CELLS = 1 << 19  # slots x tokens a snapshot copies at most (12-16 bytes a cell)
@@ -616,14 +618,7 @@ class _Runner:
         ]
         if self.out_tlp is not None:
             parts.append(self.out_tlp[:b, :n])
-        cuda = self.rows.device.type == "cuda"
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in parts]
-        for h, t in zip(host, parts):
-            h.copy_(t, non_blocking=cuda)
-        event = torch.cuda.Event() if cuda else None
-        if event is not None:  # on the engine device's stream (not the current device's)
-            event.record(torch.cuda.current_stream(self.rows.device))
-        return host, event
+        return to_host_async(parts)
 
     def _retire(self, snapshot: tuple[list[torch.Tensor], torch.cuda.Event | None] | None = None) -> None:
         """Host sync: hand finished sequences their tokens (or, multi-turn, continue their episodes in the
@@ -672,10 +667,8 @@ class _Runner:
         self._refresh_kv_need()
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
-        """An int64 index tensor on the engine's device, without a host sync on CUDA (a pinned copy)."""
-        if self.rows.device.type != "cuda":
-            return torch.tensor(values, dtype=torch.long)
-        return torch.tensor(values, dtype=torch.long).pin_memory().to(self.rows.device, non_blocking=True)
+        """An int64 index tensor on the engine's device, without a host sync."""
+        return to_device_async(torch.tensor(values, dtype=torch.long), self.rows.device)
 
     def _unlead(self, freed: torch.Tensor) -> None:
         """Slots ``freed`` (int64, on the device) are released (their cache rows may be overwritten by the next

@@ -28,6 +28,7 @@ from megatron_rl.algos.collective import all_reduce_sum
 from megatron_rl.algos.dapo import overlong_filter, overlong_penalty
 from megatron_rl.algos.rollout_correction import rollout_gap_metrics
 from megatron_rl.config.schema import ActorConfig, AlgorithmConfig, JobConfig, OverlongBufferConfig
+from megatron_rl.distributed.transfer import to_device_async, to_host_async
 from megatron_rl.rewards import score_batch
 from megatron_rl.rollout.batch import RolloutBatch
 
@@ -83,42 +84,25 @@ def batch_decode(tokenizer, seqs: list[list[int]]) -> list[str]:
 
 
 def decode_responses(batch: RolloutBatch, tokenizer, host: HostResponses | None = None) -> list[str]:
-    """The responses' text; from ``host`` (``HostResponses.start(batch)``) without reading the device."""
+    """The responses' text; from ``host`` (``HostResponses(batch)``) without reading the device."""
     source = (batch.response_lens, batch.responses) if host is None else host.tensors()
     lens, ids = (t.tolist() for t in source)
     return batch_decode(tokenizer, [row[:n] for row, n in zip(ids, lens)])
 
 
 class HostResponses:
-    """The batch's response ids and lengths copied to pinned host memory behind the work queued so far, without
-    a host sync: a scoring that runs later (``reward.overlap``, inside the update's first loss) reads them
-    without waiting for the device work queued after the copy (a ``.tolist()`` of the device tensors would)."""
+    """The batch's response lengths and ids copied to host memory behind the work queued so far, without a host
+    sync (``distributed.transfer.to_host_async``): a scoring that runs later (``reward.overlap``, inside the
+    update's first loss) reads them without waiting for the device work queued after the copy (a ``.tolist()``
+    of the device tensors would)."""
 
-    def __init__(self, lens: torch.Tensor, ids: torch.Tensor, event):
-        self._lens, self._ids, self._event = lens, ids, event
-
-    @classmethod
-    def start(cls, batch: RolloutBatch) -> HostResponses:
-        src = (batch.response_lens, batch.responses)
-        if src[1].device.type != "cuda":
-            return cls(*(t.clone() for t in src), None)
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in src]
-        for h, t in zip(host, src):
-            h.copy_(t, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(src[1].device))
-        return cls(*host, event)
+    def __init__(self, batch: RolloutBatch):
+        self._host, self._event = to_host_async([batch.response_lens, batch.responses])
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._event is not None:
             self._event.synchronize()  # the copies only, not the work queued after them
-        return self._lens, self._ids
-
-
-def _on_device(values: list[float], dev: torch.device) -> torch.Tensor:
-    """fp32 [len(values)] on ``dev``; to a GPU pinned and non-blocking (a pageable copy waits for the stream)."""
-    t = torch.tensor(values, dtype=torch.float32)
-    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+        return self._host[0], self._host[1]
 
 
 def score_responses(
@@ -138,7 +122,7 @@ def score_responses(
             [r.ground_truth for r in rows],
             [r.extra_info for r in rows],
         )
-        score_t = _on_device(scores, dev)  # [B]
+        score_t = to_device_async(torch.tensor(scores, dtype=torch.float32), dev)  # [B]
     if batch.tool_reward is not None:  # multi-turn: the tools' / interaction's reward deltas
         score_t = score_t + batch.tool_reward.to(score_t)
     last = (batch.response_lens - 1).clamp(min=0)
@@ -148,7 +132,12 @@ def score_responses(
     tls.scatter_(1, last[:, None], torch.where(has_tokens, score_t, 0.0).to(tls.dtype)[:, None])
     batch.token_level_scores = tls
     out = {"score": score_t}
-    out.update({reward_extra_key(k): _on_device(v, dev) for k, v in extra.items()})
+    out.update(
+        {
+            reward_extra_key(k): to_device_async(torch.tensor(v, dtype=torch.float32), dev)
+            for k, v in extra.items()
+        }
+    )
     return out
 
 

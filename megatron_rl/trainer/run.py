@@ -177,22 +177,18 @@ def _defer_advantages(c: Components, batch: RolloutBatch, timer: Timer, into: di
     device tensors then would wait for it; the advantage estimate may sync, e.g. DP's gather of row counts).
     Their metrics land in ``into``, their host seconds in the timer's reward / adv phases (not synced: a sync
     would wait for the forward), each bounded by ``trainer.timeout_minutes`` as before; no autograd graph."""
-    host = HostResponses.start(batch)
+    host = HostResponses(batch)
     minutes = c.cfg.trainer.timeout_minutes
 
     def finish() -> None:
-        t0 = time.perf_counter()
-        with (
-            torch.no_grad(),
-            annotate("update.overlapped_reward"),
-            phase("reward", minutes, PHASE_WORK["reward"]),
-        ):
-            into.update(_score(c, batch, host))
-        t1 = time.perf_counter()
-        with torch.no_grad(), annotate("update.overlapped_adv"), phase("adv", minutes, PHASE_WORK["adv"]):
-            into.update(compute_advantages(batch, c.cfg.algorithm, c.kl_ctrl))
-        timer.add("reward", t1 - t0)
-        timer.add("adv", time.perf_counter() - t1)
+        parts = (("reward", lambda: _score(c, batch, host)),
+                 ("adv", lambda: compute_advantages(batch, c.cfg.algorithm, c.kl_ctrl)))  # fmt: skip
+        with torch.no_grad():
+            for name, work in parts:
+                t0 = time.perf_counter()
+                with annotate(f"update.overlapped_{name}"), phase(name, minutes, PHASE_WORK[name]):
+                    into.update(work())
+                timer.add(name, time.perf_counter() - t0)
 
     return Pending(batch, finish, ("advantages", "returns"))
 

@@ -117,7 +117,7 @@ def test_scores_land_on_each_last_response_token_and_host_copies_read_the_same(m
         lambda fn, srcs, texts, gts, infos: ([fn(solution_str=t) for t in texts], {}),
     )
     plain, copied = batch(), batch()
-    host = advantage.HostResponses.start(copied)
+    host = advantage.HostResponses(copied)
     copied.responses.zero_()  # the copy was taken before: later changes to the device tensors do not reach it
     out_plain = advantage.score_responses(plain, reward, tok)
     out_copied = advantage.score_responses(copied, reward, tok, host=host)

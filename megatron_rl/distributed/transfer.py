@@ -1,0 +1,34 @@
+"""Host <-> device copies that do not make the host wait for the work queued on the device.
+
+A pageable copy waits for the stream (PyTorch synchronises after ``cudaMemcpyAsync`` from or to pageable
+memory), so a copy issued while the device is busy stalls the host until that work is done. Through pinned
+memory and ``non_blocking`` the copy is queued like a kernel: to the device it is simply in stream order; to
+the host, an event recorded after it says when the host may read (``event.synchronize()`` waits for the copies
+only, not for what was queued after them). Off CUDA both are plain copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device``; to a GPU pinned and non-blocking (no host sync)."""
+    if device.type != "cuda":
+        return t if t.device == torch.device(device) else t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_host_async(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Host copies of ``tensors`` (all on one device) as they are once the work queued so far has run, and on
+    CUDA an event recorded on their device's current stream after the (pinned, non-blocking) copies: read the
+    copies after ``event.synchronize()``. Off CUDA the copies are made now and the event is None."""
+    cuda = tensors[0].device.type == "cuda"
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in tensors]
+    for h, t in zip(host, tensors):
+        h.copy_(t, non_blocking=cuda)
+    if not cuda:
+        return host, None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensors[0].device))  # the tensors' device, not the current one
+    return host, event
