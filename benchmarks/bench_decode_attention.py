@@ -33,6 +33,9 @@ def main() -> None:
     ap.add_argument("--cache", type=int, default=768)
     ap.add_argument("--default-only", action="store_true", help="time the default config only (no sweep)")
     ap.add_argument("--samples", type=int, default=8, help="slots per prompt for the prompt_kv_sharing rows")
+    ap.add_argument("--equal-positions", default="",
+                    help="comma-separated positions: instead of the sweep, every row at each position in turn (the "
+                         "fixed-length workload's decode), timed at a few configs: the time against the live KV")  # fmt: skip
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     s = SHAPES[a.shape]
@@ -51,14 +54,20 @@ def main() -> None:
     want = F.scaled_dot_product_attention(q, cache[0], cache[1], attn_mask=mask)
     out = {"device": torch.cuda.get_device_name(), "shape": a.shape, "batch": a.batch, "cache": a.cache,
            "groups": groups, "rep": rep, "head_dim": d, "live_kv_gb": live_bytes / 1e9, "configs": []}  # fmt: skip
+    if a.equal_positions:
+        out["by_position"] = by_position(q, cache, [int(p) for p in a.equal_positions.split(",")])
+        print(json.dumps(out["by_position"]), flush=True)
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+        return
     sweep = itertools.product((32, 64, 128, 256), (2, 4, 8), (1, 2, 3, 4))
     for block, warps, stages in [(64, 4, 3)] if a.default_only else sweep:
         try:
             got = decode_attention(
                 q, cache[0], cache[1], pos, block=block, num_warps=warps, num_stages=stages
             )
-            us = graphed_us(lambda b=block, w=warps, st=stages: decode_attention(
-                q, cache[0], cache[1], pos, block=b, num_warps=w, num_stages=st))  # fmt: skip
+            us = graphed_us(lambda b=block, w=warps, st=stages, at=pos: decode_attention(
+                q, cache[0], cache[1], at, block=b, num_warps=w, num_stages=st))  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is reported
             out["configs"].append({"block": block, "warps": warps, "stages": stages,
                                    "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]})  # fmt: skip
@@ -77,6 +86,25 @@ def main() -> None:
     print(json.dumps({k: out[k] for k in keys}), flush=True)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
+
+
+EQUAL_CONFIGS = ((64, 4, 3), (32, 2, 3), (64, 2, 2), (128, 4, 3), (128, 8, 2), (256, 8, 2))
+
+
+def by_position(q, cache, positions: list[int]) -> list[dict]:
+    """Every row at one position (as in a fixed-length rollout, where all rows decode in step): the kernel's
+    time per call at ``EQUAL_CONFIGS`` (block, warps, stages) for each position, with the live-KV rate; the
+    time's intercept over the positions is the kernel's cost that does not scale with the keys read."""
+    rows = []
+    for p in positions:
+        pos = torch.full((q.shape[0],), p, device=q.device, dtype=torch.long)
+        live = 2 * cache.shape[2] * cache.shape[4] * 2 * (p + 1) * q.shape[0]
+        for block, warps, stages in EQUAL_CONFIGS:
+            us = graphed_us(lambda b=block, w=warps, st=stages, at=pos: decode_attention(
+                q, cache[0], cache[1], at, block=b, num_warps=w, num_stages=st))  # fmt: skip
+            rows.append({"position": p, "block": block, "warps": warps, "stages": stages, "us": us,
+                         "tb_s": live / us / 1e6})  # fmt: skip
+    return rows
 
 
 def sharing(cache, q, pos, prompt_len: int, samples: int, live_bytes: float) -> dict:
