@@ -14,8 +14,6 @@ Triton's interpreter (``RUN_ON_CPU``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from megatron_rl.kernels import decode_fused
@@ -109,10 +107,6 @@ RUN_ON_CPU = False
 # MEGATRON_RL_DECODE_ROPE_IN_ATTENTION=1: the decode step's RoPE and KV-cache write run inside the attention
 # kernel (``rope_decode_attention``: one launch per layer fewer; off until measured on a GPU)
 ROPE_IN_ATTENTION = env_switch("MEGATRON_RL_DECODE_ROPE_IN_ATTENTION", False)
-# MEGATRON_RL_DECODE_ATTENTION_TILE="block,warps,stages": the kernel's key block, warps and pipelining depth
-# (default 64, 4 and Triton's default depth; session 27's equal-position sweep on an H100 had 64, 2, 2 7-10%
-# faster at every position: measured in the engine before it becomes the default)
-TILE = tuple(int(v) for v in os.environ.get("MEGATRON_RL_DECODE_ATTENTION_TILE", "64,4,0").split(","))
 
 
 def serves(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
@@ -129,7 +123,7 @@ def usable(q: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                     scale: float | None = None, block: int | None = None, num_warps: int | None = None,
+                     scale: float | None = None, block: int = 64, num_warps: int = 4,
                      num_stages: int | None = None, prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
                      ) -> torch.Tensor:  # fmt: skip
     """q [B, G, rep, D] (a group's query heads), k / v [B, G, T, D] (unit stride in D), positions [B]:
@@ -139,9 +133,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     values before position plen[b] from row lead[b] (< B) instead of its own. The samples of one prompt
     point at one slot's copy of it: the GPU reads it from HBM once and the others hit the L2 cache; every
     slot still holds its own copy, so the values and the result are the same bits either way."""
-    block = TILE[0] if block is None else block  # the engine's call: ``TILE``
-    num_warps = TILE[1] if num_warps is None else num_warps
-    num_stages = (TILE[2] or None) if num_stages is None else num_stages
     return _launch(q, q.shape[2], k, v, positions, scale, block, num_warps, num_stages, prefix)
 
 

@@ -16,7 +16,6 @@ Tensor-parallel pieces (``tp`` is the generation TP size, ``group`` its process 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -231,7 +230,6 @@ def decode(
     exact: bool = False,
     prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
     logits_out: torch.Tensor | None = None,
-    split: bool = True,
 ) -> torch.Tensor:
     """One decode step for slots 0..B-1 (static shapes, CUDA-graph capturable).
 
@@ -239,14 +237,10 @@ def decode(
     Writes each slot's new key/value at its position and attends to keys 0..position, reading only the
     first ``kv_len`` cache positions (default all; every position must be < kv_len).
     ``prefix`` (lead [B], plen [B]): ``decode_attention``'s; ``logits_out``: ``logits``' ``out``. Returns
-    logits [B, V] (weights' dtype). ``split``: as ``split_rows`` says (``MEGATRON_RL_DECODE_SPLIT``), the rows
-    as ranges on parallel streams.
+    logits [B, V] (weights' dtype).
     """
     B = tokens.shape[0]
     Tmax = cache.shape[4] if kv_len is None else kv_len
-    parts = split_rows(B, w, exact, tokens.device) if split else [(0, B)]
-    if len(parts) > 1:
-        return _decode_parts(w, spec, cache, tokens, positions, Tmax, prefix, logits_out, parts)
     if not exact and decode_fused.enabled(w.embed):
         return _decode_fused(w, spec, cache, tokens, positions, Tmax, prefix, logits_out)
     rep = spec.num_attention_heads // spec.num_query_groups
@@ -282,74 +276,6 @@ def decode(
         )
         x, h = _add_norm(x, _mlp(h, layer, w, exact), nxt, spec, exact)
     return logits(h[:, 0], w, spec, exact, logits_out)
-
-
-# MEGATRON_RL_DECODE_SPLIT=n: a decode step of at least ``SPLIT_FROM_ROWS`` rows runs as n row ranges, each
-# on its own CUDA stream (parallel branches of the step's graph). At 0.5B and 512 rows the step's GEMMs fill
-# 28-36 of 132 SMs (compute-bound, ~2x their FLOP time) and its attention is memory-bound: one range's
-# GEMMs run beside another's attention. 1 (default): one range, as before
-SPLIT = int(os.environ.get("MEGATRON_RL_DECODE_SPLIT", "1"))
-SPLIT_FROM_ROWS = int(os.environ.get("MEGATRON_RL_DECODE_SPLIT_FROM_ROWS", "128"))
-_STREAMS: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
-
-
-def split_rows(rows: int, w: GenWeights, exact: bool, device: torch.device) -> list[tuple[int, int]]:
-    """The row ranges [(r0, r1), ...] a decode step of ``rows`` rows runs as: ``SPLIT`` ranges of
-    ``_SPLIT_ALIGN``-row multiples (the last takes the rest) where rows >= ``SPLIT_FROM_ROWS``, the generation
-    TP size is 1 (collectives on two streams could be issued in different orders on different ranks), the
-    step is not exact (its GEMMs run fixed 512-row calls) and the device is CUDA (or a test sets
-    ``_SPLIT_ON_CPU``); else one range."""
-    on = torch.device(device).type == "cuda" or _SPLIT_ON_CPU
-    if SPLIT <= 1 or rows < SPLIT_FROM_ROWS or w.tp != 1 or exact or not on:
-        return [(0, rows)]
-    per = -(-rows // SPLIT)  # ceil(rows / SPLIT)
-    step = -(-per // _SPLIT_ALIGN) * _SPLIT_ALIGN
-    cuts = [min(i * step, rows) for i in range(SPLIT)] + [rows]
-    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
-
-
-_SPLIT_ALIGN = 16
-_SPLIT_ON_CPU = False  # tests: the CPU runs the row ranges one after the other
-
-
-def _decode_parts(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: torch.Tensor,
-                  positions: torch.Tensor, Tmax: int, prefix, logits_out, parts) -> torch.Tensor:  # fmt: skip
-    """``decode`` over row ranges: range i > 0 on its own stream (forked from and joined back into the current
-    one; inside a capture they become parallel branches of the graph), range 0 on the current stream, each
-    writing its rows of one logits tensor. A range reads its own slots of the cache (slots are rows); a row
-    whose ``prefix`` lead slot lies outside its range reads its own copy of the prompt (the same values)."""
-    B = tokens.shape[0]
-    out = logits_out
-    if out is None:
-        out = w.output.new_empty(B, w.output.shape[0])
-    cur = torch.cuda.current_stream(tokens.device) if tokens.is_cuda else None
-
-    def run(r0: int, r1: int) -> None:
-        pre = None
-        if prefix is not None:
-            lead, plen = prefix[0][r0:r1], prefix[1][r0:r1]
-            own = torch.arange(r1 - r0, device=lead.device)
-            pre = (torch.where((lead >= r0) & (lead < r1), lead - r0, own), plen)
-        # TP 1, not exact: the LM head's GEMM writes into these rows of ``out`` (``logits``)
-        decode(w, spec, cache[:, :, r0:r1], tokens[r0:r1], positions[r0:r1], Tmax, False, pre, out[r0:r1],
-               split=False)  # fmt: skip
-
-    forks = []
-    for i, (r0, r1) in enumerate(parts[1:], start=1):
-        if cur is None:
-            run(r0, r1)
-            continue
-        if (tokens.device, i) not in _STREAMS:  # one per range, kept: the graphs' pool reuses its blocks
-            _STREAMS[tokens.device, i] = torch.cuda.Stream(tokens.device)
-        side = _STREAMS[tokens.device, i]
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            run(r0, r1)
-        forks.append(side)
-    run(*parts[0])
-    for side in forks:
-        cur.wait_stream(side)
-    return out[:B, : spec.vocab_size]
 
 
 def _add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, spec: ModelArgs, exact: bool):

@@ -477,63 +477,6 @@ def test_prompt_kv_sharing_gives_the_same_bits_through_retire_reuse_and_compacti
     assert stats.compactions > 0 if compact else stats.compactions == 0
 
 
-@pytest.mark.parametrize("sharing", [False, True])
-def test_decode_rows_split_into_ranges_give_the_unsplit_tokens_and_logprobs(monkeypatch, sharing):
-    """``MEGATRON_RL_DECODE_SPLIT``: the decode step's rows as ranges (on CUDA each on its own stream; here the
-    CPU runs them in turn) with the fused and Triton decode kernels interpreted, samples of a prompt across
-    range borders (with ``prompt_kv_sharing`` a row whose lead slot is in another range reads its own copy)
-    and uneven lengths (the live rows shrink): the same tokens and log-probs as one range, and the ranges
-    ran."""
-    pytest.importorskip("triton", reason="triton is in the dev extras")
-    from megatron_rl.kernels import decode_attention as kernel
-    from megatron_rl.kernels import decode_fused
-
-    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
-    monkeypatch.setattr(decode_fused, "RUN_ON_CPU", True)
-    monkeypatch.setattr(decoder, "_SPLIT_ON_CPU", True)
-    monkeypatch.setattr(decoder, "_SPLIT_ALIGN", 4)  # 18 rows -> 8 + 8 + 2: groups of 3 cross the borders
-    monkeypatch.setattr(decoder, "SPLIT_FROM_ROWS", 6)
-    hf = tiny_hf("qwen2")
-    spec = spec_of(hf)
-    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
-    prompts = random_prompts(6, seed=12)
-    sp = SamplingParams(temperature=1.0, n=3, max_new_tokens=10, seed=5, stop_token_ids=tuple(range(100, 130)),
-                        layout_invariant_sampling=True)  # fmt: skip
-    rows, original = [], decoder._decode_fused
-    monkeypatch.setattr(decoder, "_decode_fused", lambda w, s, c, tokens, *a: rows.append(len(tokens))
-                        or original(w, s, c, tokens, *a))  # fmt: skip
-    runs = {}
-    for parts in (1, 3):
-        monkeypatch.setattr(decoder, "SPLIT", parts)
-        rows.clear()
-        engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=18, prompt_kv_sharing=sharing))
-        runs[parts] = (engine.generate(prompts, sp), list(rows))
-    (one, one_rows), (split, split_rows) = runs[1], runs[3]
-    assert [c.response_ids for c in split] == [c.response_ids for c in one]
-    for a, b in zip(split, one):
-        assert (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max() < 1e-5
-    assert 18 in one_rows and 18 not in split_rows and {8, 2} <= set(split_rows)
-    assert len({len(c.response_ids) for c in split}) >= 3  # rows retired at uneven lengths
-
-
-def test_split_rows_only_where_the_step_can_run_ranges_apart(monkeypatch):
-    """``split_rows``: ``SPLIT`` ranges of 16-row multiples covering the rows, one range below
-    ``SPLIT_FROM_ROWS``, at generation TP > 1, for the exact step, and on CPU unless a test forces it."""
-    w = decoder.GenWeights(embed=torch.zeros(1), layers=[], final_norm=torch.zeros(1), output=torch.zeros(1))
-    monkeypatch.setattr(decoder, "SPLIT", 2)
-    monkeypatch.setattr(decoder, "SPLIT_FROM_ROWS", 128)
-    assert decoder.split_rows(512, w, False, "cpu") == [(0, 512)]
-    monkeypatch.setattr(decoder, "_SPLIT_ON_CPU", True)
-    assert decoder.split_rows(512, w, False, "cpu") == [(0, 256), (256, 512)]
-    assert decoder.split_rows(200, w, False, "cpu") == [(0, 112), (112, 200)]
-    assert decoder.split_rows(127, w, False, "cpu") == [(0, 127)]
-    assert decoder.split_rows(512, w, True, "cpu") == [(0, 512)]
-    monkeypatch.setattr(decoder, "SPLIT", 3)
-    assert decoder.split_rows(130, w, False, "cpu") == [(0, 48), (48, 96), (96, 130)]
-    w.tp = 2
-    assert decoder.split_rows(512, w, False, "cpu") == [(0, 512)]
-
-
 def test_batch_buckets_cover_the_live_rows_with_few_graphs():
     """``batch_bucket``: never fewer rows than are live nor more than the slots; powers of two without
     ``fine``; with it multiples of 32 above 32 at 512 slots (21 graphs at most, 10 before), of 64 at 1024."""
