@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, for megatron_rl (no install)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/, for device_gaps
+from _timing import machine_rates  # noqa: E402
 from device_gaps import device_gaps  # noqa: E402
 from sync_audit import SyncAudit, write  # noqa: E402
 
@@ -305,6 +306,17 @@ def roofline(c, dims, counts, batch) -> dict:
                 "decode_bytes": decode_bytes, "formula": formula}  # fmt: skip
 
 
+def _rates() -> dict:
+    """``_timing.machine_rates`` on this rank's GPU, or why it could not run (the allocator's free memory
+    after the steps may not hold its buffers)."""
+    import torch
+
+    try:
+        return machine_rates()
+    except torch.OutOfMemoryError as exc:
+        return {"error": str(exc).splitlines()[0][:200]}
+
+
 def run(a: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
@@ -325,6 +337,7 @@ def run(a: argparse.Namespace) -> dict:
         cfg = to_job_config(compose("config", overrides=overrides(a)))
     dims = checked_layout(cfg)
     init_distributed(dims.tp, dims.pp, seed=cfg.trainer.seed, timeout_minutes=cfg.trainer.timeout_minutes)
+    machine = {"before": _rates()} if torch.cuda.is_available() else {}  # this GPU now, before the build
     t_build = time.perf_counter()
     c = build_components(cfg, dims)
     build_s = time.perf_counter() - t_build
@@ -451,6 +464,7 @@ def run(a: argparse.Namespace) -> dict:
         "exact_gemm": exact_gemm_summary(),  # rollout.exact_logprobs: which fixed-rows paths served
     }
     if cuda:
+        result["machine"] = machine | {"after": _rates()}  # and after the steps
         result["peak_allocated_gib_by_phase"] = _global_max(mem.peak)
         result["peak_reserved_gib_by_phase"] = _global_max(mem.reserved)
         result["allocated_gib_before_phase"] = _global_max(mem.before)
@@ -626,6 +640,8 @@ def main(argv=None) -> dict:
         )
         if "peak_allocated_gib_by_phase" in result:
             print("peak GiB by phase", json.dumps(result["peak_allocated_gib_by_phase"]), flush=True)
+        for when, r in result.get("machine", {}).items():  # what this GPU sustained before / after the steps
+            print(f"machine {when}:", json.dumps({k: round(v, 3) for k, v in r.items() if k != "error"} or r))
     return result
 
 

@@ -83,3 +83,19 @@ def test_live_kv_counts_each_rows_prompt_or_each_groups_prompt_once():
                             group_index=torch.tensor([10, 10, 11, 11]))  # fmt: skip
     assert bench_rl_step.live_kv(batch) == (5.0, 3 * 4 + 3 + 5 * 4 + 10 + 2 * 6 + 1 + 2 * 6 + 1)
     assert bench_rl_step.live_kv_unique_prompts(batch) == (3 + 10 + 1 + 1) + 4 * 5 + 6 * 2
+
+
+def test_machine_rates_report_the_work_they_timed():
+    """``_timing.machine_rates`` (recorded by ``bench_rl_step`` before and after its steps): the GEMM rate is
+    2 n^3 per call over the calls it timed, the copy rate the bytes read and written over the copy's time,
+    and a longer budget times more calls (on CPU here; on a GPU with CUDA events and bf16)."""
+    from _timing import machine_rates
+
+    short = machine_rates("cpu", seconds=0.05, n=64, copy_mib=4)
+    long = machine_rates("cpu", seconds=0.5, n=64, copy_mib=4)
+    for r in (short, long):
+        assert r["gemm_tflops"] == pytest.approx(2 * 64**3 * r["gemm_iters"] / r["gemm_s"] / 1e12)
+        assert r["copy_bytes"] == 2 * 4 * 2**20
+        assert r["copy_tb_s"] == pytest.approx(r["copy_bytes"] / r["copy_s"] / 1e12)
+        assert r["gemm_iters"] >= 3 and r["copy_s"] > 0
+    assert long["gemm_iters"] > 2 * short["gemm_iters"]
