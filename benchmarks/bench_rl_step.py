@@ -272,7 +272,19 @@ def decode_numbers(c, dims, batch) -> dict:
             "reshard_s": s.reshard_s, "capture_s": s.capture_s, "gather_back_s": s.gather_back_s}  # fmt: skip
 
 
-def roofline(c, dims, counts, batch) -> dict:
+def measured_rates(machine: dict) -> tuple[float, float] | None:
+    """(FLOP/s, HBM bytes/s): the means of ``machine``'s measurements (``_timing.machine_rates``: the
+    sustained bf16 GEMM rate and the device copy's bytes read and written per second) that ran, or None."""
+    ok = [m for m in machine.values() if "gemm_tflops" in m]
+    if not ok:
+        return None
+    return (
+        1e12 * statistics.mean(m["gemm_tflops"] for m in ok),
+        1e12 * statistics.mean(m["copy_tb_s"] for m in ok),
+    )
+
+
+def roofline(c, dims, counts, batch, machine: dict) -> dict:
     """The step's roofline time (``models.facts.roofline_step_s``) written out: N (6N per trained token,
     2N per prefilled prompt token) and the decode bytes (weights + live KV per decode step: one step per
     new token of the longest response, all sequences together, each live until its own end)."""
@@ -300,6 +312,10 @@ def roofline(c, dims, counts, batch) -> dict:
     # on another GPU (an H100 where no H200 was lent) the same arithmetic at that card's HBM rate too
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     this_gpu = roofline_step_s(*terms, hbm_bytes_per_s=hbm_bytes_per_s(gpu))
+    rates = measured_rates(machine)
+    if rates is not None:  # and at what this machine sustained (``_timing.machine_rates``)
+        at_rates = roofline_step_s(*terms, hbm_bytes_per_s=rates[1], flops_per_s=rates[0])
+        r["total_s_measured_rates"] = at_rates["total_s"]
     formula = (f"6 x {n:.4g} x {prompt_t + response_t:.0f} / {PEAK_BF16_FLOPS:.3g} + 2 x {n:.4g} x {prompt_t:.0f} "
                f"/ {PEAK_BF16_FLOPS:.3g} + {decode_bytes:.4g} B / {PEAK_HBM_BYTES_PER_S:.3g} B/s")  # fmt: skip
     return r | {"gpu": gpu, "total_s_this_gpu": this_gpu["total_s"], "N": n, "trained_tokens": prompt_t + response_t, "prompt_tokens": prompt_t,
@@ -395,13 +411,15 @@ def run(a: argparse.Namespace) -> dict:
             # FLOPs of every row; the hardware ran 1 - this of them)
             "update_shared_frac": metrics.get("perf/update_shared_frac"),
             "decode": decode_numbers(c, dims, batch),
-            "roofline": roofline(c, dims, counts, batch),
+            "roofline": roofline(c, dims, counts, batch, machine),
         }
         if a.lengths == "spread" and dims.world_size == 1:  # the forced lengths are the ones trained on
             want = sorted(table[step * a.prompts * a.n : (step + 1) * a.prompts * a.n].tolist())
             row["lengths_as_forced"] = sorted(batch.response_lens.tolist()) == want
         row["step_over_roofline"] = seconds / row["roofline"]["total_s"]
         row["step_over_roofline_this_gpu"] = seconds / row["roofline"]["total_s_this_gpu"]
+        if "total_s_measured_rates" in row["roofline"]:
+            row["step_over_roofline_measured_rates"] = seconds / row["roofline"]["total_s_measured_rates"]
         slower = PEAK_HBM_BYTES_PER_S / hbm_bytes_per_s(
             row["roofline"]["gpu"]
         )  # the floor at this card's rate
@@ -433,6 +451,11 @@ def run(a: argparse.Namespace) -> dict:
             k: statistics.median(r["timing_s"].get(k, 0.0) for r in timed) for k in timed[0]["timing_s"]
         },
     }
+    if all("step_over_roofline_measured_rates" in r for r in timed):
+        # at the GEMM and copy rates this machine sustained before the build (``machine.before``)
+        med["step_over_roofline_measured_rates"] = statistics.median(
+            r["step_over_roofline_measured_rates"] for r in timed
+        )
     result = {
         "workload": {
             "algo": a.algo,
@@ -635,7 +658,9 @@ def main(argv=None) -> dict:
         print(
             f"{a.algo} ({a.lengths}): {m['step_s']:.2f} s/step, {m['tok_per_s_per_gpu']:.0f} tok/s/GPU, "
             f"update MFU {m['actor_update_mfu']:.3f}, pad {m['update_pad_frac']:.3f}, "
-            f"x roofline {m['step_over_roofline']:.2f}, phases {json.dumps(m['timing_s'])}",
+            f"x roofline {m['step_over_roofline']:.2f} (this GPU's {m['step_over_roofline_this_gpu']:.2f}, "
+            f"at its measured rates {m.get('step_over_roofline_measured_rates', float('nan')):.2f}), "
+            f"phases {json.dumps(m['timing_s'])}",
             flush=True,
         )
         if "peak_allocated_gib_by_phase" in result:

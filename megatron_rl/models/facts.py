@@ -21,14 +21,14 @@ def hbm_bytes_per_s(device_name: str) -> float:
 
 def roofline_step_s(
     n_matmul: int, trained_tokens: float, prompt_tokens: float, decode_bytes: float,
-    hbm_bytes_per_s: float = PEAK_HBM_BYTES_PER_S,
+    hbm_bytes_per_s: float = PEAK_HBM_BYTES_PER_S, flops_per_s: float = PEAK_BF16_FLOPS,
 ) -> dict:  # fmt: skip
     """The roofline step time of one RL step and its terms, in seconds:
-    (6N per trained token + 2N per prefilled prompt token) / PEAK_BF16_FLOPS + decode bytes (weights and
+    (6N per trained token + 2N per prefilled prompt token) / ``flops_per_s`` + decode bytes (weights and
     the live KV cache read once per decode step, summed over the steps) / ``hbm_bytes_per_s`` (the H200's
-    unless another card's is given)."""
-    update_s = 6 * n_matmul * trained_tokens / PEAK_BF16_FLOPS
-    prefill_s = 2 * n_matmul * prompt_tokens / PEAK_BF16_FLOPS
+    rates unless others are given: another card's, or what a machine was measured to sustain)."""
+    update_s = 6 * n_matmul * trained_tokens / flops_per_s
+    prefill_s = 2 * n_matmul * prompt_tokens / flops_per_s
     decode_s = decode_bytes / hbm_bytes_per_s
     return {"update_s": update_s, "prefill_s": prefill_s, "decode_s": decode_s,
             "total_s": update_s + prefill_s + decode_s}  # fmt: skip

@@ -65,6 +65,23 @@ def test_roofline_is_written_out_and_adds_up():
     r = roofline_step_s(10**9, 4000, 1000, 4.8e12)
     assert r["update_s"] == pytest.approx(6e9 * 4000 / 790e12) and r["decode_s"] == pytest.approx(1.0)
     assert r["total_s"] == pytest.approx(r["update_s"] + r["prefill_s"] + r["decode_s"])
+    slow = roofline_step_s(10**9, 4000, 1000, 4.8e12, hbm_bytes_per_s=2.4e12, flops_per_s=395e12)
+    assert slow["total_s"] == pytest.approx(2 * r["total_s"])  # a machine at half the rates: twice the time
+
+
+def test_measured_rates_are_the_means_of_the_measurements_that_ran():
+    """``bench_rl_step``'s roofline at the rates a machine sustained: the means of ``machine.before`` /
+    ``after`` where they ran (an out-of-memory ``after`` records an error instead), None without any."""
+    before = {"gemm_tflops": 680.0, "copy_tb_s": 3.0}
+    after = {"gemm_tflops": 690.0, "copy_tb_s": 2.9}
+    assert bench_rl_step.measured_rates({"before": before, "after": after}) == pytest.approx(
+        (685e12, 2.95e12)
+    )
+    assert bench_rl_step.measured_rates({"before": before, "after": {"error": "CUDA out of memory"}}) == (
+        680e12,
+        3.0e12,
+    )
+    assert bench_rl_step.measured_rates({}) is None
 
 
 def test_shapes_build_the_benchmark_configs():
