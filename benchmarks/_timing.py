@@ -2,7 +2,25 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
+
+
+def seconds_for(fn, n: int, cuda: bool = True) -> float:
+    """Seconds ``n`` calls of ``fn`` take: between two CUDA events (the host clock where ``cuda`` is off)."""
+    if not cuda:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return time.perf_counter() - t0
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / 1e3
 
 
 def timed_us(fn, n: int = 20, warmup: int = 3) -> float:
@@ -10,13 +28,7 @@ def timed_us(fn, n: int = 20, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return 1e3 * a.elapsed_time(b) / n
+    return 1e6 * seconds_for(fn, n) / n
 
 
 def graphed_us(fn, n: int = 20, replays: int = 5) -> float:
@@ -51,25 +63,12 @@ def machine_rates(device: str = "cuda", seconds: float = 1.5, n: int = 8192, cop
     0.57-0.64 on one and 0.78-0.84 on another (the second drew ~675 W of its 700 W limit at ~1700 MHz), so a
     benchmark records these before and after its steps and its ratios can be read against them."""
     import subprocess
-    import time
 
     cuda = torch.device(device).type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
 
     def run(fn, iters: int) -> float:
-        """Seconds for ``iters`` calls of ``fn``."""
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return time.perf_counter() - t0
+        return seconds_for(fn, iters, cuda)
 
     def gemms() -> tuple[int, float]:
         g = torch.Generator(device=device).manual_seed(0)
