@@ -284,7 +284,7 @@ def measured_rates(machine: dict) -> tuple[float, float] | None:
     )
 
 
-def roofline(c, dims, counts, batch, machine: dict) -> dict:
+def roofline(c, dims, counts, batch, rates: tuple[float, float] | None) -> dict:
     """The step's roofline time (``models.facts.roofline_step_s``) written out: N (6N per trained token,
     2N per prefilled prompt token) and the decode bytes (weights + live KV per decode step: one step per
     new token of the longest response, all sequences together, each live until its own end)."""
@@ -312,8 +312,7 @@ def roofline(c, dims, counts, batch, machine: dict) -> dict:
     # on another GPU (an H100 where no H200 was lent) the same arithmetic at that card's HBM rate too
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     this_gpu = roofline_step_s(*terms, hbm_bytes_per_s=hbm_bytes_per_s(gpu))
-    rates = measured_rates(machine)
-    if rates is not None:  # and at what this machine sustained (``_timing.machine_rates``)
+    if rates is not None:  # and at the rates the slowest GPU sustained (``slowest_rates``)
         at_rates = roofline_step_s(*terms, hbm_bytes_per_s=rates[1], flops_per_s=rates[0])
         r["total_s_measured_rates"] = at_rates["total_s"]
     formula = (f"6 x {n:.4g} x {prompt_t + response_t:.0f} / {PEAK_BF16_FLOPS:.3g} + 2 x {n:.4g} x {prompt_t:.0f} "
@@ -323,14 +322,32 @@ def roofline(c, dims, counts, batch, machine: dict) -> dict:
 
 
 def _rates() -> dict:
-    """``_timing.machine_rates`` on this rank's GPU, or why it could not run (the allocator's free memory
-    after the steps may not hold its buffers)."""
-    import torch
-
+    """``_timing.machine_rates`` on this rank's GPU, or why it could not run (after the steps the allocator's
+    free memory may not hold its buffers, or cuBLAS its workspace): the run's results are kept either way."""
     try:
         return machine_rates()
-    except torch.OutOfMemoryError as exc:
-        return {"error": str(exc).splitlines()[0][:200]}
+    except Exception as exc:  # noqa: BLE001 - a measurement that failed is recorded, never fatal
+        return {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
+
+
+def slowest_rates(machine: dict) -> tuple[float, float] | None:
+    """``measured_rates`` of the slowest GPU of the job (a step waits for its slowest rank): the minimum over
+    ranks of each rate; None where any rank has none."""
+    import torch
+    import torch.distributed as dist
+
+    rates = measured_rates(machine)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return rates
+    t = torch.tensor([-1.0, -1.0] if rates is None else list(rates), dtype=torch.float64)
+    dev = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    t = t.to(dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return None if float(t.min()) <= 0 else (float(t[0]), float(t[1]))
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -354,6 +371,7 @@ def run(a: argparse.Namespace) -> dict:
     dims = checked_layout(cfg)
     init_distributed(dims.tp, dims.pp, seed=cfg.trainer.seed, timeout_minutes=cfg.trainer.timeout_minutes)
     machine = {"before": _rates()} if torch.cuda.is_available() else {}  # this GPU now, before the build
+    rates = slowest_rates(machine)
     t_build = time.perf_counter()
     c = build_components(cfg, dims)
     build_s = time.perf_counter() - t_build
@@ -411,7 +429,7 @@ def run(a: argparse.Namespace) -> dict:
             # FLOPs of every row; the hardware ran 1 - this of them)
             "update_shared_frac": metrics.get("perf/update_shared_frac"),
             "decode": decode_numbers(c, dims, batch),
-            "roofline": roofline(c, dims, counts, batch, machine),
+            "roofline": roofline(c, dims, counts, batch, rates),
         }
         if a.lengths == "spread" and dims.world_size == 1:  # the forced lengths are the ones trained on
             want = sorted(table[step * a.prompts * a.n : (step + 1) * a.prompts * a.n].tolist())
@@ -666,7 +684,10 @@ def main(argv=None) -> dict:
         if "peak_allocated_gib_by_phase" in result:
             print("peak GiB by phase", json.dumps(result["peak_allocated_gib_by_phase"]), flush=True)
         for when, r in result.get("machine", {}).items():  # what this GPU sustained before / after the steps
-            print(f"machine {when}:", json.dumps({k: round(v, 3) for k, v in r.items() if k != "error"} or r))
+            print(
+                f"machine {when}:",
+                json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}),
+            )
     return result
 
 

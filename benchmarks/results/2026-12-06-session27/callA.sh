@@ -11,7 +11,8 @@ t() { local lim=$1 name=$2; shift 2; if (( SECONDS - T0 + lim > ${GUARD:-590} ))
 nvidia-smi --query-gpu=name --format=csv,noheader
 K=(actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu=auto rollout.max_num_seqs=auto)
 B=(python3 benchmarks/bench_rl_step.py)
-# decode attention with every row at one position (the fixed workload: prompt 32 + 512 response tokens)
+# decode attention with every row at one position (positions 40-543 of a 544-position cache; the fixed
+# workload's rows sit at 256-767: prompt 256 + 512 response tokens)
 t 60 attn_equal python3 benchmarks/bench_decode_attention.py --shape qwen2.5-0.5b --cache 544 \
   --equal-positions 40,96,160,288,416,543 --out "$O/attn_equal.json"
 t 110 fixed_on "${B[@]}" --steps 4 --shape qwen2.5-0.5b --out "$O/fixed_on.json" "${K[@]}"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 27, call B: call A's 3B update ran at MFU 0.57-0.64 against call T's 0.79-0.84 (session 26, session
+# Session 27, call B: call A's 3B update ran at MFU 0.61-0.64 against call T's 0.83-0.84 (session 26, session
 # 25's code + the async retire) while its generation took the same time. Same machine, one call: the 3B fixed
 # step at HEAD (reward.overlap on), at call T's commit 8ec1812 (its tree unpacked in .old/, carried), and at HEAD
 # with reward.overlap=false, with the GPU's clocks, power and throttle reasons logged every second.

@@ -29,7 +29,7 @@ for f in ("fixed", "spread", "spread_3b", "fixed_3b", "fixed_prof"):
               "mfu", [round(s["actor_update_mfu"], 3) for s in d["steps"]],
               "decode ms", [round(s["decode"]["ms_per_decode_step"], 3) for s in d["steps"]])
         for when, m in d.get("machine", {}).items():
-            print("  machine", when, json.dumps({k: round(v, 3) for k, v in m.items()} if "error" not in m else m))
+            print("  machine", when, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in m.items()}))
     except Exception as e:
         print(f, "unreadable", e)
 for n in ("generate", "update"):
