@@ -470,7 +470,7 @@ def run(a: argparse.Namespace) -> dict:
         },
     }
     if all("step_over_roofline_measured_rates" in r for r in timed):
-        # at the GEMM and copy rates this machine sustained before the build (``machine.before``)
+        # at the GEMM and copy rates the slowest GPU sustained before the build (``slowest_rates``)
         med["step_over_roofline_measured_rates"] = statistics.median(
             r["step_over_roofline_measured_rates"] for r in timed
         )
