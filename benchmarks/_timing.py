@@ -51,13 +51,7 @@ def graphed_us(fn, n: int = 20, replays: int = 5) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(replays):
-        graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return 1e3 * a.elapsed_time(b) / (n * replays)
+    return 1e6 * seconds_for(graph.replay, replays) / (n * replays)
 
 
 # nvidia-smi's fields read while the GEMMs run, and the names ``machine_rates`` gives them
@@ -121,9 +115,9 @@ def machine_rates(device: str = "cuda", seconds: float = 1.5, n: int = 8192, cop
     its steps and its ratios can be read against them."""
     cuda = torch.device(device).type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    smi = {}
 
-    def gemms() -> tuple[int, float]:
+    def gemms() -> tuple[int, float, dict]:
+        """(calls, seconds, nvidia-smi's reading taken while they ran)."""
         g = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(n, n, device=device, dtype=dtype, generator=g)
         y = torch.randn(n, n, device=device, dtype=dtype, generator=g)
@@ -132,11 +126,9 @@ def machine_rates(device: str = "cuda", seconds: float = 1.5, n: int = 8192, cop
         iters = max(3, int(seconds / max(probe / 3, 1e-9)))
         proc = []
         took = seconds_for(lambda: x @ y, iters, cuda, while_running=lambda: proc.append(_smi_start()))
-        if cuda:
-            smi.update(_smi_finish(proc[0], device))
-        return iters, took
+        return iters, took, _smi_finish(proc[0], device) if cuda else {}
 
-    iters, gemm_s = gemms()
+    iters, gemm_s, smi = gemms()
     out = {"gemm_iters": iters, "gemm_s": gemm_s, "gemm_tflops": 2 * n**3 * iters / gemm_s / 1e12}
 
     def copies() -> float:

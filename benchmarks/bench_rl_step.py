@@ -336,16 +336,12 @@ def slowest_rates(machine: dict) -> tuple[float, float] | None:
     import torch
     import torch.distributed as dist
 
+    from megatron_rl.distributed.runtime import device
+
     rates = measured_rates(machine)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return rates
-    t = torch.tensor([-1.0, -1.0] if rates is None else list(rates), dtype=torch.float64)
-    dev = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-    t = t.to(dev)
+    t = torch.tensor([-1.0, -1.0] if rates is None else list(rates), dtype=torch.float64, device=device())
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return None if float(t.min()) <= 0 else (float(t[0]), float(t[1]))
 
