@@ -1,0 +1,179 @@
+"""The update's attention on one micro-batch's packed row (issue 16): the path the trainer runs today
+(``models.packed_attention.segment_params_attention``: shared-prompt keys gathered per response, flash
+attention's varlen kernel with its own GQA, autograd's index_add back into the prompt's one copy) against
+FlexAttention over the same row (``models.packed_attention.flex_row_attention``: a block-sparse mask of the
+row's segments, each response reading its prompt's keys where they sit, GQA inside the kernel, compiled).
+
+Milliseconds for the forward and for forward + backward (CUDA events, after warm-up), the TFLOP/s that makes
+of the attention's causal FLOPs (4 x head dim x heads per (query, key) pair the mask allows, 2.5x that for
+the backward), the block mask's build time, and each variant's largest difference from the float32
+per-segment reference in output and gradients on a small row. Also the flash-attention implementations this
+torch registers (``torch.nn.attention.list_flash_attention_impls``, where it exists).
+
+Rows: ``fixed`` (8 groups of 8 responses of 512 tokens after a 256-token prompt: the 0.5B fixed step's
+micro-batch, 34,816 tokens) and ``spread`` (responses drawn by ``spread_lengths`` to fill the same budget).
+
+Run: ``python benchmarks/bench_update_attention.py --out $OUT/update_attention.json`` (CUDA; ``--shape 3b``
+for Qwen2.5-3B's heads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from _timing import timed_us  # benchmarks/, the script's folder
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from spread_lengths import spread_lengths  # noqa: E402
+
+from megatron_rl.models import packed_attention as pa  # noqa: E402
+from megatron_rl.rollout.shared_prompts import shared_layout  # noqa: E402
+
+HEADS = {"0.5b": (14, 2, 64), "3b": (16, 2, 128)}  # query heads, KV heads, head dim
+
+
+def packed_row(groups: int, n: int, prompt: int, responses: list[int]):
+    """The shared-prompt layout of ``groups`` prompts of ``prompt`` tokens with ``n`` responses each of the
+    given lengths (prompts differ between groups, so each is its own copy)."""
+    b = groups * n
+    t = prompt + max(responses)
+    ids = torch.zeros(b, t, dtype=torch.long)
+    for row in range(b):
+        ids[row, :prompt] = 1 + row // n  # one distinct prompt a group
+        ids[row, prompt : prompt + responses[row]] = 7
+    p_lens = torch.full((b,), prompt)
+    r_lens = torch.tensor(responses)
+    score = torch.zeros(b, max(responses), dtype=torch.long)
+    return shared_layout(ids, p_lens, r_lens, score)
+
+
+def seq_params(layout) -> pa.SegmentSeqParams:
+    return pa.SegmentSeqParams(
+        qkv_format="thd", segments_q=layout.cu_seqlens, max_q=layout.max_seqlen, kv_index=layout.kv_index,
+        segments_k=layout.cu_seqlens_k, max_k=layout.max_seqlen_k,
+    )  # fmt: skip
+
+
+def pairs(p: pa.SegmentSeqParams) -> int:
+    """(query, key) pairs the causal, end-aligned mask allows."""
+    lq = (p.segments_q[1:] - p.segments_q[:-1]).long()
+    lk = (p.segments_k[1:] - p.segments_k[:-1]).long()
+    return int((lq * (lk - lq) + lq * (lq + 1) // 2).sum())
+
+
+def run_variant(name: str, q, k, v, p, scale: float, reps: int) -> dict:
+    fn = {"varlen": lambda: pa.segment_params_attention(q, k, v, p, scale, None),
+          "flex": lambda: pa.flex_row_attention(q, k, v, p, scale)}[name]  # fmt: skip
+    g = torch.randn_like(q)
+
+    def fwd():
+        with torch.no_grad():
+            fn()
+
+    def fwd_bwd():
+        o = fn()
+        torch.autograd.backward(o, g)
+
+    out = {"fwd_ms": timed_us(fwd, reps, warmup=3) / 1e3}
+    for t in (q, k, v):
+        t.grad = None
+    out["fwd_bwd_ms"] = timed_us(fwd_bwd, reps, warmup=3) / 1e3
+    return out
+
+
+def accuracy(name: str, device, dtype) -> float:
+    """Largest relative difference of output and q/k/v gradients from the float32 per-segment loop, on a
+    small shared row (2 groups of 3 responses of 5-40 tokens after 24-token prompts)."""
+    torch.manual_seed(0)
+    layout = packed_row(2, 3, 24, [5, 40, 17, 33, 9, 26])
+    p = seq_params(layout)
+    s = layout.input_ids.shape[1]
+    base = [torch.randn(s, h, 64, device=device) for h in (4, 2, 2)]
+
+    def grads(at, variant):
+        q, k, v = (x.to(at).requires_grad_() for x in base)
+        if variant == "loop":
+            o = pa.segment_attention(q, k, v, p.segments_q, 0.125, kv_index=p.kv_index, cu_k=p.segments_k)
+        elif variant == "varlen":
+            o = pa.shared_attention(q, k, v, p.segments_q, p.kv_index, p.segments_k, p.max_q, p.max_k, 0.125,
+                                    None, varlen=True)  # fmt: skip
+        else:
+            o = pa.flex_row_attention(q, k, v, p, 0.125)
+        return [o, *torch.autograd.grad(o.float().square().sum(), (q, k, v))]
+
+    p.segments_q, p.segments_k, p.kv_index = (x.to(device) for x in (p.segments_q, p.segments_k, p.kv_index))
+    ref = grads(torch.float32, "loop")
+    got = grads(dtype, name)
+    return max(float((a.float() - b).abs().max() / b.abs().max()) for a, b in zip(got, ref))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(HEADS), default="0.5b")
+    ap.add_argument("--rows", default="fixed,spread")
+    ap.add_argument("--variants", default="varlen,flex")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    h, g, d = HEADS[args.shape]
+    result = {"shape": args.shape, "heads": [h, g, d], "device": torch.cuda.get_device_name(), "rows": {}}
+    impls = getattr(torch.nn.attention, "list_flash_attention_impls", None)
+    result["flash_attention_impls"] = impls() if impls is not None else "no list_flash_attention_impls"
+    variants = args.variants.split(",")
+    for name in variants:
+        try:
+            result.setdefault("accuracy_vs_fp32_loop", {})[name] = accuracy(name, dev, dtype)
+        except Exception as exc:  # noqa: BLE001 - recorded; the timing below says whether it runs at all
+            result.setdefault("accuracy_vs_fp32_loop", {})[name] = f"{type(exc).__name__}: {exc}"[:300]
+    for row in args.rows.split(","):
+        if row == "fixed":
+            responses = [512] * 64
+        else:  # as many spread responses as fit the fixed row's 34,816 tokens with their prompts
+            lengths = spread_lengths(512, 512, seed=1)
+            responses, used = [], 0
+            while len(responses) % 8 or used + 256 // 8 + lengths[len(responses)] <= 34816:
+                used += 256 // 8 + lengths[len(responses)]
+                responses.append(lengths[len(responses)])
+        layout = packed_row(len(responses) // 8, 8, 256, responses)
+        p = seq_params(layout)
+        p.segments_q, p.segments_k, p.kv_index = (x.to(dev) for x in (p.segments_q, p.segments_k, p.kv_index))
+        s = layout.input_ids.shape[1]
+        q, k, v = (torch.randn(s, x, d, device=dev, dtype=dtype, requires_grad=True) for x in (h, g, g))
+        flop = 4 * d * h * pairs(p)
+        entry = {"tokens": s, "responses": len(responses), "attention_gflop_fwd": flop / 1e9}
+        if "flex" in variants:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            try:
+                pa.flex_block_mask(p, s)
+                torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                pa.flex_block_mask(p, s)
+                torch.cuda.synchronize()
+                entry["block_mask_ms_first"] = 1e3 * (t1 - t0)
+                entry["block_mask_ms"] = 1e3 * (time.perf_counter() - t1)
+            except Exception as exc:  # noqa: BLE001
+                entry["block_mask_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        for name in variants:
+            try:
+                r = run_variant(name, q, k, v, p, d**-0.5, args.reps)
+                r["fwd_tflops"] = flop / r["fwd_ms"] / 1e9
+                r["fwd_bwd_tflops"] = 3.5 * flop / r["fwd_bwd_ms"] / 1e9
+                entry[name] = r
+            except Exception as exc:  # noqa: BLE001
+                entry[name] = f"{type(exc).__name__}: {exc}"[:500]
+        result["rows"][row] = entry
+        print(row, json.dumps(entry), flush=True)
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
