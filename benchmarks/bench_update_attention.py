@@ -1,14 +1,15 @@
-"""The update's attention on one micro-batch's packed row (issue 16): the path the trainer runs today
+"""The update's attention on one micro-batch's packed row (issue 16): the path the trainer runs
 (``models.packed_attention.segment_params_attention``: shared-prompt keys gathered per response, flash
-attention's varlen kernel with its own GQA, autograd's index_add back into the prompt's one copy) against
-FlexAttention over the same row (``models.packed_attention.flex_row_attention``: a block-sparse mask of the
-row's segments, each response reading its prompt's keys where they sit, GQA inside the kernel, compiled).
+attention's varlen kernel with its own GQA, autograd's index_add back into the prompt's one copy), in
+milliseconds for the forward and for forward + backward (CUDA events, after warm-up) and the TFLOP/s that
+makes of the attention's causal FLOPs (4 x head dim x heads per (query, key) pair the mask allows, 2.5x that
+for the backward); its largest difference from the float32 per-segment reference in output and gradients on
+a small row; and the flash-attention implementations this torch registers
+(``torch.nn.attention.list_flash_attention_impls``, where it exists).
 
-Milliseconds for the forward and for forward + backward (CUDA events, after warm-up), the TFLOP/s that makes
-of the attention's causal FLOPs (4 x head dim x heads per (query, key) pair the mask allows, 2.5x that for
-the backward), the block mask's build time, and each variant's largest difference from the float32
-per-segment reference in output and gradients on a small row. Also the flash-attention implementations this
-torch registers (``torch.nn.attention.list_flash_attention_impls``, where it exists).
+Session 28 also timed FlexAttention over the same rows (a block-sparse mask of the row's segments, each
+response reading its prompt's keys in place, GQA in the kernel): 2x slower on an H100 (its code and this
+script's flex variant are in commit 0edbd5b; results in ``results/2026-12-06-session28``).
 
 Rows: ``fixed`` (8 groups of 8 responses of 512 tokens after a 256-token prompt: the 0.5B fixed step's
 micro-batch, 34,816 tokens) and ``spread`` (responses drawn by ``spread_lengths`` to fill the same budget).
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -67,10 +67,7 @@ def pairs(p: pa.SegmentSeqParams) -> int:
 
 
 def run_variant(name: str, q, k, v, p, scale: float, reps: int) -> dict:
-    if name == "flex":  # one block mask per micro-batch serves all its layers: built once, as there
-        mask = pa.flex_block_mask(p, q.shape[0])
-    fn = {"varlen": lambda: pa.segment_params_attention(q, k, v, p, scale, None),
-          "flex": lambda: pa.flex_row_attention(q, k, v, p, scale, block_mask=mask)}[name]  # fmt: skip
+    fn = {"varlen": lambda: pa.segment_params_attention(q, k, v, p, scale, None)}[name]
     g = torch.randn_like(q)
 
     def fwd():
@@ -101,11 +98,9 @@ def accuracy(name: str, device, dtype) -> float:
         q, k, v = (x.to(at).requires_grad_() for x in base)
         if variant == "loop":
             o = pa.segment_attention(q, k, v, p.segments_q, 0.125, kv_index=p.kv_index, cu_k=p.segments_k)
-        elif variant == "varlen":
+        else:
             o = pa.shared_attention(q, k, v, p.segments_q, p.kv_index, p.segments_k, p.max_q, p.max_k, 0.125,
                                     None, varlen=True)  # fmt: skip
-        else:
-            o = pa.flex_row_attention(q, k, v, p, 0.125)
         return [o, *torch.autograd.grad(o.float().square().sum(), (q, k, v))]
 
     p.segments_q, p.segments_k, p.kv_index = (x.to(device) for x in (p.segments_q, p.segments_k, p.kv_index))
@@ -118,7 +113,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(HEADS), default="0.5b")
     ap.add_argument("--rows", default="fixed,spread")
-    ap.add_argument("--variants", default="varlen,flex")
+    ap.add_argument("--variants", default="varlen")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -149,19 +144,6 @@ def main() -> None:
         q, k, v = (torch.randn(s, x, d, device=dev, dtype=dtype, requires_grad=True) for x in (h, g, g))
         flop = 4 * d * h * pairs(p)
         entry = {"tokens": s, "responses": len(responses), "attention_gflop_fwd": flop / 1e9}
-        if "flex" in variants:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            try:
-                pa.flex_block_mask(p, s)
-                torch.cuda.synchronize()
-                t1 = time.perf_counter()
-                pa.flex_block_mask(p, s)
-                torch.cuda.synchronize()
-                entry["block_mask_ms_first"] = 1e3 * (t1 - t0)
-                entry["block_mask_ms"] = 1e3 * (time.perf_counter() - t1)
-            except Exception as exc:  # noqa: BLE001
-                entry["block_mask_error"] = f"{type(exc).__name__}: {exc}"[:300]
         for name in variants:
             try:
                 r = run_variant(name, q, k, v, p, d**-0.5, args.reps)

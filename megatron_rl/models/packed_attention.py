@@ -43,7 +43,6 @@ class SegmentSeqParams(PackedSeqParams):
     kv_index: torch.Tensor | None = None
     segments_k: torch.Tensor | None = None
     max_k: int = 0
-    flex_mask: object = None  # FlexAttention's BlockMask of the row, built by the first layer that needs it
 
 
 def segment_attention(q, k, v, cu_seqlens: torch.Tensor, scale: float, window: int | None = None, *,
@@ -255,14 +254,8 @@ def shared_attention(q, k, v, cu_q, kv_index, cu_k, max_q: int, max_k: int, scal
 
 
 def segment_params_attention(q, k, v, p: SegmentSeqParams, scale: float, window: int | None):
-    """q [S, H, D], k/v [S, G, D] of a packed row described by ``p`` -> [S, H, D]: FlexAttention over the
-    row where it is switched on and passed its trial (``flex_available``; its block mask built once per
-    ``p``, i.e. per micro-batch), else ``shared_attention`` where ``p`` has shared-prompt key segments, else
-    ``packed_attention``."""
-    if window is None and FLEX and flex_available(q.device, q.dtype):
-        if p.flex_mask is None:
-            p.flex_mask = flex_block_mask(p, q.shape[0])
-        return flex_row_attention(q, k, v, p, scale, block_mask=p.flex_mask)
+    """q [S, H, D], k/v [S, G, D] of a packed row described by ``p`` -> [S, H, D]: ``shared_attention``
+    where ``p`` has shared-prompt key segments, else ``packed_attention``."""
     if p.kv_index is not None:
         return shared_attention(
             q, k, v, p.segments_q, p.kv_index, p.segments_k, p.max_q, p.max_k, scale, window
@@ -279,156 +272,3 @@ def varlen_status() -> dict[str, bool]:
 def varlen_notes() -> dict[str, str]:
     """``varlen_status``'s keys -> the trial's measured errors (or the exception that stopped it)."""
     return {f"{dev} {dtype}{' shared' if sh else ''}": why for (dev, dtype, sh), why in _VARLEN_WHY.items()}
-
-
-# FlexAttention over a packed row (``flex_row_attention``): the row's segments as a block-sparse mask, each
-# response reading its prompt's keys where they sit in the row (no gathered copies, no index_add back) and
-# GQA inside the kernel. Opt-in (MEGATRON_RL_FLEX_ATTENTION=1) until measured against the varlen path; on
-# CUDA in fp16/bf16 after a forward and backward trial against the per-segment loop (``flex_available``).
-FLEX = env_switch("MEGATRON_RL_FLEX_ATTENTION", False)
-FLEX_BLOCK = 128
-_FLEX_OK: dict[tuple, bool] = {}  # (device, dtype) -> whether FlexAttention passed its trial there
-_FLEX_WHY: dict[tuple, str] = {}
-
-
-def flex_tables(p: SegmentSeqParams, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token tables of a packed row of ``s`` tokens [S] (int64, no host sync): its segment, its segment's
-    first token, and the extra key range its segment reads before its own tokens (a response's prompt:
-    start, length; length 0 for a plain segment). Query i attends to keys [start, start + length) and to its
-    own segment's tokens up to i: ``segment_attention``'s mask for the layouts ``rollout.packing`` and
-    ``rollout.shared_prompts`` build (a segment's keys are one earlier range, then itself)."""
-    cu_q = p.segments_q.long()
-    lq = cu_q[1:] - cu_q[:-1]
-    n = lq.numel()
-    seg = torch.repeat_interleave(torch.arange(n, device=cu_q.device), lq, output_size=s)
-    if p.kv_index is None:
-        zero = torch.zeros_like(lq)
-        return seg, cu_q[:-1][seg], zero[seg], zero[seg]
-    cu_k = p.segments_k.long()
-    extra = (cu_k[1:] - cu_k[:-1]) - lq  # [N] keys before the segment's own
-    first = p.kv_index[cu_k[:-1]]  # [N] its first key: the extra range's start where extra > 0
-    return seg, cu_q[:-1][seg], first[seg], extra[seg]
-
-
-def flex_mask_mod(tables):
-    seg, _, ext_start, ext_len = tables
-
-    def mask_mod(b, h, qi, ki):
-        rel = ki - ext_start[qi]
-        return ((seg[qi] == seg[ki]) & (ki <= qi)) | ((rel >= 0) & (rel < ext_len[qi]))
-
-    return mask_mod
-
-
-def flex_block_mask(p: SegmentSeqParams, s: int, block: int = FLEX_BLOCK):
-    """The ``BlockMask`` of a packed row of ``s`` tokens (``flex_tables``' mask), built from the tables
-    directly (no S x S evaluation, no compile, no host sync): per query and key block, how many keys of the
-    block the query may read (its two ranges clipped to the block), summed over the query block; a block
-    pair with all its block x block cells allowed is full, with some partial (the mask runs there), with
-    none skipped."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    tables = flex_tables(p, s)
-    _, seg_start, ext_start, ext_len = tables
-    dev = seg_start.device
-    nb = -(-s // block)
-    lo = torch.arange(nb, device=dev) * block  # [NB] key block starts
-    hi = (lo + block).clamp(max=s)
-    qi = torch.arange(s, device=dev)
-
-    def overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # |[a, b) & block| [S, NB]
-        return (torch.minimum(b[:, None], hi[None]) - torch.maximum(a[:, None], lo[None])).clamp(min=0)
-
-    count = overlap(ext_start, ext_start + ext_len) + overlap(seg_start, qi + 1)  # [S, NB]
-    pad = nb * block - s
-    count = torch.nn.functional.pad(count, (0, 0, 0, pad)).view(nb, block, nb).sum(1)  # [NB q, NB k]
-    full = count == block * block  # whole blocks only: a short last block runs the mask (torch's rule)
-    partial = (count > 0) & ~full
-
-    def blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        order = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True)  # listed blocks first
-        return m.sum(-1).to(torch.int32)[None, None], order.to(torch.int32)[None, None]
-
-    kv_num, kv_idx = blocks(partial)
-    full_num, full_idx = blocks(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
-                                    mask_mod=flex_mask_mod(tables), seq_lengths=(s, s))  # fmt: skip
-
-
-_FLEX_COMPILED = None
-
-
-def _flex_attention():
-    """flex_attention, compiled on first use (its eager form is a slow reference)."""
-    global _FLEX_COMPILED
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if _FLEX_COMPILED is None:
-        _FLEX_COMPILED = torch.compile(flex_attention)  # sizes that vary (S) turn dynamic
-    return _FLEX_COMPILED
-
-
-def flex_row_attention(
-    q, k, v, p: SegmentSeqParams, scale: float, block_mask=None, compiled: bool | None = None
-):
-    """``segment_params_attention`` (no window) through FlexAttention: q [S, H, D], k/v [S, G, D] ->
-    [S, H, D]. ``block_mask``: ``flex_block_mask(p, S)`` if already built (one per micro-batch serves every
-    layer); ``compiled``: the compiled kernel (default on CUDA; eager elsewhere, the slow reference)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    s = q.shape[0]
-    if block_mask is None:
-        block_mask = flex_block_mask(p, s)
-    if compiled is None:
-        compiled = q.device.type == "cuda"
-    fn = _flex_attention() if compiled else flex_attention
-    qt, kt, vt = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H or G, S, D]
-    out = fn(qt, kt, vt, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    return out[0].transpose(0, 1).contiguous()
-
-
-def _flex_trial(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """``flex_row_attention`` on a small shared-prompt row (a prompt of 5, responses of 3 and 4, GQA 4:2),
-    forward and backward, against the per-segment loop: passes when its largest relative error (output, dq,
-    dk, dv) against the float32 loop is within twice the loop's own at ``dtype``, or 2e-2."""
-    with torch.inference_mode(False), torch.enable_grad():
-        g = torch.Generator(device=device).manual_seed(0)
-        base = [torch.randn(12, h, 64, generator=g, device=device) for h in (4, 2, 2)]
-        idx = torch.tensor([*range(5), *range(5), 5, 6, 7, *range(5), 8, 9, 10, 11], device=device)
-        cq, ck = (torch.tensor(c, device=device, dtype=torch.int32) for c in ([0, 5, 8, 12], [0, 5, 13, 22]))
-        p = SegmentSeqParams(qkv_format="thd", segments_q=cq, max_q=5, kv_index=idx, segments_k=ck, max_k=9)
-
-        def run(at: torch.dtype, flex: bool) -> list[torch.Tensor]:
-            q, k, v = (x.to(at).requires_grad_() for x in base)
-            o = (flex_row_attention(q, k, v, p, 0.1) if flex
-                 else segment_attention(q, k, v, cq, 0.1, kv_index=idx, cu_k=ck))  # fmt: skip
-            return [o.float(), *(t.float() for t in torch.autograd.grad(o.float().square().sum(), (q, k, v)))]
-
-        ref = run(torch.float32, False)
-
-        def err(outs: list[torch.Tensor]) -> float:
-            return max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) for a, b in zip(outs, ref))
-
-        e_flex, e_loop = err(run(dtype, True)), err(run(dtype, False))
-    return e_flex <= max(
-        2 * e_loop, 2e-2
-    ), f"largest relative error vs float32: flex {e_flex:.1e}, loop {e_loop:.1e}"
-
-
-def flex_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``flex_row_attention`` serves packed rows on ``device`` at ``dtype``: CUDA, fp16/bf16, and its
-    trial passed (tried once; a failure warns and the varlen path serves)."""
-    key = (str(device), dtype)
-    if key not in _FLEX_OK:
-        ok, why = False, "not a CUDA fp16/bf16 tensor"
-        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-            try:
-                ok, why = _flex_trial(device, dtype)
-            except Exception as exc:  # noqa: BLE001 - any failure: the varlen path serves
-                ok, why = False, f"{type(exc).__name__}: {exc}".splitlines()[0]
-            if not ok:
-                warnings.warn(
-                    f"FlexAttention unusable for packed rows ({why}); the varlen path serves", stacklevel=2
-                )
-        _FLEX_OK[key], _FLEX_WHY[key] = ok, why
-    return _FLEX_OK[key]

@@ -96,3 +96,18 @@ def test_engine_hook_stops_each_sequence_at_its_table_length(monkeypatch):
     assert [len(c.response_ids) for c in out] == table.tolist()
     assert all(c.response_ids[-1] == eos and eos not in c.response_ids[:-1] for c in out)
     assert copies.count(table.shape) == 1  # once per device, not per step
+
+
+def test_update_attention_bench_counts_the_pairs_its_rows_allow():
+    """``bench_update_attention``'s FLOP count: the (query, key) pairs of its shared rows equal the cells the
+    per-segment reference's mask allows (a response sees its prompt and itself causally)."""
+    import bench_update_attention as bua
+
+    layout = bua.packed_row(2, 3, 5, [4, 1, 7, 2, 6, 3])
+    p = bua.seq_params(layout)
+    s = layout.input_ids.shape[1]
+    q, k, v = (torch.eye(s, dtype=torch.float64)[:, None, :] for _ in range(3))  # token i's value: e_i
+    out = bua.pa.segment_attention(q, k, v, p.segments_q, 1e-9, kv_index=p.kv_index, cu_k=p.segments_k)
+    # a near-zero scale makes every allowed key equally weighted: out[i, j] > 0 exactly where i reads j
+    allowed = sum(r * 5 + r * (r + 1) // 2 for r in (4, 1, 7, 2, 6, 3)) + 2 * 15  # responses, two prompts
+    assert int((out[:, 0] > 0).sum()) == bua.pairs(p) == allowed
