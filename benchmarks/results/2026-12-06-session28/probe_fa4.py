@@ -36,8 +36,17 @@ flop = 4 * 64 * 14 * bua.pairs(p)
 
 def fa4():
     ks, vs = k.index_select(0, p.kv_index), v.index_select(0, p.kv_index)
-    o = flash_attn_varlen_func(q, ks, vs, cu_seqlens_q=p.segments_q, cu_seqlens_k=p.segments_k, max_seqlen_q=p.max_q,
-                               max_seqlen_k=p.max_k, softmax_scale=0.125, causal=True)
+    o = flash_attn_varlen_func(
+        q,
+        ks,
+        vs,
+        cu_seqlens_q=p.segments_q,
+        cu_seqlens_k=p.segments_k,
+        max_seqlen_q=p.max_q,
+        max_seqlen_k=p.max_k,
+        softmax_scale=0.125,
+        causal=True,
+    )
     return o[0] if isinstance(o, tuple) else o
 
 
@@ -51,13 +60,17 @@ for name, fn in (("varlen", varlen), ("fa4", fa4)):
         o = fn()
         dq, dk, dv = torch.autograd.grad(o, (q, k, v), g)
         torch.cuda.synchronize()
-        r = {"first_call_s": time.perf_counter() - t1, "out": o.float(), "grads": [dq.float(), dk.float(), dv.float()]}
+        r = {
+            "first_call_s": time.perf_counter() - t1,
+            "out": o.float(),
+            "grads": [dq.float(), dk.float(), dv.float()],
+        }
 
-        def f():
+        def f(fn=fn):
             with torch.no_grad():
                 fn()
 
-        def fb():
+        def fb(fn=fn):
             torch.autograd.grad(fn(), (q, k, v), g)
 
         r["fwd_ms"] = timed_us(f, 10) / 1e3
@@ -68,8 +81,10 @@ for name, fn in (("varlen", varlen), ("fa4", fa4)):
         out[name] = f"{type(exc).__name__}: {exc}"[:800]
 if isinstance(out.get("fa4"), dict) and isinstance(out.get("varlen"), dict):
     a, b = out["fa4"], out["varlen"]
-    out["fa4_vs_varlen_rel"] = max(float((x - y).abs().max() / y.abs().max())
-                                   for x, y in zip([a["out"], *a["grads"]], [b["out"], *b["grads"]]))
+    out["fa4_vs_varlen_rel"] = max(
+        float((x - y).abs().max() / y.abs().max())
+        for x, y in zip([a["out"], *a["grads"]], [b["out"], *b["grads"]])
+    )
 for name in ("varlen", "fa4"):
     if isinstance(out.get(name), dict):
         out[name] = {k2: v2 for k2, v2 in out[name].items() if k2 not in ("out", "grads")}
