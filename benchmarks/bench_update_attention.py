@@ -52,13 +52,6 @@ def packed_row(groups: int, n: int, prompt: int, responses: list[int]):
     return shared_layout(ids, p_lens, r_lens, score)
 
 
-def seq_params(layout) -> pa.SegmentSeqParams:
-    return pa.SegmentSeqParams(
-        qkv_format="thd", segments_q=layout.cu_seqlens, max_q=layout.max_seqlen, kv_index=layout.kv_index,
-        segments_k=layout.cu_seqlens_k, max_k=layout.max_seqlen_k,
-    )  # fmt: skip
-
-
 def pairs(p: pa.SegmentSeqParams) -> int:
     """(query, key) pairs the causal, end-aligned mask allows."""
     lq = (p.segments_q[1:] - p.segments_q[:-1]).long()
@@ -66,7 +59,7 @@ def pairs(p: pa.SegmentSeqParams) -> int:
     return int((lq * (lk - lq) + lq * (lq + 1) // 2).sum())
 
 
-def run_variant(name: str, q, k, v, p, scale: float, reps: int) -> dict:
+def run_varlen(q, k, v, p, scale: float, reps: int) -> dict:
     def fn():
         return pa.segment_params_attention(q, k, v, p, scale, None)
 
@@ -84,18 +77,18 @@ def run_variant(name: str, q, k, v, p, scale: float, reps: int) -> dict:
     return out
 
 
-def accuracy(name: str, device, dtype) -> float:
+def accuracy(device, dtype) -> float:
     """Largest relative difference of output and q/k/v gradients from the float32 per-segment loop, on a
     small shared row (2 groups of 3 responses of 5-40 tokens after 24-token prompts)."""
     torch.manual_seed(0)
     layout = packed_row(2, 3, 24, [5, 40, 17, 33, 9, 26])
-    p = seq_params(layout)
+    p = layout.seq_params()
     s = layout.input_ids.shape[1]
     base = [torch.randn(s, h, 64, device=device) for h in (4, 2, 2)]
 
-    def grads(at, variant):
+    def grads(at, loop):
         q, k, v = (x.to(at).requires_grad_() for x in base)
-        if variant == "loop":
+        if loop:
             o = pa.segment_attention(q, k, v, p.segments_q, 0.125, kv_index=p.kv_index, cu_k=p.segments_k)
         else:
             o = pa.shared_attention(q, k, v, p.segments_q, p.kv_index, p.segments_k, p.max_q, p.max_k, 0.125,
@@ -103,8 +96,8 @@ def accuracy(name: str, device, dtype) -> float:
         return [o, *torch.autograd.grad(o.float().square().sum(), (q, k, v))]
 
     p.segments_q, p.segments_k, p.kv_index = (x.to(device) for x in (p.segments_q, p.segments_k, p.kv_index))
-    ref = grads(torch.float32, "loop")
-    got = grads(dtype, name)
+    ref = grads(torch.float32, True)
+    got = grads(dtype, False)
     return max(float((a.detach().float() - b).abs().max() / b.abs().max()) for a, b in zip(got, ref))
 
 
@@ -120,12 +113,10 @@ def main() -> None:
     result = {"shape": args.shape, "heads": [h, g, d], "device": torch.cuda.get_device_name(), "rows": {}}
     impls = getattr(torch.nn.attention, "list_flash_attention_impls", None)
     result["flash_attention_impls"] = impls() if impls is not None else "no list_flash_attention_impls"
-    variants = ["varlen"]
-    for name in variants:
-        try:
-            result.setdefault("accuracy_vs_fp32_loop", {})[name] = accuracy(name, dev, dtype)
-        except Exception as exc:  # noqa: BLE001 - recorded; the timing below says whether it runs at all
-            result.setdefault("accuracy_vs_fp32_loop", {})[name] = f"{type(exc).__name__}: {exc}"[:300]
+    try:
+        result["accuracy_vs_fp32_loop"] = {"varlen": accuracy(dev, dtype)}
+    except Exception as exc:  # noqa: BLE001 - recorded; the timing below says whether it runs at all
+        result["accuracy_vs_fp32_loop"] = {"varlen": f"{type(exc).__name__}: {exc}"[:300]}
     for row in args.rows.split(","):
         if row == "fixed":
             responses = [512] * 64
@@ -136,20 +127,19 @@ def main() -> None:
                 used += 256 // 8 + lengths[len(responses)]
                 responses.append(lengths[len(responses)])
         layout = packed_row(len(responses) // 8, 8, 256, responses)
-        p = seq_params(layout)
+        p = layout.seq_params()
         p.segments_q, p.segments_k, p.kv_index = (x.to(dev) for x in (p.segments_q, p.segments_k, p.kv_index))
         s = layout.input_ids.shape[1]
         q, k, v = (torch.randn(s, x, d, device=dev, dtype=dtype, requires_grad=True) for x in (h, g, g))
         flop = 4 * d * h * pairs(p)
         entry = {"tokens": s, "responses": len(responses), "attention_gflop_fwd": flop / 1e9}
-        for name in variants:
-            try:
-                r = run_variant(name, q, k, v, p, d**-0.5, args.reps)
-                r["fwd_tflops"] = flop / r["fwd_ms"] / 1e9
-                r["fwd_bwd_tflops"] = 3.5 * flop / r["fwd_bwd_ms"] / 1e9
-                entry[name] = r
-            except Exception as exc:  # noqa: BLE001
-                entry[name] = f"{type(exc).__name__}: {exc}"[:500]
+        try:
+            r = run_varlen(q, k, v, p, d**-0.5, args.reps)
+            r["fwd_tflops"] = flop / r["fwd_ms"] / 1e9
+            r["fwd_bwd_tflops"] = 3.5 * flop / r["fwd_bwd_ms"] / 1e9
+            entry["varlen"] = r
+        except Exception as exc:  # noqa: BLE001
+            entry["varlen"] = f"{type(exc).__name__}: {exc}"[:500]
         result["rows"][row] = entry
         print(row, json.dumps(entry), flush=True)
     result["varlen_status"], result["varlen_notes"] = pa.varlen_status(), pa.varlen_notes()  # which path ran

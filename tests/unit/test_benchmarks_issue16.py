@@ -104,7 +104,7 @@ def test_update_attention_bench_counts_the_pairs_its_rows_allow():
     import bench_update_attention as bua
 
     layout = bua.packed_row(2, 3, 5, [4, 1, 7, 2, 6, 3])
-    p = bua.seq_params(layout)
+    p = layout.seq_params()
     s = layout.input_ids.shape[1]
     q, k, v = (torch.eye(s, dtype=torch.float64)[:, None, :] for _ in range(3))  # token i's value: e_i
     out = bua.pa.segment_attention(q, k, v, p.segments_q, 1e-9, kv_index=p.kv_index, cu_k=p.segments_k)

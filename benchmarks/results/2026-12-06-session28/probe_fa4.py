@@ -26,7 +26,7 @@ except Exception as exc:  # noqa: BLE001
     sys.exit(0)
 dev, dt = torch.device("cuda"), torch.bfloat16
 lay = bua.packed_row(8, 8, 256, [512] * 64)
-p = bua.seq_params(lay)
+p = lay.seq_params()
 p.segments_q, p.segments_k, p.kv_index = (x.to(dev) for x in (p.segments_q, p.segments_k, p.kv_index))
 s = lay.input_ids.shape[1]
 q, k, v = (torch.randn(s, h, 64, device=dev, dtype=dt, requires_grad=True) for h in (14, 2, 2))
