@@ -1,11 +1,13 @@
 """The update's attention on one micro-batch's packed row (issue 16): the path the trainer runs
-(``models.packed_attention.segment_params_attention``: shared-prompt keys gathered per response, flash
-attention's varlen kernel with its own GQA, autograd's index_add back into the prompt's one copy), in
+(``models.packed_attention.segment_params_attention``: shared-prompt keys gathered per response, a varlen
+flash-attention kernel with its own GQA, autograd's index_add back into the prompt's one copy), in
 milliseconds for the forward and for forward + backward (CUDA events, after warm-up) and the TFLOP/s that
 makes of the attention's causal FLOPs (4 x head dim x heads per (query, key) pair the mask allows, 2.5x that
 for the backward); its largest difference from the float32 per-segment reference in output and gradients on
 a small row; and the flash-attention implementations this torch registers
-(``torch.nn.attention.list_flash_attention_impls``, where it exists).
+(``torch.nn.attention.list_flash_attention_impls``, where it exists). The kernel is the one the trainer picks
+(``packed_attention.varlen_kernel``: FlashAttention-4 where ``flash-attn-4`` imports); with FA4 in use the
+row is also timed without it (``without_fa4``: aten's flash attention, FA2's kernels).
 
 Session 28 also timed FlexAttention over the same rows (a block-sparse mask of the row's segments, each
 response reading its prompt's keys in place, GQA in the kernel): 2x slower on an H100 (its code and this
@@ -113,10 +115,21 @@ def main() -> None:
     result = {"shape": args.shape, "heads": [h, g, d], "device": torch.cuda.get_device_name(), "rows": {}}
     impls = getattr(torch.nn.attention, "list_flash_attention_impls", None)
     result["flash_attention_impls"] = impls() if impls is not None else "no list_flash_attention_impls"
-    try:
-        result["accuracy_vs_fp32_loop"] = {"varlen": accuracy(dev, dtype)}
-    except Exception as exc:  # noqa: BLE001 - recorded; the timing below says whether it runs at all
-        result["accuracy_vs_fp32_loop"] = {"varlen": f"{type(exc).__name__}: {exc}"[:300]}
+    cur = torch.device("cuda", torch.cuda.current_device())
+    # the kernel the trainer runs here first; with FlashAttention-4 in use, also the kernel it would run without
+    variants = (
+        {"varlen": pa.FA4, "without_fa4": False}
+        if pa.varlen_kernel(cur) == "flash-attn-4"
+        else {"varlen": pa.FA4}
+    )
+    result["accuracy_vs_fp32_loop"], result["kernel"] = {}, {}
+    for name, fa4 in variants.items():
+        pa.FA4 = fa4
+        result["kernel"][name] = pa.varlen_kernel(cur)
+        try:
+            result["accuracy_vs_fp32_loop"][name] = accuracy(dev, dtype)
+        except Exception as exc:  # noqa: BLE001 - recorded; the timing below says whether it runs at all
+            result["accuracy_vs_fp32_loop"][name] = f"{type(exc).__name__}: {exc}"[:300]
     for row in args.rows.split(","):
         if row == "fixed":
             responses = [512] * 64
@@ -133,15 +146,18 @@ def main() -> None:
         q, k, v = (torch.randn(s, x, d, device=dev, dtype=dtype, requires_grad=True) for x in (h, g, g))
         flop = 4 * d * h * pairs(p)
         entry = {"tokens": s, "responses": len(responses), "attention_gflop_fwd": flop / 1e9}
-        try:
-            r = run_varlen(q, k, v, p, d**-0.5, args.reps)
-            r["fwd_tflops"] = flop / r["fwd_ms"] / 1e9
-            r["fwd_bwd_tflops"] = 3.5 * flop / r["fwd_bwd_ms"] / 1e9
-            entry["varlen"] = r
-        except Exception as exc:  # noqa: BLE001
-            entry["varlen"] = f"{type(exc).__name__}: {exc}"[:500]
+        for name, fa4 in variants.items():
+            pa.FA4 = fa4
+            try:
+                r = run_varlen(q, k, v, p, d**-0.5, args.reps)
+                r["fwd_tflops"] = flop / r["fwd_ms"] / 1e9
+                r["fwd_bwd_tflops"] = 3.5 * flop / r["fwd_bwd_ms"] / 1e9
+                entry[name] = r
+            except Exception as exc:  # noqa: BLE001
+                entry[name] = f"{type(exc).__name__}: {exc}"[:500]
         result["rows"][row] = entry
         print(row, json.dumps(entry), flush=True)
+    pa.FA4 = variants["varlen"]
     result["varlen_status"], result["varlen_notes"] = pa.varlen_status(), pa.varlen_notes()  # which path ran
     result["gqa_direct"] = pa.GQA_DIRECT
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))

@@ -1,14 +1,17 @@
 """Causal attention over packed sequences (THD): no query attends across a sequence boundary.
 
-Two paths with one contract: torch's ``varlen_attn`` (flash attention over ``cu_seqlens``, CUDA only) and
-a plain per-segment SDPA loop (any device; the reference the tests compare against). The varlen path is
-used where a small forward/backward trial on the device matches the loop; its keyword arguments changed
-between torch releases (``is_causal`` then ``window_size``; ``enable_gqa`` and ``scale`` added later),
-so they are read from its signature.
+Two paths with one contract: varlen flash attention over ``cu_seqlens`` (CUDA only) and a plain
+per-segment SDPA loop (any device; the reference the tests compare against). The varlen path is used where
+a small forward/backward trial on the device matches the loop. Its kernel, in order of preference:
+FlashAttention-4 (the optional ``flash-attn-4`` package, Hopper and Blackwell) where importable; aten's
+flash attention with GQA keys unrepeated; torch's ``varlen_attn``, whose keyword arguments changed between
+torch releases (``is_causal`` then ``window_size``; ``enable_gqa`` and ``scale`` added later), so they are
+read from its signature. A kernel that fails the trial is dropped on that device and the next one tried.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from dataclasses import dataclass
@@ -27,6 +30,11 @@ _VARLEN_WHY: dict[tuple, str] = {}  # the same keys -> the trial's errors, or wh
 # Off after a failed trial on that device (then the repeat serves); MEGATRON_RL_FLASH_GQA=0 turns it off.
 GQA_DIRECT = env_switch("MEGATRON_RL_FLASH_GQA", True)
 _GQA_DIRECT_FAILED: set[str] = set()  # devices where the direct path failed its trial
+# FlashAttention-4 (``pip install flash-attn-4``: CuTe DSL kernels, forward and backward on SM90/SM100) where
+# it imports: an optional acceleration, never required. Off after a failed trial on that device (the next
+# kernel serves); MEGATRON_RL_FA4=0 turns it off.
+FA4 = env_switch("MEGATRON_RL_FA4", True)
+_FA4_FAILED: set[str] = set()  # devices where FA4 failed its trial
 
 
 @dataclass
@@ -128,17 +136,59 @@ def _gqa_direct(device: torch.device) -> bool:
     return GQA_DIRECT and str(device) not in _GQA_DIRECT_FAILED
 
 
+@functools.cache
+def _fa4_varlen():
+    """FlashAttention-4's ``flash_attn_varlen_func``, or None where ``flash_attn.cute`` does not import."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception:  # noqa: BLE001 - missing, or its CUDA libraries are: the other kernels serve
+        return None
+    return flash_attn_varlen_func
+
+
+@functools.cache
+def _fa4_arch_ok(device: torch.device) -> bool:
+    """FA4 has forward and backward kernels for compute capability 9.x (Hopper) and 10.x/11.x (Blackwell)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10, 11)
+
+
+def _use_fa4(device: torch.device) -> bool:
+    return FA4 and str(device) not in _FA4_FAILED and _fa4_varlen() is not None and _fa4_arch_ok(device)
+
+
+def varlen_kernel(device: torch.device) -> str:
+    """Which kernel ``varlen_attention`` runs GQA inputs through on ``device`` now: "flash-attn-4",
+    "aten flash (GQA unrepeated)" or "torch varlen_attn"."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    if _use_fa4(device):
+        return "flash-attn-4"
+    if "enable_gqa" not in inspect.signature(varlen_attn).parameters and _gqa_direct(device):
+        return "aten flash (GQA unrepeated)"
+    return "torch varlen_attn"
+
+
+# The kernels a failed trial drops, in the order ``varlen_kernel`` prefers them: the set it marks the device in.
+_DROPPABLE = {"flash-attn-4": _FA4_FAILED, "aten flash (GQA unrepeated)": _GQA_DIRECT_FAILED}
+
+
 def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
                      cu_k: torch.Tensor | None = None, max_k: int | None = None):  # fmt: skip
     """``segment_attention`` through torch's ``varlen_attn`` (CUDA, fp16/bf16); with ``cu_k`` / ``max_k``
     the key segments differ from the query ones (causal aligned at the end, flash attention's rule)."""
+    cu = cu_seqlens.to(torch.int32)
+    cu_k = cu if cu_k is None else cu_k.to(torch.int32)
+    max_k = max_seqlen if max_k is None else max_k
+    if _use_fa4(q.device):  # GQA inside the kernel; deterministic backward where torch is asked for it
+        out = _fa4_varlen()(
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen, max_seqlen_k=max_k,
+            softmax_scale=scale, causal=True, deterministic=torch.are_deterministic_algorithms_enabled(),
+        )  # fmt: skip
+        return out[0] if isinstance(out, tuple) else out  # (out, lse)
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
     kwargs, q_factor = _varlen_kwargs(params, scale, q.shape[-1])
-    cu = cu_seqlens.to(torch.int32)
-    cu_k = cu if cu_k is None else cu_k.to(torch.int32)
-    max_k = max_seqlen if max_k is None else max_k
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
@@ -153,9 +203,10 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
 
 
 def _trial(device: torch.device, dtype: torch.dtype, shared: bool) -> tuple[bool, str]:
-    """varlen_attn on a small GQA input, forward and backward, against the per-segment loop; ``shared``:
+    """``varlen_attention`` (its kernel now: ``varlen_kernel``) on a small GQA input, forward and backward,
+    against the per-segment loop; ``shared``:
     with key segments longer than the query ones (a prompt of 5, responses of 3 and 4). Both run at
-    ``dtype`` and are measured against the loop in float32 on the same inputs: varlen_attn passes when its
+    ``dtype`` and are measured against the loop in float32 on the same inputs: the kernel passes when its
     largest relative error (output, dq, dk) is within twice the loop's, or 2e-2. Gradients are on whatever
     context the first packed forward runs in (a no-grad log-prob pass, say); the errors cover the output and
     the q, k and v gradients. Returns (ok, the errors)."""
@@ -182,7 +233,7 @@ def _trial(device: torch.device, dtype: torch.dtype, shared: bool) -> tuple[bool
             return max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) for a, b in zip(outs, ref))
 
         e_varlen, e_loop = err(run(dtype, True)), err(run(dtype, False))
-    why = f"largest relative error vs float32: varlen_attn {e_varlen:.1e}, per-segment SDPA {e_loop:.1e}"
+    why = f"largest relative error vs float32: {varlen_kernel(device)} {e_varlen:.1e}, per-segment SDPA {e_loop:.1e}"
     return e_varlen <= max(2 * e_loop, 2e-2), why
 
 
@@ -201,15 +252,21 @@ def varlen_available(device: torch.device, dtype: torch.dtype, shared: bool = Fa
         ok, why = False, "not a CUDA fp16/bf16 tensor"
         if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
             ok, why = _guarded_trial(device, dtype, shared)
-            if not ok and _gqa_direct(device):  # again with K/V repeated per query head
-                _GQA_DIRECT_FAILED.add(str(device))
-                first, (ok, why) = why, _guarded_trial(device, dtype, shared)
-                why = (f"{why}; the trial with K/V unrepeated (flash attention's own GQA) failed first ({first}): "
-                       "K/V repeated per query head on this device from now on")  # fmt: skip
+            dropped = []
+            while not ok and (kernel := varlen_kernel(device)) in _DROPPABLE:  # again with the next kernel
+                _DROPPABLE[kernel].add(str(device))
+                dropped.append(f"{kernel} failed it first ({why})")
+                ok, why = _guarded_trial(device, dtype, shared)
+            if dropped:
+                why = (
+                    f"{why}; " + "; ".join(dropped) + f": {varlen_kernel(device)} on this device from now on"
+                )
+                for other in [k for k in _VARLEN_OK if k[0] == str(device)]:  # passed with a dropped kernel:
+                    del _VARLEN_OK[other], _VARLEN_WHY[other]  # tried again when next asked
                 if ok:
                     warnings.warn(f"packed attention: {why}", stacklevel=2)
             if not ok:
-                warnings.warn(f"torch varlen_attn unusable ({why}); packed attention runs per sequence "
+                warnings.warn(f"varlen flash attention unusable ({why}); packed attention runs per sequence "
                               "(exact, slower)", stacklevel=2)  # fmt: skip
         _VARLEN_OK[key], _VARLEN_WHY[key] = ok, why
     return _VARLEN_OK[key]
@@ -264,7 +321,7 @@ def segment_params_attention(q, k, v, p: SegmentSeqParams, scale: float, window:
 
 
 def varlen_status() -> dict[str, bool]:
-    """Where ``varlen_attn`` was tried so far and whether it is used there ("cuda:0 torch.bfloat16": True,
+    """Where varlen flash attention was tried so far and whether it is used there ("cuda:0 torch.bfloat16": True,
     "... shared" for shared-prompt key segments)."""
     return {f"{dev} {dtype}{' shared' if sh else ''}": ok for (dev, dtype, sh), ok in _VARLEN_OK.items()}
 

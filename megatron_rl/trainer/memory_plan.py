@@ -77,7 +77,7 @@ def share_choice(cfg: JobConfig, role: str, for_absent_gpu: bool = False) -> tup
         return False, "no CUDA device: torch's varlen_attn runs on CUDA only"
     dev, dtype = torch.device("cuda", torch.cuda.current_device()), getattr(torch, cfg.model.dtype)
     if not agree_on_varlen(dev, dtype, shared=True):
-        return False, f"torch varlen_attn failed its trial: {varlen_notes()[f'{dev} {dtype} shared']}"
+        return False, f"varlen flash attention failed its trial: {varlen_notes()[f'{dev} {dtype} shared']}"
     return True, "each prompt once per group in the update"
 
 

@@ -29,7 +29,7 @@ def test_the_trial_accepts_a_right_kernel_in_any_grad_context(monkeypatch, share
     with contexts[context]():
         ok, why = pa._trial(torch.device("cpu"), torch.bfloat16, shared)
     assert ok, why
-    assert "varlen_attn" in why and "per-segment SDPA" in why
+    assert pa.varlen_kernel(torch.device("cpu")) in why and "per-segment SDPA" in why
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -37,7 +37,7 @@ def test_the_trial_refuses_a_wrong_kernel_and_says_by_how_much(monkeypatch, shar
     monkeypatch.setattr(pa, "varlen_attention", _stand_in(0.05))
     ok, why = pa._trial(torch.device("cpu"), torch.bfloat16, shared)
     assert not ok
-    err = float(why.split("varlen_attn ")[1].split(",")[0])
+    err = float(why.split(", per-segment SDPA")[0].split()[-1])
     assert err >= 0.04, why  # the 5% it was given, measured against float32
 
 
@@ -109,11 +109,28 @@ def test_gqa_keys_go_to_flash_attention_unrepeated_where_varlen_attn_has_no_enab
         torch.testing.assert_close(a, b)
 
 
-def test_a_failing_direct_gqa_trial_falls_back_to_repeated_keys_and_says_so(monkeypatch):
+def _fresh_kernel_state(monkeypatch, fa4=None):
+    """Every optional kernel on, none failed yet, no trial run; ``fa4``: a stand-in for FA4's varlen function
+    (None: FA4 absent, as on this machine)."""
     monkeypatch.setattr(pa, "GQA_DIRECT", True)
-    monkeypatch.setattr(pa, "_GQA_DIRECT_FAILED", set())
-    monkeypatch.setattr(pa, "_VARLEN_OK", {})
-    monkeypatch.setattr(pa, "_VARLEN_WHY", {})
+    monkeypatch.setattr(pa, "FA4", True)
+    for name, empty in (("_GQA_DIRECT_FAILED", set()), ("_FA4_FAILED", set()), ("_VARLEN_OK", {}),
+                        ("_VARLEN_WHY", {})):  # fmt: skip
+        monkeypatch.setattr(pa, name, empty)
+    monkeypatch.setattr(pa, "_DROPPABLE", {"flash-attn-4": pa._FA4_FAILED,
+                                           "aten flash (GQA unrepeated)": pa._GQA_DIRECT_FAILED})  # fmt: skip
+    monkeypatch.setattr(pa, "_fa4_varlen", lambda: fa4)
+    monkeypatch.setattr(pa, "_fa4_arch_ok", lambda device: True)
+
+
+def test_a_failing_direct_gqa_trial_falls_back_to_repeated_keys_and_says_so(monkeypatch):
+    import torch.nn.attention.varlen as tv
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, scale=None):
+        raise AssertionError("the trial is a stand-in: varlen_attn is here for its signature (torch 2.11's)")
+
+    monkeypatch.setattr(tv, "varlen_attn", varlen_attn)
+    _fresh_kernel_state(monkeypatch)
     calls = []
 
     def trial(device, dtype, shared):
@@ -124,7 +141,92 @@ def test_a_failing_direct_gqa_trial_falls_back_to_repeated_keys_and_says_so(monk
 
     monkeypatch.setattr(pa, "_trial", trial)
     dev = torch.device("cuda", 0)  # only the device's name is used: the trial is the stand-in
-    with pytest.warns(UserWarning, match=r"K/V unrepeated \(flash attention's own GQA\) failed first"):
+    with pytest.warns(UserWarning, match=r"aten flash \(GQA unrepeated\) failed it first"):
         assert pa.varlen_available(dev, torch.bfloat16)
     assert calls == [True, False] and not pa._gqa_direct(dev)
     assert "RuntimeError: flash GQA broken here" in pa.varlen_notes()["cuda:0 torch.bfloat16"]
+
+
+def _fake_fa4(seen: list, scale_error: float = 0.0):
+    """A CPU stand-in for FlashAttention-4's ``flash_attn_varlen_func`` with its keywords (q, k, v,
+    cu_seqlens_q/k, max_seqlen_q/k, softmax_scale, causal, deterministic) and its (out, lse) return: the
+    per-segment SDPA over the key segments as they come, GQA inside (K/V of G heads, unrepeated)."""
+
+    def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale, causal, deterministic):  # fmt: skip
+        assert causal and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+        seen.append((k.shape[1], max_seqlen_q, max_seqlen_k, deterministic))
+        out = pa.segment_attention(q, k, v, cu_seqlens_q, softmax_scale, kv_index=torch.arange(k.shape[0]),
+                                   cu_k=cu_seqlens_k)  # fmt: skip
+        return out * (1 + scale_error), torch.zeros(q.shape[1], q.shape[0])
+
+    return flash_attn_varlen_func
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_fa4_where_it_imports_gets_the_gqa_keys_unrepeated_and_the_right_segments(monkeypatch, shared):
+    """With ``flash-attn-4`` importable on a Hopper/Blackwell GPU, varlen attention goes through it (neither
+    aten's flash ops nor varlen_attn run), K/V of G heads as they are, the segment bounds and scale passed
+    through, and its output and gradients are the per-segment SDPA's."""
+    import torch.nn.attention.varlen as tv
+
+    def no(*args, **kwargs):
+        raise AssertionError("with FA4 in use no other kernel runs")
+
+    seen: list = []
+    _fresh_kernel_state(monkeypatch, fa4=_fake_fa4(seen))
+    for mod, name in ((tv, "varlen_attn"), (pa, "_flash_forward"), (pa, "_flash_backward")):
+        monkeypatch.setattr(mod, name, no)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (
+        torch.randn(24, h, 16, generator=g, dtype=torch.float64, requires_grad=True) for h in (6, 2, 2)
+    )
+    if shared:
+        idx = torch.tensor([*range(5), *range(5), 5, 6, 7, *range(5), 8, 9, 10, 11])
+        cq, ck = torch.tensor([0, 5, 8, 12]), torch.tensor([0, 5, 13, 22])
+        got = pa.shared_attention(q[:12], k[:12], v[:12], cq, idx, ck, 5, 9, 0.3, None, varlen=True)
+        want = pa.segment_attention(q[:12], k[:12], v[:12], cq, 0.3, kv_index=idx, cu_k=ck)
+    else:
+        cu = torch.tensor([0, 5, 17, 24])
+        got, want = pa.varlen_attention(q, k, v, cu, 12, 0.3), pa.segment_attention(q, k, v, cu, 0.3)
+    assert seen == [(2, 5, 9, False) if shared else (2, 12, 12, False)]
+    w = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(
+        torch.autograd.grad((got * w).sum(), (q, k, v)), torch.autograd.grad((want * w).sum(), (q, k, v))
+    ):
+        torch.testing.assert_close(a, b)
+    assert pa.varlen_kernel(torch.device("cuda", 0)) == "flash-attn-4"
+    monkeypatch.setattr(pa, "FA4", False)  # MEGATRON_RL_FA4=0
+    assert pa.varlen_kernel(torch.device("cuda", 0)) != "flash-attn-4"
+
+
+def test_fa4_failing_its_trial_is_dropped_for_the_next_kernel_and_earlier_verdicts_are_retried(monkeypatch):
+    """FA4 off by a 5% error in the trial: the trial runs again with the next kernel, which passes; the note
+    names FA4's error; a verdict of the same device reached with FA4 (the unshared key) is asked again."""
+    _fresh_kernel_state(monkeypatch, fa4=_fake_fa4([], scale_error=0.05))
+    kernels = []
+
+    def trial(device, dtype, shared):
+        kernels.append(pa.varlen_kernel(device))
+        if kernels[-1] == "flash-attn-4":
+            return False, "largest relative error vs float32: flash-attn-4 5.0e-02, per-segment SDPA 1.0e-03"
+        return True, f"largest relative error vs float32: {kernels[-1]} 1.0e-03, per-segment SDPA 1.0e-03"
+
+    monkeypatch.setattr(pa, "_trial", trial)
+    dev = torch.device("cuda", 0)
+    pa._VARLEN_OK[(str(dev), torch.bfloat16, False)] = True  # reached before FA4 failed on shared rows
+    pa._VARLEN_WHY[(str(dev), torch.bfloat16, False)] = "largest relative error vs float32: flash-attn-4 1e-3"
+    with pytest.warns(UserWarning, match=r"flash-attn-4 failed it first \(largest relative error"):
+        assert pa.varlen_available(dev, torch.bfloat16, shared=True)
+    assert kernels[:2] == ["flash-attn-4", pa.varlen_kernel(dev)] and kernels[1] != "flash-attn-4"
+    assert "flash-attn-4 5.0e-02" in pa.varlen_notes()["cuda:0 torch.bfloat16 shared"]
+    assert (str(dev), torch.bfloat16, False) not in pa._VARLEN_OK
+    assert pa.varlen_available(dev, torch.bfloat16) and kernels[-1] != "flash-attn-4"
+
+
+def test_fa4_absent_leaves_the_other_kernels():
+    """On this machine ``flash_attn.cute`` does not import: FA4 is never chosen, and nothing is required."""
+    pa._fa4_varlen.cache_clear()
+    assert pa._fa4_varlen() is None
+    assert pa.varlen_kernel(torch.device("cuda", 0)) != "flash-attn-4"
