@@ -45,7 +45,7 @@ def gpu_memory_bytes(cfg: JobConfig) -> tuple[float | None, str]:
 def share_prompts_blocker(cfg: JobConfig, role: str) -> str | None:
     """Why ``{role}.share_prompts=auto`` stays off in this configuration (None: nothing in the config
     stops it). Sharing is on by auto only where the parity tests cover it (single-turn, no LoRA, no
-    sequence parallelism) and where it is faster: on CUDA, through torch's varlen_attn."""
+    sequence parallelism) and where it is faster: on CUDA, through varlen flash attention."""
     if cfg.rollout.n < 2:
         return "rollout.n=1: no two responses share a prompt"
     if cfg.rollout.multi_turn.enable:
@@ -55,13 +55,13 @@ def share_prompts_blocker(cfg: JobConfig, role: str) -> str | None:
     if cfg.parallel.sequence_parallel:
         return "parallel.sequence_parallel=true"
     if cfg.model.dtype != "bfloat16":  # model.dtype is float32 or bfloat16 (validated)
-        return f"model.dtype={cfg.model.dtype}: torch's varlen_attn runs in bf16/fp16 only"
+        return f"model.dtype={cfg.model.dtype}: varlen flash attention runs in bf16/fp16 only"
     return None
 
 
 def share_choice(cfg: JobConfig, role: str, for_absent_gpu: bool = False) -> tuple[bool, str]:
     """``{role}.share_prompts=auto`` resolved: (on, why). On where nothing in the config stops it and
-    torch's varlen_attn passes its trial with shared key segments on every rank's GPU (agreed, so all ranks
+    varlen flash attention passes its trial with shared key segments on every rank's GPU (agreed, so all ranks
     build the same micro-batches; the per-segment loop that would run otherwise is slower than unshared rows).
     ``for_absent_gpu``: a dry run planning for a GPU this machine lacks (``trainer.gpu_memory_gb``): the
     trial cannot run here, so the plan assumes it passes (it did at every size on an H200) and says so."""
@@ -71,10 +71,10 @@ def share_choice(cfg: JobConfig, role: str, for_absent_gpu: bool = False) -> tup
     if blocker is not None:
         return False, blocker
     if not torch.cuda.is_available() and for_absent_gpu:
-        return True, ("assumed for the GPU: torch's varlen_attn trial runs there, and if it fails, auto keeps "
+        return True, ("assumed for the GPU: the varlen flash-attention trial runs there, and if it fails, auto keeps "
                       "sharing off and the budgets shrink to the unshared ones")  # fmt: skip
     if not torch.cuda.is_available():
-        return False, "no CUDA device: torch's varlen_attn runs on CUDA only"
+        return False, "no CUDA device: varlen flash attention runs on CUDA only"
     dev, dtype = torch.device("cuda", torch.cuda.current_device()), getattr(torch, cfg.model.dtype)
     if not agree_on_varlen(dev, dtype, shared=True):
         return False, f"varlen flash attention failed its trial: {varlen_notes()[f'{dev} {dtype} shared']}"
