@@ -65,7 +65,7 @@ def share_choice(cfg: JobConfig, role: str, for_absent_gpu: bool = False) -> tup
     build the same micro-batches; the per-segment loop that would run otherwise is slower than unshared rows).
     ``for_absent_gpu``: a dry run planning for a GPU this machine lacks (``trainer.gpu_memory_gb``): the
     trial cannot run here, so the plan assumes it passes (it did at every size on an H200) and says so."""
-    from megatron_rl.models.packed_attention import agree_on_varlen, varlen_notes
+    from megatron_rl.models.packed_attention import agree_on_varlen, varlen_kernel, varlen_notes
 
     blocker = share_prompts_blocker(cfg, role)
     if blocker is not None:
@@ -78,7 +78,7 @@ def share_choice(cfg: JobConfig, role: str, for_absent_gpu: bool = False) -> tup
     dev, dtype = torch.device("cuda", torch.cuda.current_device()), getattr(torch, cfg.model.dtype)
     if not agree_on_varlen(dev, dtype, shared=True):
         return False, f"varlen flash attention failed its trial: {varlen_notes()[f'{dev} {dtype} shared']}"
-    return True, "each prompt once per group in the update"
+    return True, f"each prompt once per group in the update; attention kernel: {varlen_kernel(dev)}"
 
 
 def _fits(est: dict, phase: str, total: float) -> bool:

@@ -322,6 +322,10 @@ def test_share_prompts_auto_is_on_only_where_varlen_runs_and_the_job_is_covered(
     got = plan(copy.deepcopy(cfg), ONE, a, 256, H200)
     assert got["chosen"]["actor_share_prompts"] is True and got["chosen"]["actor"] % 544 == 0
     assert got["notes"]["actor.share_prompts"].startswith("auto -> true")
+    assert (
+        f"attention kernel: {pa.varlen_kernel(mp.torch.device('cuda', 0))}"
+        in got["notes"]["actor.share_prompts"]
+    )
     assert "shared prompts" in got["notes"]["actor.ppo_max_token_len_per_gpu"]
     fitted = copy.deepcopy(cfg)
     apply_plan(fitted, got["chosen"])
