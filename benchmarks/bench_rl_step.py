@@ -356,7 +356,12 @@ def run(a: argparse.Namespace) -> dict:
     from megatron_rl.config.store import CONFIG_DIR, to_job_config
     from megatron_rl.distributed import init_distributed
     from megatron_rl.logging import Timer
-    from megatron_rl.models.packed_attention import varlen_kernel, varlen_notes, varlen_status
+    from megatron_rl.models.packed_attention import (
+        fa4_layout_status,
+        varlen_kernel,
+        varlen_notes,
+        varlen_status,
+    )
     from megatron_rl.trainer.build import build_components
     from megatron_rl.trainer.memory_model import estimate
     from megatron_rl.trainer.run import train_step
@@ -499,6 +504,7 @@ def run(a: argparse.Namespace) -> dict:
         "packed_attention_kernel": varlen_kernel(torch.device("cuda", torch.cuda.current_device()))
         if cuda
         else None,
+        "packed_attention_fa4_layouts": fa4_layout_status(),  # FA4's trial per head layout, where it ran
         "dry_run_gib_by_phase": {k: v / 2**30 for k, v in dry["peaks"].items()},
         "dry_run_bytes": dry["bytes"],
         "exact_gemm": exact_gemm_summary(),  # rollout.exact_logprobs: which fixed-rows paths served

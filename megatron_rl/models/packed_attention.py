@@ -22,7 +22,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_rl.kernels.compile import env_switch
 
-_VARLEN_OK: dict[tuple, bool] = {}  # (device, dtype, shared) -> whether varlen_attn matched the loop there
+_VARLEN_OK: dict[
+    tuple, bool
+] = {}  # (device, dtype, shared) -> whether varlen attention matched the loop there
 _VARLEN_WHY: dict[tuple, str] = {}  # the same keys -> the trial's errors, or why it did not run
 # GQA keys/values straight into flash attention where torch's varlen_attn has no ``enable_gqa`` (torch 2.11):
 # its fallback repeats K/V to every query head, a copy forward and a sum backward per layer (H100, 0.5B
@@ -35,6 +37,9 @@ _GQA_DIRECT_FAILED: set[str] = set()  # devices where the direct path failed its
 # kernel serves); MEGATRON_RL_FA4=0 turns it off.
 FA4 = env_switch("MEGATRON_RL_FA4", True)
 _FA4_FAILED: set[str] = set()  # devices where FA4 failed its trial
+# (device, dtype, query heads, KV heads, head dim) -> whether FA4 passed its trial at that head layout (its
+# kernels specialise on head dim and heads per KV head; the device's trial runs one small layout)
+_FA4_LAYOUTS: dict[tuple, bool] = {}
 
 
 @dataclass
@@ -148,20 +153,46 @@ def _fa4_varlen():
 
 @functools.cache
 def _fa4_arch_ok(device: torch.device) -> bool:
-    """FA4 has forward and backward kernels for compute capability 9.x (Hopper) and 10.x/11.x (Blackwell)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10, 11)
+    """FA4 has forward and backward kernels for compute capability 9.x (Hopper) and 10.x/11.x (Blackwell).
+    No CUDA call unless the device is CUDA and this torch has it."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        return torch.cuda.get_device_capability(device)[0] in (9, 10, 11)
+    except (AssertionError, RuntimeError):  # a torch without CUDA that was told otherwise (tests)
+        return False
 
 
 def _use_fa4(device: torch.device) -> bool:
-    return FA4 and str(device) not in _FA4_FAILED and _fa4_varlen() is not None and _fa4_arch_ok(device)
+    """FA4 on: not switched off, not failed on ``device``, a GPU it has kernels for, and it imports (checked
+    in that order, so a CPU tensor never imports it)."""
+    return FA4 and str(device) not in _FA4_FAILED and _fa4_arch_ok(device) and _fa4_varlen() is not None
 
 
-def varlen_kernel(device: torch.device) -> str:
+def _fa4_for(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """``_use_fa4`` and FA4 passed its trial at this head layout (q [S, H, D], k [Sk, G, D]): the first call
+    at a new layout runs the trial there (forward and backward against the float32 loop); a failure warns
+    once and leaves that layout to the next kernel."""
+    if not _use_fa4(q.device):
+        return False
+    key = (str(q.device), q.dtype, q.shape[1], k.shape[1], q.shape[2])
+    if key not in _FA4_LAYOUTS:
+        _FA4_LAYOUTS[key] = True  # the trial below runs through this path
+        ok, why = _guarded_trial(q.device, q.dtype, True, heads=key[2], groups=key[3], dim=key[4])
+        _FA4_LAYOUTS[key] = ok
+        if not ok:
+            warnings.warn(f"flash-attn-4 failed its trial at {key[2]} query heads, {key[3]} KV heads, head dim "
+                          f"{key[4]} ({why}); attention at that layout runs on the next kernel", stacklevel=2)  # fmt: skip
+    return _FA4_LAYOUTS[key]
+
+
+def varlen_kernel(device: torch.device, layout: tuple | None = None) -> str:
     """Which kernel ``varlen_attention`` runs GQA inputs through on ``device`` now: "flash-attn-4",
-    "aten flash (GQA unrepeated)" or "torch varlen_attn"."""
+    "aten flash (GQA unrepeated)" or "torch varlen_attn"; ``layout`` (dtype, query heads, KV heads, head dim):
+    at that head layout (FA4 may have failed its trial there)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    if _use_fa4(device):
+    if _use_fa4(device) and (layout is None or _FA4_LAYOUTS.get((str(device), *layout), True)):
         return "flash-attn-4"
     if "enable_gqa" not in inspect.signature(varlen_attn).parameters and _gqa_direct(device):
         return "aten flash (GQA unrepeated)"
@@ -174,12 +205,13 @@ _DROPPABLE = {"flash-attn-4": _FA4_FAILED, "aten flash (GQA unrepeated)": _GQA_D
 
 def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
                      cu_k: torch.Tensor | None = None, max_k: int | None = None):  # fmt: skip
-    """``segment_attention`` through torch's ``varlen_attn`` (CUDA, fp16/bf16); with ``cu_k`` / ``max_k``
-    the key segments differ from the query ones (causal aligned at the end, flash attention's rule)."""
+    """``segment_attention`` through a varlen flash-attention kernel (CUDA, fp16/bf16; FA4, aten's flash
+    attention or torch's ``varlen_attn``: module docstring); with ``cu_k`` / ``max_k`` the key segments differ
+    from the query ones (causal aligned at the end, flash attention's rule)."""
     cu = cu_seqlens.to(torch.int32)
     cu_k = cu if cu_k is None else cu_k.to(torch.int32)
     max_k = max_seqlen if max_k is None else max_k
-    if _use_fa4(q.device):  # GQA inside the kernel; deterministic backward where torch is asked for it
+    if _fa4_for(q, k):  # GQA inside the kernel; deterministic backward where torch is asked for it
         out = _fa4_varlen()(
             q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen, max_seqlen_k=max_k,
             softmax_scale=scale, causal=True, deterministic=torch.are_deterministic_algorithms_enabled(),
@@ -202,7 +234,8 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
     return varlen_attn(q, k, v, cu, cu_k, max_seqlen, max_k, **kwargs)
 
 
-def _trial(device: torch.device, dtype: torch.dtype, shared: bool) -> tuple[bool, str]:
+def _trial(device: torch.device, dtype: torch.dtype, shared: bool, heads: int = 4, groups: int = 2,
+           dim: int = 64) -> tuple[bool, str]:  # fmt: skip
     """``varlen_attention`` (its kernel now: ``varlen_kernel``) on a small GQA input, forward and backward,
     against the per-segment loop; ``shared``:
     with key segments longer than the query ones (a prompt of 5, responses of 3 and 4). Both run at
@@ -212,7 +245,7 @@ def _trial(device: torch.device, dtype: torch.dtype, shared: bool) -> tuple[bool
     the q, k and v gradients. Returns (ok, the errors)."""
     with torch.inference_mode(False), torch.enable_grad():
         g = torch.Generator(device=device).manual_seed(0)
-        base = [torch.randn(24, h, 64, generator=g, device=device) for h in (4, 2, 2)]
+        base = [torch.randn(24, h, dim, generator=g, device=device) for h in (heads, groups, groups)]
         cu = torch.tensor([0, 5, 17, 24], device=device, dtype=torch.int32)
         idx = torch.tensor([*range(5), *range(5), 5, 6, 7, *range(5), 8, 9, 10, 11], device=device)
         cq, ck = (torch.tensor(c, device=device, dtype=torch.int32) for c in ([0, 5, 8, 12], [0, 5, 13, 22]))
@@ -229,17 +262,19 @@ def _trial(device: torch.device, dtype: torch.dtype, shared: bool) -> tuple[bool
 
         ref = run(torch.float32, False)
 
+        @torch.no_grad()
         def err(outs: list[torch.Tensor]) -> float:
             return max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) for a, b in zip(outs, ref))
 
         e_varlen, e_loop = err(run(dtype, True)), err(run(dtype, False))
-    why = f"largest relative error vs float32: {varlen_kernel(device)} {e_varlen:.1e}, per-segment SDPA {e_loop:.1e}"
+    kernel = varlen_kernel(device, (dtype, heads, groups, dim))
+    why = f"largest relative error vs float32: {kernel} {e_varlen:.1e}, per-segment SDPA {e_loop:.1e}"
     return e_varlen <= max(2 * e_loop, 2e-2), why
 
 
-def _guarded_trial(device: torch.device, dtype: torch.dtype, shared: bool) -> tuple[bool, str]:
+def _guarded_trial(device: torch.device, dtype: torch.dtype, shared: bool, **layout) -> tuple[bool, str]:
     try:
-        return _trial(device, dtype, shared)
+        return _trial(device, dtype, shared, **layout)
     except Exception as exc:  # noqa: BLE001 - any failure: the loop is exact, only slower
         return False, f"{type(exc).__name__}: {exc}".splitlines()[0]
 
@@ -247,6 +282,8 @@ def _guarded_trial(device: torch.device, dtype: torch.dtype, shared: bool) -> tu
 def varlen_available(device: torch.device, dtype: torch.dtype, shared: bool = False) -> bool:
     """Whether ``varlen_attention`` runs and matches the loop on ``device`` at ``dtype`` (tried once; for
     shared-prompt key segments separately; ``varlen_notes`` says why)."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())  # the key tensors' devices give
     key = (str(device), dtype, shared)
     if key not in _VARLEN_OK:
         ok, why = False, "not a CUDA fp16/bf16 tensor"
@@ -255,16 +292,17 @@ def varlen_available(device: torch.device, dtype: torch.dtype, shared: bool = Fa
             dropped = []
             while not ok and (kernel := varlen_kernel(device)) in _DROPPABLE:  # again with the next kernel
                 _DROPPABLE[kernel].add(str(device))
-                dropped.append(f"{kernel} failed it first ({why})")
+                dropped.append(f"{kernel} failed it ({why})")
                 ok, why = _guarded_trial(device, dtype, shared)
+                if varlen_kernel(device) == kernel:  # not dropped after all (the sets were replaced): stop
+                    break
             if dropped:
-                why = (
-                    f"{why}; " + "; ".join(dropped) + f": {varlen_kernel(device)} on this device from now on"
-                )
-                for other in [k for k in _VARLEN_OK if k[0] == str(device)]:  # passed with a dropped kernel:
-                    del _VARLEN_OK[other], _VARLEN_WHY[other]  # tried again when next asked
+                why = f"{why}; before that " + "; ".join(dropped)
+                for other in [k for k, on in _VARLEN_OK.items() if k[0] == str(device) and on]:
+                    del _VARLEN_OK[other], _VARLEN_WHY[other]  # passed with a dropped kernel: asked again
                 if ok:
-                    warnings.warn(f"packed attention: {why}", stacklevel=2)
+                    warnings.warn(f"packed attention: {why}: {varlen_kernel(device)} on this device from now "
+                                  "on", stacklevel=2)  # fmt: skip
             if not ok:
                 warnings.warn(f"varlen flash attention unusable ({why}); packed attention runs per sequence "
                               "(exact, slower)", stacklevel=2)  # fmt: skip
@@ -329,3 +367,8 @@ def varlen_status() -> dict[str, bool]:
 def varlen_notes() -> dict[str, str]:
     """``varlen_status``'s keys -> the trial's measured errors (or the exception that stopped it)."""
     return {f"{dev} {dtype}{' shared' if sh else ''}": why for (dev, dtype, sh), why in _VARLEN_WHY.items()}
+
+
+def fa4_layout_status() -> dict[str, bool]:
+    """Where FA4 ran its head-layout trial and whether it passed ("cuda:0 torch.bfloat16 14/2/64": True)."""
+    return {f"{dev} {dtype} {h}/{g}/{d}": ok for (dev, dtype, h, g, d), ok in _FA4_LAYOUTS.items()}
