@@ -343,10 +343,9 @@ class ActorConfig(RecomputeKeys):
         "auto",
         "Packed micro-batches (as pack_sequences) that hold each prompt once for all its sampled responses "
         "(a GRPO group's n): every response attends to the one prompt copy, so a group runs P + nR tokens, not "
-        "n(P + R); log-probs and gradients equal the unshared ones. auto = on where varlen flash attention (FA4 or "
-        "torch's) passes its start-up trial on the GPU and the job is single-turn, without LoRA or sequence "
-        "parallelism, with "
-        "rollout.n > 1 (the memory plan prints the choice); true / false.",
+        "n(P + R); log-probs and gradients equal the unshared ones. auto = on where varlen flash attention (FA4 "
+        "or torch's) passes its start-up trial on the GPU and the job is single-turn, without LoRA or sequence "
+        "parallelism, with rollout.n > 1 (the memory plan prints the choice); true / false.",
     )
     ppo_epochs: int = doc(1, "Passes over each rollout batch.")
     policy_loss: str = doc(

@@ -22,9 +22,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_rl.kernels.compile import env_switch
 
-_VARLEN_OK: dict[
-    tuple, bool
-] = {}  # (device, dtype, shared) -> whether varlen attention matched the loop there
+_VARLEN_OK: dict[tuple, bool] = {}  # (device, dtype, shared) -> whether varlen attention matched the loop
 _VARLEN_WHY: dict[tuple, str] = {}  # the same keys -> the trial's errors, or why it did not run
 # GQA keys/values straight into flash attention where torch's varlen_attn has no ``enable_gqa`` (torch 2.11):
 # its fallback repeats K/V to every query head, a copy forward and a sum backward per layer (H100, 0.5B
@@ -181,8 +179,9 @@ def _fa4_for(q: torch.Tensor, k: torch.Tensor) -> bool:
         ok, why = _guarded_trial(q.device, q.dtype, True, heads=key[2], groups=key[3], dim=key[4])
         _FA4_LAYOUTS[key] = ok
         if not ok:
-            warnings.warn(f"flash-attn-4 failed its trial at {key[2]} query heads, {key[3]} KV heads, head dim "
-                          f"{key[4]} ({why}); attention at that layout runs on the next kernel", stacklevel=2)  # fmt: skip
+            h, g, d = key[2:]
+            warnings.warn(f"flash-attn-4 failed its trial at {h} query heads, {g} KV heads, head dim {d} "
+                          f"({why}); attention at that layout runs on the next kernel", stacklevel=2)  # fmt: skip
     return _FA4_LAYOUTS[key]
 
 
@@ -236,8 +235,8 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
 
 def _trial(device: torch.device, dtype: torch.dtype, shared: bool, heads: int = 4, groups: int = 2,
            dim: int = 64) -> tuple[bool, str]:  # fmt: skip
-    """``varlen_attention`` (its kernel now: ``varlen_kernel``) on a small GQA input, forward and backward,
-    against the per-segment loop; ``shared``:
+    """``varlen_attention`` (its kernel now: ``varlen_kernel``) on a small GQA input (``heads`` query heads,
+    ``groups`` KV heads, head dim ``dim``), forward and backward, against the per-segment loop; ``shared``:
     with key segments longer than the query ones (a prompt of 5, responses of 3 and 4). Both run at
     ``dtype`` and are measured against the loop in float32 on the same inputs: the kernel passes when its
     largest relative error (output, dq, dk) is within twice the loop's, or 2e-2. Gradients are on whatever
@@ -359,8 +358,8 @@ def segment_params_attention(q, k, v, p: SegmentSeqParams, scale: float, window:
 
 
 def varlen_status() -> dict[str, bool]:
-    """Where varlen flash attention was tried so far and whether it is used there ("cuda:0 torch.bfloat16": True,
-    "... shared" for shared-prompt key segments)."""
+    """Where varlen flash attention was tried so far and whether it is used there ("cuda:0 torch.bfloat16":
+    True, "... shared" for shared-prompt key segments)."""
     return {f"{dev} {dtype}{' shared' if sh else ''}": ok for (dev, dtype, sh), ok in _VARLEN_OK.items()}
 
 

@@ -61,8 +61,9 @@ def share_prompts_blocker(cfg: JobConfig, role: str) -> str | None:
 
 def share_choice(cfg: JobConfig, role: str, for_absent_gpu: bool = False) -> tuple[bool, str]:
     """``{role}.share_prompts=auto`` resolved: (on, why). On where nothing in the config stops it and
-    varlen flash attention passes its trial with shared key segments on every rank's GPU (agreed, so all ranks
-    build the same micro-batches; the per-segment loop that would run otherwise is slower than unshared rows).
+    varlen flash attention passes its trial with shared key segments on every rank's GPU (agreed, so all
+    ranks build the same micro-batches; the per-segment loop that would run otherwise is slower than unshared
+    rows).
     ``for_absent_gpu``: a dry run planning for a GPU this machine lacks (``trainer.gpu_memory_gb``): the
     trial cannot run here, so the plan assumes it passes (it did at every size on an H200) and says so."""
     from megatron_rl.models.packed_attention import agree_on_varlen, varlen_kernel, varlen_notes
@@ -71,8 +72,8 @@ def share_choice(cfg: JobConfig, role: str, for_absent_gpu: bool = False) -> tup
     if blocker is not None:
         return False, blocker
     if not torch.cuda.is_available() and for_absent_gpu:
-        return True, ("assumed for the GPU: the varlen flash-attention trial runs there, and if it fails, auto keeps "
-                      "sharing off and the budgets shrink to the unshared ones")  # fmt: skip
+        return True, ("assumed for the GPU: the varlen flash-attention trial runs there, and if it fails, auto "
+                      "keeps sharing off and the budgets shrink to the unshared ones")  # fmt: skip
     if not torch.cuda.is_available():
         return False, "no CUDA device: varlen flash attention runs on CUDA only"
     dev, dtype = torch.device("cuda", torch.cuda.current_device()), getattr(torch, cfg.model.dtype)
