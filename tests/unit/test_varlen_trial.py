@@ -72,6 +72,34 @@ def _fake_flash(seen: list):
     return forward, backward
 
 
+def _row(shared: bool, dim: int = 16, seed: int = 1):
+    """q/k/v (float64, 6 query heads, 2 KV heads) of a packed row and the call pair (got, want): varlen
+    attention and the per-segment SDPA, on plain segments or a prompt of 5 shared by responses of 3 and 4."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (
+        torch.randn(24, h, dim, generator=g, dtype=torch.float64, requires_grad=True) for h in (6, 2, 2)
+    )
+    if shared:
+        idx = torch.tensor([*range(5), *range(5), 5, 6, 7, *range(5), 8, 9, 10, 11])
+        cq, ck = torch.tensor([0, 5, 8, 12]), torch.tensor([0, 5, 13, 22])
+        got = pa.shared_attention(q[:12], k[:12], v[:12], cq, idx, ck, 5, 9, 0.3, None, varlen=True)
+        want = pa.segment_attention(q[:12], k[:12], v[:12], cq, 0.3, kv_index=idx, cu_k=ck)
+    else:
+        cu = torch.tensor([0, 5, 17, 24])
+        got, want = pa.varlen_attention(q, k, v, cu, 12, 0.3), pa.segment_attention(q, k, v, cu, 0.3)
+    return (q, k, v), got, want
+
+
+def _assert_same_with_grads(inputs, got, want, seed: int = 2):
+    w = torch.randn(got.shape, generator=torch.Generator().manual_seed(seed), dtype=got.dtype)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(
+        torch.autograd.grad((got * w).sum(), inputs), torch.autograd.grad((want * w).sum(), inputs)
+    ):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_gqa_keys_go_to_flash_attention_unrepeated_where_varlen_attn_has_no_enable_gqa(monkeypatch, shared):
     """torch 2.11's varlen_attn has no ``enable_gqa``: K/V of G heads then go to aten's flash ops as they are
@@ -87,27 +115,9 @@ def test_gqa_keys_go_to_flash_attention_unrepeated_where_varlen_attn_has_no_enab
     monkeypatch.setattr(pa, "_flash_forward", fwd)
     monkeypatch.setattr(pa, "_flash_backward", bwd)
     monkeypatch.setattr(pa, "GQA_DIRECT", True)
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (
-        torch.randn(24, h, 16, generator=g, dtype=torch.float64, requires_grad=True) for h in (6, 2, 2)
-    )
-    cu = torch.tensor([0, 5, 17, 24])
-    if shared:  # a prompt of 5 tokens shared by two responses of 3 and 4 (rows 0-4, 5-7, 8-11)
-        idx = torch.tensor([*range(5), *range(5), 5, 6, 7, *range(5), 8, 9, 10, 11])
-        cq, ck = torch.tensor([0, 5, 8, 12]), torch.tensor([0, 5, 13, 22])
-        got = pa.shared_attention(q[:12], k[:12], v[:12], cq, idx, ck, 5, 9, 0.3, None, varlen=True)
-        want = pa.segment_attention(q[:12], k[:12], v[:12], cq, 0.3, kv_index=idx, cu_k=ck)
-    else:
-        got = pa.varlen_attention(q, k, v, cu, 12, 0.3)
-        want = pa.segment_attention(q, k, v, cu, 0.3)
+    inputs, got, want = _row(shared, seed=0)
     assert seen == [(2, 2, 5, 9) if shared else (2, 2, 12, 12)]
-    w = torch.randn(got.shape, generator=g, dtype=torch.float64)
-    grads = torch.autograd.grad((got * w).sum(), (q, k, v))
-    ref = torch.autograd.grad((want * w).sum(), (q, k, v))
-    torch.testing.assert_close(got, want)
-    for a, b in zip(grads, ref):
-        assert a.shape == b.shape
-        torch.testing.assert_close(a, b)
+    _assert_same_with_grads(inputs, got, want)
 
 
 def _fresh_kernel_state(monkeypatch, fa4=None):
@@ -164,33 +174,6 @@ def _fake_fa4(seen: list, scale_error: float = 0.0, head_dims=None):
         return out * (1 + scale_error), torch.zeros(q.shape[1], q.shape[0])
 
     return flash_attn_varlen_func
-
-
-def _row(shared: bool, dim: int = 16, seed: int = 1):
-    """q/k/v (float64, 6 query heads, 2 KV heads) of a packed row and the call pair (got, want): varlen
-    attention and the per-segment SDPA, on plain segments or a prompt of 5 shared by responses of 3 and 4."""
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (
-        torch.randn(24, h, dim, generator=g, dtype=torch.float64, requires_grad=True) for h in (6, 2, 2)
-    )
-    if shared:
-        idx = torch.tensor([*range(5), *range(5), 5, 6, 7, *range(5), 8, 9, 10, 11])
-        cq, ck = torch.tensor([0, 5, 8, 12]), torch.tensor([0, 5, 13, 22])
-        got = pa.shared_attention(q[:12], k[:12], v[:12], cq, idx, ck, 5, 9, 0.3, None, varlen=True)
-        want = pa.segment_attention(q[:12], k[:12], v[:12], cq, 0.3, kv_index=idx, cu_k=ck)
-    else:
-        cu = torch.tensor([0, 5, 17, 24])
-        got, want = pa.varlen_attention(q, k, v, cu, 12, 0.3), pa.segment_attention(q, k, v, cu, 0.3)
-    return (q, k, v), got, want
-
-
-def _assert_same_with_grads(inputs, got, want, seed: int = 2):
-    w = torch.randn(got.shape, generator=torch.Generator().manual_seed(seed), dtype=got.dtype)
-    torch.testing.assert_close(got, want)
-    for a, b in zip(
-        torch.autograd.grad((got * w).sum(), inputs), torch.autograd.grad((want * w).sum(), inputs)
-    ):
-        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("shared", [False, True])
