@@ -41,28 +41,44 @@ if HAVE_TRITON:
 
     @triton.jit
     def _stats_kernel(x_ptr, m_ptr, s_ptr, t_ptr, stride, valid, chunk, temperature, splits: tl.constexpr,
-                      block: tl.constexpr):  # fmt: skip
+                      block: tl.constexpr, scaled: tl.constexpr, one_exp: tl.constexpr):  # fmt: skip
         row = tl.program_id(0)
         part = tl.program_id(1)
         base = x_ptr + row.to(tl.int64) * stride
         lane = tl.arange(0, block)
-        m = tl.full([block], float("-inf"), tl.float32)  # per lane: running max of z
-        s = tl.zeros([block], tl.float32)  # per lane: sum of exp(z - m)
-        t = tl.zeros([block], tl.float32)  # per lane: sum of exp(z - m) (z - m)
+        m = tl.full([block], float("-inf"), tl.float32)  # per lane: running max of z (one_exp: unused)
+        big = float("-inf")  # one_exp: the program's running max of z, every lane's base
+        s = tl.zeros([block], tl.float32)  # per lane: sum of exp(z - base)
+        t = tl.zeros([block], tl.float32)  # per lane: sum of exp(z - base) (z - base)
         start = part * chunk
         end = tl.minimum(start + chunk, valid)
-        for off in range(start, end, block):  # lanes only: no cross-lane reduction inside the loop
+        for off in range(start, end, block):
             cols = off + lane
             live = cols < end
-            z = tl.load(base + cols, mask=live, other=float("-inf")).to(tl.float32) / temperature
-            m_new = tl.maximum(m, z)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            shift = tl.where(m == float("-inf"), 0.0, m - m_safe)  # old max to new; 0 for an empty lane
-            scale = tl.exp(shift)
-            e = tl.exp(z - m_safe)
-            t = scale * (t + s * shift) + e * tl.where(live, z - m_safe, 0.0)  # a dead lane: 0 * 0, no nan
-            s = scale * s + e
-            m = m_new
+            z = tl.load(base + cols, mask=live, other=float("-inf")).to(tl.float32)
+            if scaled:  # temperature 1: z is the logit itself, no division
+                z = z / temperature
+            if one_exp:  # the block's max (one reduction) moves the base: one exp per element, one per block
+                new = tl.maximum(big, tl.max(z, 0))
+                new_safe = tl.where(new == float("-inf"), 0.0, new)  # no -inf - -inf before a live value
+                shift = tl.where(big == float("-inf"), 0.0, big - new_safe)  # old base to new; 0 while empty
+                scale = tl.exp(shift)
+                d = z - new_safe
+                e = tl.exp(d)
+                t = scale * (t + s * shift) + e * tl.where(live, d, 0.0)  # a dead lane: 0 * 0, no nan
+                s = scale * s + e
+                big = new
+            else:  # lanes only: no cross-lane reduction inside the loop, two exps per element
+                m_new = tl.maximum(m, z)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                shift = tl.where(m == float("-inf"), 0.0, m - m_safe)  # old max to new; 0 for an empty lane
+                scale = tl.exp(shift)
+                e = tl.exp(z - m_safe)
+                t = scale * (t + s * shift) + e * tl.where(live, z - m_safe, 0.0)  # a dead lane: no nan
+                s = scale * s + e
+                m = m_new
+        if one_exp:  # every lane's sums are on the one base
+            m = tl.where(lane >= 0, big, m)
         row_m = tl.max(m, 0)
         m_safe = tl.where(row_m == float("-inf"), 0.0, row_m)
         shift = tl.where(m == float("-inf"), 0.0, m - m_safe)
@@ -74,21 +90,22 @@ if HAVE_TRITON:
 
     @triton.jit
     def _grad_kernel(x_ptr, g_ptr, zmax_ptr, lse_ptr, exp_ptr, local_ptr, glp_ptr, gent_ptr, stride, g_stride,
-                     width, valid, temperature, block: tl.constexpr):  # fmt: skip
+                     width, valid, temperature, block: tl.constexpr, scaled: tl.constexpr):  # fmt: skip
         row = tl.program_id(0)
         cols = tl.program_id(1) * block + tl.arange(0, block)
         inside = cols < width
         live = cols < valid
-        z = (
-            tl.load(x_ptr + row.to(tl.int64) * stride + cols, mask=live, other=0.0).to(tl.float32)
-            / temperature
-        )
+        z = tl.load(x_ptr + row.to(tl.int64) * stride + cols, mask=live, other=0.0).to(tl.float32)
+        if scaled:  # temperature 1: no division (each is a reciprocal on the special-function units)
+            z = z / temperature
         shifted = z - tl.load(zmax_ptr + row)
         p = tl.exp(shifted - tl.load(lse_ptr + row))
         g_lp = tl.load(glp_ptr + row)
         g = tl.where(live, p * ((tl.load(exp_ptr + row) - shifted) * tl.load(gent_ptr + row) - g_lp), 0.0)
         # the target's one-hot term, also on a padding column (as the eager passes); local = -1: another shard
-        g = (g + tl.where(cols == tl.load(local_ptr + row), g_lp, 0.0)) / temperature
+        g = g + tl.where(cols == tl.load(local_ptr + row), g_lp, 0.0)
+        if scaled:
+            g = g / temperature
         tl.store(g_ptr + row.to(tl.int64) * g_stride + cols, g.to(g_ptr.dtype.element_ty), mask=inside)
 
 
@@ -96,6 +113,12 @@ if HAVE_TRITON:
 # is first imported (tests/conftest.py) and this flag turned on.
 RUN_ON_CPU = False
 ON_CUDA = env_switch("MEGATRON_RL_TRITON_LOGPROB", True)
+# The row statistics with one exp per element (the block's max moves every lane's base; one more exp a block)
+# against two (each lane its own running max). The special-function units bound the two-exp pass: at 0.5B's
+# 32,768 x 151,936 logits per micro-batch, two exps and a division (a reciprocal) per element are ~4 ms of
+# those units' rate on an H100, the pass took 5.4-5.6 ms and reading the logits takes ~3.3 ms.
+# MEGATRON_RL_LOGPROB_ONE_EXP=0: the two-exp pass.
+ONE_EXP = env_switch("MEGATRON_RL_LOGPROB_ONE_EXP", True)
 
 
 def usable(logits: Tensor) -> bool:
@@ -146,16 +169,20 @@ def splits_for(rows: int, target_programs: int = 2048, most: int = 32) -> int:
 
 
 def row_stats(
-    logits: Tensor, temperature: float, valid: int, block: int = 2048, num_warps: int = 8
-) -> tuple[Tensor, Tensor, Tensor]:
-    """logits [N, V/tp] -> (m, s, t), each [N] fp32, over the columns < ``valid`` (see the module doc)."""
+    logits: Tensor, temperature: float, valid: int, block: int = 2048, num_warps: int = 8,
+    one_exp: bool | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """logits [N, V/tp] -> (m, s, t), each [N] fp32, over the columns < ``valid`` (see the module doc).
+    ``one_exp``: the one-exp pass (``ONE_EXP`` when None)."""
     rows, width = logits.shape
     splits = splits_for(rows)
     chunk = triton.cdiv(triton.cdiv(max(valid, 1), splits), block) * block  # splits start on block bounds
     part = torch.empty(3, rows, splits, dtype=torch.float32, device=logits.device)
     if rows:
         _stats_kernel[(rows, splits)](logits, part[0], part[1], part[2], logits.stride(0), valid, chunk,
-                                      float(temperature), splits=splits, block=block, num_warps=num_warps)  # fmt: skip
+                                      float(temperature), splits=splits, block=block, num_warps=num_warps,
+                                      scaled=float(temperature) != 1.0,
+                                      one_exp=ONE_EXP if one_exp is None else one_exp)  # fmt: skip
     m = part[0].amax(-1)
     top = torch.where(m == float("-inf"), 0.0, m)
     s, t = combine(part[0], part[1], part[2], top)
@@ -174,6 +201,6 @@ def grad(
     if rows:
         _grad_kernel[(rows, triton.cdiv(width, block))](
             logits, out, zmax, lse, expected, local, g_lp, g_ent, logits.stride(0), out.stride(0), width, valid,
-            float(temperature), block=block, num_warps=num_warps,
+            float(temperature), block=block, num_warps=num_warps, scaled=float(temperature) != 1.0,
         )  # fmt: skip
     return out

@@ -38,7 +38,9 @@ def test_row_stats_over_blocks_and_splits_equal_the_softmax_sums(
 ):
     """Rows split over several programs (splits_for's choice, or forced: one program looping over 16 blocks,
     four over 8 each, so the running max moves inside a program), a ragged last block and padding columns
-    (>= valid) left out; rows of rising and falling logits move the max at every block or never."""
+    (>= valid) left out; rows of rising and falling logits move the max at every block or never. Both passes:
+    one exp per element (the block's max as every lane's base) and two (a running max per lane); temperature 1
+    skips the division."""
     torch.manual_seed(rows)
     x = 5 * torch.randn(rows, width)
     x[0] = torch.linspace(-20, 20, width)
@@ -47,10 +49,11 @@ def test_row_stats_over_blocks_and_splits_equal_the_softmax_sums(
     if splits is not None:
         monkeypatch.setattr(kernel, "splits_for", lambda r: splits)
     for temperature in (1.0, 0.7):
-        m, s, t = kernel.row_stats(x, temperature, valid, block=block)
         want = _reference_stats(x, temperature, valid)
-        for got, ref in zip((m, s, t), want):
-            torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+        for one_exp in (True, False):
+            m, s, t = kernel.row_stats(x, temperature, valid, block=block, one_exp=one_exp)
+            for got, ref in zip((m, s, t), want):
+                torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_combining_shards_gives_the_whole_rows_statistics():
@@ -72,11 +75,13 @@ def test_combining_shards_gives_the_whole_rows_statistics():
     assert torch.equal(empty[0], torch.tensor([2.0])) and torch.equal(empty[1], torch.tensor([-0.5]))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_log_probs_entropy_and_gradients_equal_the_eager_passes(monkeypatch, dtype):
+@pytest.mark.parametrize(
+    "dtype,temperature", [(torch.float32, 0.8), (torch.bfloat16, 0.8), (torch.bfloat16, 1.0)]
+)
+def test_fused_log_probs_entropy_and_gradients_equal_the_eager_passes(monkeypatch, dtype, temperature):
     """The autograd function with the kernels and without them (eager passes): log-probs, entropy and the
     gradient of a weighted sum of both, with vocab padding; a target id in the padding columns is where
-    the eager path reads it too."""
+    the eager path reads it too. At temperature 1 the kernels skip their divisions."""
     torch.manual_seed(1)
     logits = (3 * torch.randn(2, 19, 300)).to(dtype)
     targets = torch.randint(0, 290, (2, 19))
@@ -86,7 +91,7 @@ def test_fused_log_probs_entropy_and_gradients_equal_the_eager_passes(monkeypatc
     for on in (True, False):
         monkeypatch.setattr(kernel, "RUN_ON_CPU", on)
         x = logits.clone().requires_grad_(True)
-        lp, ent = vp.vocab_parallel_log_probs_and_entropy(x, targets, temperature=0.8, vocab_size=290)
+        lp, ent = vp.vocab_parallel_log_probs_and_entropy(x, targets, temperature=temperature, vocab_size=290)
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
         results.append((lp, ent, x.grad))
     (lp1, ent1, g1), (lp0, ent0, g0) = results
@@ -99,13 +104,13 @@ def test_fused_log_probs_entropy_and_gradients_equal_the_eager_passes(monkeypatc
     pad[1, 3, 5] = 0  # the padding target's one-hot term, as the eager passes put it
     assert torch.all(pad == 0) and g1.abs().sum() > 0
     real = targets < 290
-    want = torch.log_softmax(logits[..., :290].float() / 0.8, -1).gather(
+    want = torch.log_softmax(logits[..., :290].float() / temperature, -1).gather(
         -1, targets.clamp(max=289)[..., None]
     )[..., 0]
     torch.testing.assert_close(lp1[real], want[real], rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
     x = logits.clone().requires_grad_(True)
-    lp, _ = vp.vocab_parallel_log_probs_and_entropy(x, targets, temperature=0.8, vocab_size=290)
+    lp, _ = vp.vocab_parallel_log_probs_and_entropy(x, targets, temperature=temperature, vocab_size=290)
     (lp * g_lp).sum().backward()  # entropy unused: its gradient is None
     assert x.grad.abs().sum() > 0
     x = logits[:, :0].clone().requires_grad_(True)  # no rows
