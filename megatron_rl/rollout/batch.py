@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from megatron_rl.data import PromptRow
@@ -156,6 +157,34 @@ def right_padded(seqs: list[list], width: int, dtype: torch.dtype, fill: float =
     return out
 
 
+def _padded(parts: list, lens: torch.Tensor, width: int, dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
+    """``right_padded`` from numpy arrays (one per row, or ``parts`` as row-major pieces whose lengths per row
+    sum to ``lens``): one concatenation in C, no Python values."""
+    out = torch.full((len(lens), width), fill, dtype=dtype)
+    if int(lens.sum()):
+        out[torch.arange(width)[None, :] < lens[:, None]] = torch.from_numpy(np.concatenate(parts)).to(dtype)
+    return out
+
+
+def _from_arrays(completions: list[Completion], t: int, r: int, pad_id: int) -> tuple[torch.Tensor, ...]:
+    """input_ids [B, t], responses [B, r] and rollout log-probs [B, r] from the engine's arrays
+    (``Completion.arrays``): each prompt's ids converted once, the responses copied, not listed."""
+    prompts: dict[int, tuple[list, np.ndarray]] = {}  # a prompt's samples hold equal ids (checked: cheap)
+    ids = []
+    for c in completions:
+        seen = prompts.get(c.prompt_index)
+        if seen is None or seen[0] != c.prompt_ids:
+            seen = prompts[c.prompt_index] = (c.prompt_ids, np.asarray(c.prompt_ids, dtype=np.int64))
+        ids += (seen[1], c.arrays[0])
+    both = torch.tensor([len(c.prompt_ids) + len(c.response_ids) for c in completions])
+    lens = torch.tensor([len(c.response_ids) for c in completions])
+    return (
+        _padded(ids, both, t, torch.long, pad_id),
+        _padded([c.arrays[0] for c in completions], lens, r, torch.long),
+        _padded([c.arrays[1] for c in completions], lens, r, torch.float32),
+    )
+
+
 def build_batch(
     completions: list[Completion],
     rows: list[PromptRow],
@@ -172,11 +201,14 @@ def build_batch(
     prompt_lens = torch.tensor([len(c.prompt_ids) for c in completions])
     response_lens = torch.tensor([len(c.response_ids) for c in completions])
     t = int((prompt_lens + response_lens).max())
-    input_ids = right_padded([c.prompt_ids + c.response_ids for c in completions], t, torch.long, pad_id)
-    responses = right_padded([c.response_ids for c in completions], r, torch.long)
-    rollout_lp = right_padded([c.logprobs for c in completions], r, torch.float32)
     # [B, R] 0 where a multi-turn response holds appended (not sampled) ids
     multi = any(c.response_mask for c in completions)
+    if completions and not multi and all(c.arrays is not None for c in completions):
+        input_ids, responses, rollout_lp = _from_arrays(completions, t, r, pad_id)
+    else:
+        input_ids = right_padded([c.prompt_ids + c.response_ids for c in completions], t, torch.long, pad_id)
+        responses = right_padded([c.response_ids for c in completions], r, torch.long)
+        rollout_lp = right_padded([c.logprobs for c in completions], r, torch.float32)
     sampled = (
         right_padded([c.response_mask or [1] * r for c in completions], r, torch.float32, 1.0)
         if multi

@@ -116,6 +116,9 @@ class Completion:
     tool_counts: tuple[int, int, int] = (0, 0, 0)  # calls, errors, timeouts
     # with top-k / top-p (single-turn): each token's log-prob under the truncated, renormalised distribution
     truncated_logprobs: list[float] = field(default_factory=list)
+    # single-turn, from the engine: (response_ids, logprobs) as numpy arrays (int64, float32) holding the same
+    # values, so ``rollout.batch.build_batch`` copies them into its tensors without converting the lists back
+    arrays: tuple | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -642,14 +645,22 @@ class _Runner:
             idx = torch.tensor(done, device=tok.device)
             tlps = dict(zip(done, tlp[idx].tolist())) if tlp is not None else {}
             ended = []
-            for slot, toks, lps in zip(done, tok[idx].tolist(), lp[idx].tolist()):
+            # one copy of the finished rows, then each row's first n values as lists (a row at a time through
+            # numpy: half the time of whole-row lists cut after, ~10 ms at 512 x 512 on the last retire)
+            tok_h, lp_h = tok[idx].cpu().numpy(), lp[idx].cpu().numpy()
+            rows = {slot: i for i, slot in enumerate(done)}
+            for i, slot in enumerate(done):
                 n = count[slot]
-                ended.append((slot, toks[:n], lps[:n], toks[n - 1] in self.stop))
+                ended.append(
+                    (slot, tok_h[i, :n].tolist(), lp_h[i, :n].tolist(), int(tok_h[i, n - 1]) in self.stop)
+                )
             if self.session is not None:
                 ended = self._next_turns(ended, count)
             for slot, toks, lps, stopped in ended:
                 seq = self.active.pop(slot)
                 seq.response_ids, seq.logprobs = toks, lps
+                if self.session is None:  # the same values as arrays (views of this retire's host copy)
+                    seq.arrays = (tok_h[rows[slot], : len(toks)], lp_h[rows[slot], : len(toks)])
                 if slot in tlps and self.session is None:
                     seq.truncated_logprobs = tlps[slot][: len(toks)]
                 seq.finish_reason = seq.finish_reason or ("stop" if stopped else "length")

@@ -3,6 +3,7 @@ truncated log-probs) become right-padded tensors holding exactly each completion
 
 import random
 
+import numpy as np
 import torch
 
 from megatron_rl.rollout.batch import build_batch, right_padded
@@ -44,3 +45,17 @@ def test_build_batch_holds_each_completions_lists():
             mask = c.response_mask if multi and n else [1] * n
             assert b.response_mask[i].tolist() == mask + [0] * (8 - n)
         assert b.group_index.tolist() == [10 + c.prompt_index for c in comps]
+
+
+def test_the_engines_arrays_give_the_same_tensors_as_the_lists():
+    """Single-turn completions with ``arrays`` (the engine's numpy copies of the response ids and log-probs)
+    build the same tensors as from the lists, also where samples of one prompt index hold different prompt
+    ids (the dedup of prompt conversions checks equality) and for empty responses."""
+    comps = _completions(False)
+    want = build_batch(comps, [None] * 4, 10, 8, 0, torch.device("cpu"))
+    for c in comps:
+        c.arrays = (np.asarray(c.response_ids, dtype=np.int64), np.asarray(c.logprobs, dtype=np.float32))
+    got = build_batch(comps, [None] * 4, 10, 8, 0, torch.device("cpu"))
+    assert comps[0].prompt_ids != comps[1].prompt_ids and comps[0].prompt_index == comps[1].prompt_index
+    for f in ("input_ids", "responses", "rollout_log_probs", "response_mask", "score_pos", "prompt_lens"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f

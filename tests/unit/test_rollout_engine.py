@@ -35,6 +35,8 @@ def test_greedy_equals_hf_and_logprobs_equal_hf_forward(model):
     for c in sampled:
         ref = hf_logprobs(hf, c.prompt_ids, c.response_ids, 0.7)
         assert (torch.tensor(c.logprobs) - ref).abs().max() < 1e-5
+        # the arrays build_batch copies from hold the lists' values (single-turn)
+        assert c.arrays[0].tolist() == c.response_ids and c.arrays[1].tolist() == c.logprobs
     assert all(torch.equal(p, before[k]) for k, p in params.items())
     stats = engine.last_stats
     assert stats.gathered_weight_bytes == 0 and stats.peak_memory_bytes == stats.kv_cache_bytes > 0
