@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import torch
 
 from megatron_rl.rollout.batch import RolloutBatch, trim
@@ -27,11 +28,12 @@ from megatron_rl.rollout.packing import PackedLayout
 def ranges(starts: list[int], lens: list[int]) -> torch.Tensor:
     """``cat([arange(s, s + n) for s, n in zip(starts, lens)])`` [sum(lens)] (int64, CPU) in a few vector ops:
     a Python list of every index made ``torch.tensor`` spend ~0.2 s per 0.4M indices, the whole update's
-    start at the GRPO benchmark shape."""
-    lens_t = torch.tensor(lens, dtype=torch.long)
-    offsets = torch.cumsum(lens_t, 0) - lens_t  # where each range starts in the output
-    return torch.repeat_interleave(torch.tensor(starts, dtype=torch.long) - offsets, lens_t) + torch.arange(
-        int(lens_t.sum())
+    start at the GRPO benchmark shape. In numpy: 3-4x faster than the same ops in torch at these sizes (~35k
+    indices: ~0.08 against ~0.25 ms; 24 calls in a GRPO step's split)."""
+    n = np.asarray(lens, dtype=np.int64)
+    offsets = np.cumsum(n) - n  # where each range starts in the output
+    return torch.from_numpy(
+        np.repeat(np.asarray(starts, dtype=np.int64) - offsets, n) + np.arange(int(n.sum()))
     )
 
 
