@@ -145,13 +145,36 @@ PROBE = "the Triton log-prob kernels"
 
 
 def _trial(device, dtype) -> None:
-    """Both kernels once, at a width divisible by 16 as real vocabularies are (Triton specialises on it)."""
-    x = torch.randn(2, 4096, device=device).to(dtype)
-    one = torch.ones(2, device=device)
-    m, s, t = row_stats(x, 1.0, 4000)
-    grad(x, m, s.log(), t / s, torch.zeros(2, dtype=torch.long, device=device), one, one, 1.0, 4000)
-    if x.device.type == "cuda":
-        torch.cuda.synchronize(x.device)  # a fault in the launch surfaces here, not mid-update
+    """Both kernels at a width divisible by 16 as real vocabularies are (Triton specialises on it), at
+    temperature 1 (no division) and 0.7, against float64 sums of the same values: the statistics and the
+    gradient of ``lp . g_lp + ent . g_ent``, padding columns 0. A gap raises (a miscompile on this GPU)."""
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(2, 4096, generator=gen)).to(device, dtype)
+    valid, rows = 4000, torch.arange(2)
+    target = torch.tensor([5, valid - 1], device=device)
+    g_lp, g_ent = torch.tensor([1.0, -0.5], device=device), torch.tensor([0.3, 0.7], device=device)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # the gradient is written in the logits' dtype
+    for temperature in (1.0, 0.7):
+        m, s, t = row_stats(x, temperature, valid)
+        g = grad(x, m, s.log(), t / s, target, g_lp, g_ent, temperature, valid)
+        z = x[:, :valid].double().cpu() / temperature
+        zm = z.amax(-1)
+        shifted = z - zm[:, None]
+        e = shifted.exp()
+        p = e / e.sum(-1, keepdim=True)
+        ref = p * (((p * shifted).sum(-1, keepdim=True) - shifted) * g_ent.double().cpu()[:, None]
+                   - g_lp.double().cpu()[:, None])  # fmt: skip
+        ref[rows, target.cpu()] += g_lp.double().cpu()
+        ref /= temperature
+        gaps = [
+            float((m.double().cpu() - zm).abs().max() / zm.abs().max()),
+            float((s.double().cpu() - e.sum(-1)).abs().max() / e.sum(-1).abs().max()),
+            float((t.double().cpu() - (e * shifted).sum(-1)).abs().max() / (e * shifted).sum(-1).abs().max()),
+            float((g[:, :valid].double().cpu() - ref).abs().max() / ref.abs().max()),
+            float(g[:, valid:].double().abs().max()),
+        ]
+        if not max(gaps) <= tol:  # nan fails too
+            raise RuntimeError(f"temperature {temperature}: largest relative gap to float64 {max(gaps):.3g}")
 
 
 def combine(m: Tensor, s: Tensor, t: Tensor, top: Tensor) -> tuple[Tensor, Tensor]:

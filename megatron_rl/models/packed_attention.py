@@ -38,6 +38,11 @@ _FA4_FAILED: set[str] = set()  # devices where FA4 failed its trial
 # (device, dtype, query heads, KV heads, head dim) -> whether FA4 passed its trial at that head layout (its
 # kernels specialise on head dim and heads per KV head; the device's trial runs one small layout)
 _FA4_LAYOUTS: dict[tuple, bool] = {}
+# Shared-prompt key rows: the backward of their gather sums each prompt key's copies in fp32 (``index_add_``
+# into an fp32 buffer, one rounding to bf16 after) instead of autograd's ``index_add_`` in bf16, whose
+# atomics are emulated (session 26's 0.5B fixed update: 67 us a call, 26 ms a step, ~0.4 TB/s).
+# MEGATRON_RL_SHARED_GRAD_FP32=0: autograd's.
+SHARED_GRAD_FP32 = env_switch("MEGATRON_RL_SHARED_GRAD_FP32", True)
 
 
 @dataclass
@@ -185,6 +190,16 @@ def _fa4_for(q: torch.Tensor, k: torch.Tensor) -> bool:
     return _FA4_LAYOUTS[key]
 
 
+_ATEN_GQA = "aten flash (GQA unrepeated)"
+
+
+def _gqa_kernel(device: torch.device, params) -> str:
+    """The kernel after FA4 for GQA inputs on ``device`` (``params``: ``varlen_attn``'s signature parameters):
+    torch's ``varlen_attn`` where it takes ``enable_gqa``, else aten's flash attention with K/V unrepeated
+    unless that failed its trial there, else ``varlen_attn`` on repeated K/V."""
+    return _ATEN_GQA if "enable_gqa" not in params and _gqa_direct(device) else "torch varlen_attn"
+
+
 def varlen_kernel(device: torch.device, layout: tuple | None = None) -> str:
     """Which kernel ``varlen_attention`` runs GQA inputs through on ``device`` now: "flash-attn-4",
     "aten flash (GQA unrepeated)" or "torch varlen_attn"; ``layout`` (dtype, query heads, KV heads, head dim):
@@ -193,13 +208,11 @@ def varlen_kernel(device: torch.device, layout: tuple | None = None) -> str:
 
     if _use_fa4(device) and (layout is None or _FA4_LAYOUTS.get((str(device), *layout), True)):
         return "flash-attn-4"
-    if "enable_gqa" not in inspect.signature(varlen_attn).parameters and _gqa_direct(device):
-        return "aten flash (GQA unrepeated)"
-    return "torch varlen_attn"
+    return _gqa_kernel(device, inspect.signature(varlen_attn).parameters)
 
 
 # The kernels a failed trial drops, in the order ``varlen_kernel`` prefers them: the set it marks the device in.
-_DROPPABLE = {"flash-attn-4": _FA4_FAILED, "aten flash (GQA unrepeated)": _GQA_DIRECT_FAILED}
+_DROPPABLE = {"flash-attn-4": _FA4_FAILED, _ATEN_GQA: _GQA_DIRECT_FAILED}
 
 
 def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
@@ -223,7 +236,7 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
-        elif _gqa_direct(q.device):  # flash attention's own GQA: no repeated K/V
+        elif _gqa_kernel(q.device, params) == _ATEN_GQA:  # flash attention's own GQA: no repeated K/V
             return _FlashVarlenGQA.apply(q, k, v, cu, cu_k, max_seqlen, max_k, scale)
         else:  # query head h reads kv head h // (H / G)
             rep = q.shape[1] // k.shape[1]
@@ -343,8 +356,35 @@ def shared_attention(q, k, v, cu_q, kv_index, cu_k, max_q: int, max_k: int, scal
         varlen = window is None and varlen_available(q.device, q.dtype, shared=True)
     if not varlen:
         return segment_attention(q, k, v, cu_q, scale, window, kv_index=kv_index, cu_k=cu_k)
-    ks, vs = k.index_select(0, kv_index), v.index_select(0, kv_index)  # [Sk, G, D]
+    if SHARED_GRAD_FP32 and (k.requires_grad or v.requires_grad):
+        ks, vs = _GatherRows.apply(k, v, kv_index)
+    else:
+        ks, vs = k.index_select(0, kv_index), v.index_select(0, kv_index)  # [Sk, G, D]
     return varlen_attention(q, ks, vs, cu_q, max_q, scale, cu_k=cu_k, max_k=max_k)
+
+
+class _GatherRows(torch.autograd.Function):
+    """(k, v) [S, G, D] -> their rows ``index`` [Sk, G, D]; the backward sums the gradients of a row's copies
+    (a prompt key's, once per response of its group) in fp32, then rounds once to the inputs' dtype."""
+
+    @staticmethod
+    def forward(ctx, k, v, index):
+        ctx.save_for_backward(index)
+        ctx.shapes = (k.shape, k.dtype, v.shape, v.dtype)
+        return k.index_select(0, index), v.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, dks, dvs):
+        (index,) = ctx.saved_tensors
+        k_shape, k_dtype, v_shape, v_dtype = ctx.shapes
+
+        def back(g, shape, dtype):
+            if g is None:
+                return None
+            acc = torch.zeros(shape, dtype=torch.promote_types(g.dtype, torch.float32), device=g.device)
+            return acc.index_add_(0, index, g.to(acc.dtype)).to(dtype)
+
+        return back(dks, k_shape, k_dtype), back(dvs, v_shape, v_dtype), None
 
 
 def segment_params_attention(q, k, v, p: SegmentSeqParams, scale: float, window: int | None):

@@ -10,8 +10,9 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
   ``rope`` on (RoPE and the KV write inside, with sharing);
 - ``rmsnorm``: ``_backward_kernel``: ``blocks_for`` 896, 2048 (the forward's 1/rms) and 3584 (7B, recomputed);
 - ``swiglu``: ``_backward_kernel``: 8 x 256;
-- ``logprob``: ``_stats_kernel``: ``splits`` 1 (a training micro-batch) and 32 (a few rows);
-  ``_grad_kernel``;
+- ``logprob``: ``_stats_kernel``: ``splits`` 1 (a training micro-batch) and 32 (a few rows), each with one
+  exp an element at temperature 1 and another (``scaled``) and with two exps; ``_grad_kernel`` at
+  temperature 1 and another;
 - ``sampler``: ``_draw_partial_kernel`` (``libdevice.log``, no FMA contraction): ``splits`` 2 (512 rows)
   and 1 (the ``splits == 1`` store branch), ``noisy`` on / off, ``filtered`` on / off (the noise filter's
   data-dependent branch inside the loop), ``mix`` / ``logprobs`` (the engine's call) on / off, ``block_skip``
@@ -128,11 +129,14 @@ SCRIPT = textwrap.dedent(
     for splits, chunk in ((1, 75 * 2048), (32, 3 * 2048)):  # logprob.row_stats: chunk from valid and splits
         stats = {"x_ptr": bf, "m_ptr": f32, "s_ptr": f32, "t_ptr": f32, "stride": V, "valid": V,
                  "chunk": chunk, "temperature": 1.0}
-        add(logprob._stats_kernel, stats, {"splits": splits, "block": 2048}, num_warps=8)
+        for scaled, one_exp in ((False, True), (True, True), (False, False)):
+            add(logprob._stats_kernel, stats, {"splits": splits, "block": 2048, "scaled": scaled,
+                                               "one_exp": one_exp}, num_warps=8)  # fmt: skip
     grad = {"x_ptr": bf, "g_ptr": bf, "zmax_ptr": f32, "lse_ptr": f32, "exp_ptr": f32, "local_ptr": i64,
             "glp_ptr": f32, "gent_ptr": f32, "stride": V, "g_stride": V, "width": V, "valid": V,
             "temperature": 1.0}
-    add(logprob._grad_kernel, grad, {"block": 2048}, num_warps=8)
+    for scaled in (False, True):
+        add(logprob._grad_kernel, grad, {"block": 2048, "scaled": scaled}, num_warps=8)
 
     for splits, noisy, chunk, filtered, fused, skip in (
             (2, True, 38 * 2048, True, True, False), (1, True, 75 * 2048, True, True, False),
