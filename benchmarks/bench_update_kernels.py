@@ -45,6 +45,7 @@ def _logprob_variant(
 ) -> tuple:  # fmt: skip
     """(lp, ent, grad) and the forward / forward + backward milliseconds with the Triton kernels on or off,
     the statistics' one-exp or two-exp pass (``kernels.logprob.ONE_EXP``) and a temperature (1: no division)."""
+    before = logprob_kernel.ON_CUDA, logprob_kernel.ONE_EXP
     logprob_kernel.ON_CUDA, logprob_kernel.ONE_EXP = on, one_exp
     x = logits.clone().requires_grad_(True)
     kw = {"temperature": temperature}
@@ -62,7 +63,7 @@ def _logprob_variant(
     f_ms, fb_ms = timed_us(fwd, n=5, warmup=2) / 1e3, timed_us(fwd_bwd, n=5, warmup=2) / 1e3
     lp, ent = fwd_bwd()
     got = (lp, ent, x.grad.detach())  # the last call's gradient (no copy: memory for 80 GB cards)
-    logprob_kernel.ON_CUDA, logprob_kernel.ONE_EXP = True, True
+    logprob_kernel.ON_CUDA, logprob_kernel.ONE_EXP = before
     return got, f_ms, fb_ms
 
 
@@ -191,7 +192,11 @@ def shared_gather_case(groups: int, n: int, prompt: int, response: int, kv_heads
 
         def run(k=k, v=v, fused=fused):
             k.grad = v.grad = None
-            ks, vs = _GatherRows.apply(k, v, index) if fused else (k[index], v[index])
+            ks, vs = (
+                _GatherRows.apply(k, v, index)
+                if fused
+                else (k.index_select(0, index), v.index_select(0, index))
+            )
             torch.autograd.backward((ks, vs), (gk, gk))
 
         res[f"{name}_us"] = round(timed_us(run, n=50, warmup=5), 1)

@@ -351,7 +351,8 @@ def shared_attention(q, k, v, cu_q, kv_index, cu_k, max_q: int, max_k: int, scal
                      varlen: bool | None = None):  # fmt: skip
     """Shared-prompt attention (``SegmentSeqParams`` with ``kv_index``): q [S, H, D], k/v [S, G, D] -> [S, H, D]. On the GPU
     one varlen call over the gathered key segments (a prompt's keys repeat once per response: G/H of the
-    query bytes, small with GQA; autograd sums their gradients back into the one prompt copy)."""
+    query bytes, small with GQA; the gather's backward sums their gradients back into the one prompt copy,
+    in fp32 with ``SHARED_GRAD_FP32``)."""
     if varlen is None:
         varlen = window is None and varlen_available(q.device, q.dtype, shared=True)
     if not varlen:
@@ -378,13 +379,14 @@ class _GatherRows(torch.autograd.Function):
         (index,) = ctx.saved_tensors
         k_shape, k_dtype, v_shape, v_dtype = ctx.shapes
 
-        def back(g, shape, dtype):
-            if g is None:
+        def back(g, shape, dtype, needed):
+            if g is None or not needed:
                 return None
             acc = torch.zeros(shape, dtype=torch.promote_types(g.dtype, torch.float32), device=g.device)
             return acc.index_add_(0, index, g.to(acc.dtype)).to(dtype)
 
-        return back(dks, k_shape, k_dtype), back(dvs, v_shape, v_dtype), None
+        need_k, need_v, _ = ctx.needs_input_grad
+        return back(dks, k_shape, k_dtype, need_k), back(dvs, v_shape, v_dtype, need_v), None
 
 
 def segment_params_attention(q, k, v, p: SegmentSeqParams, scale: float, window: int | None):

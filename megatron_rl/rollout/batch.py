@@ -172,6 +172,12 @@ def _from_arrays(completions: list[Completion], t: int, r: int, pad_id: int) -> 
     prompts: dict[int, tuple[list, np.ndarray]] = {}  # a prompt's samples hold equal ids (checked: cheap)
     ids = []
     for c in completions:
+        if not len(c.arrays[0]) == len(c.arrays[1]) == len(c.response_ids):  # lists changed after the engine
+            raise ValueError(
+                f"Completion {c.prompt_index}/{c.sample_index}: its arrays hold {len(c.arrays[0])} ids and "
+                f"{len(c.arrays[1])} log-probs for {len(c.response_ids)} response ids; set arrays=None after "
+                "changing response_ids or logprobs"
+            )
         seen = prompts.get(c.prompt_index)
         if seen is None or seen[0] != c.prompt_ids:
             seen = prompts[c.prompt_index] = (c.prompt_ids, np.asarray(c.prompt_ids, dtype=np.int64))

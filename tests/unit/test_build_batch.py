@@ -4,6 +4,7 @@ truncated log-probs) become right-padded tensors holding exactly each completion
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from megatron_rl.rollout.batch import build_batch, right_padded
@@ -47,15 +48,26 @@ def test_build_batch_holds_each_completions_lists():
         assert b.group_index.tolist() == [10 + c.prompt_index for c in comps]
 
 
-def test_the_engines_arrays_give_the_same_tensors_as_the_lists():
+def test_the_engines_arrays_give_the_same_tensors_as_the_lists(monkeypatch):
     """Single-turn completions with ``arrays`` (the engine's numpy copies of the response ids and log-probs)
-    build the same tensors as from the lists, also where samples of one prompt index hold different prompt
-    ids (the dedup of prompt conversions checks equality) and for empty responses."""
+    build the same tensors as from the lists (the array path ran: its helper is counted; pad id 7), also where
+    samples of one prompt index hold different prompt ids (the dedup of prompt conversions checks equality)
+    and for empty responses. Arrays that disagree with the lists in length stop it, naming the completion."""
+    from megatron_rl.rollout import batch as batch_mod
+
     comps = _completions(False)
-    want = build_batch(comps, [None] * 4, 10, 8, 0, torch.device("cpu"))
+    want = build_batch(comps, [None] * 4, 10, 8, 7, torch.device("cpu"))
     for c in comps:
         c.arrays = (np.asarray(c.response_ids, dtype=np.int64), np.asarray(c.logprobs, dtype=np.float32))
-    got = build_batch(comps, [None] * 4, 10, 8, 0, torch.device("cpu"))
+    calls = []
+    real = batch_mod._from_arrays
+    monkeypatch.setattr(batch_mod, "_from_arrays", lambda *a: calls.append(1) or real(*a))
+    got = build_batch(comps, [None] * 4, 10, 8, 7, torch.device("cpu"))
+    assert calls == [1] and (got.input_ids == 7).any()
     assert comps[0].prompt_ids != comps[1].prompt_ids and comps[0].prompt_index == comps[1].prompt_index
     for f in ("input_ids", "responses", "rollout_log_probs", "response_mask", "score_pos", "prompt_lens"):
         assert torch.equal(getattr(got, f), getattr(want, f)), f
+    long = next(c for c in comps if c.response_ids)
+    long.response_ids = long.response_ids[:-1]
+    with pytest.raises(ValueError, match=f"Completion {long.prompt_index}/{long.sample_index}"):
+        build_batch(comps, [None] * 4, 10, 8, 7, torch.device("cpu"))

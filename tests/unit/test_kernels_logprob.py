@@ -137,3 +137,22 @@ def test_kernels_that_fail_their_trial_warn_once_and_the_passes_serve(monkeypatc
     want = torch.log_softmax(logits.detach(), -1).gather(-1, target[..., None])[..., 0]
     torch.testing.assert_close(lp, want)
     assert not kernel.usable(logits[0].detach()) and calls == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("part", ["m", "s", "t"])
+def test_a_kernel_off_by_a_percent_fails_its_trial(monkeypatch, dtype, part):
+    """The trial checks values, not only that the kernels run: statistics 1% off (a miscompile, say) fail it
+    in every dtype, with a warning, and the passes serve."""
+    real = kernel.row_stats
+
+    def off(*a, **k):
+        stats = list(real(*a, **k))
+        i = "mst".index(part)
+        stats[i] = stats[i] * 1.01 + (0.01 if part != "s" else 0.0)  # t and m may be 0 somewhere
+        return tuple(stats)
+
+    monkeypatch.setattr(kernel, "row_stats", off)
+    x = torch.randn(3, 64).to(dtype)
+    with pytest.warns(UserWarning, match="relative gap to float64"):
+        assert not kernel.usable(x)

@@ -648,6 +648,11 @@ def test_async_retire_gives_the_same_completions_as_syncing_retires(monkeypatch,
             out, want
         ):  # compaction at other steps: other batch shapes, last-bit matmul differences
             assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+            for c in (
+                a,
+                b,
+            ):  # arrays from the snapshot's retire (a) and the syncing one (b): the lists' values
+                assert c.arrays[0].tolist() == c.response_ids and c.arrays[1].tolist() == c.logprobs
             assert (
                 len(a.truncated_logprobs)
                 == len(b.truncated_logprobs)

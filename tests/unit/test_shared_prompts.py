@@ -172,7 +172,8 @@ def test_shared_key_gather_sums_each_rows_copies_in_fp32():
         assert torch.equal(ks, k.detach()[index]) and torch.equal(vs, v.detach()[index])
         ((ks * gk.to(dtype)).sum() + (vs * gv.to(dtype)).sum()).backward()
         ka, va = k0.to(dtype).clone().requires_grad_(), v0.to(dtype).clone().requires_grad_()
-        ((ka[index] * gk.to(dtype)).sum() + (va[index] * gv.to(dtype)).sum()).backward()  # autograd's
+        kas, vas = ka.index_select(0, index), va.index_select(0, index)  # autograd's: index_add_ backward
+        ((kas * gk.to(dtype)).sum() + (vas * gv.to(dtype)).sum()).backward()
         for got, plain, g in ((k.grad, ka.grad, gk), (v.grad, va.grad, gv)):
             want = torch.zeros(8, 2, 4, dtype=torch.float64).index_add_(0, index, g.to(dtype).double())
             assert got.dtype == dtype

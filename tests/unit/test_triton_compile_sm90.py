@@ -129,7 +129,7 @@ SCRIPT = textwrap.dedent(
     for splits, chunk in ((1, 75 * 2048), (32, 3 * 2048)):  # logprob.row_stats: chunk from valid and splits
         stats = {"x_ptr": bf, "m_ptr": f32, "s_ptr": f32, "t_ptr": f32, "stride": V, "valid": V,
                  "chunk": chunk, "temperature": 1.0}
-        for scaled, one_exp in ((False, True), (True, True), (False, False)):
+        for scaled, one_exp in ((False, True), (True, True), (False, False), (True, False)):
             add(logprob._stats_kernel, stats, {"splits": splits, "block": 2048, "scaled": scaled,
                                                "one_exp": one_exp}, num_warps=8)  # fmt: skip
     grad = {"x_ptr": bf, "g_ptr": bf, "zmax_ptr": f32, "lse_ptr": f32, "exp_ptr": f32, "local_ptr": i64,
