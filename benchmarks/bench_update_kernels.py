@@ -166,45 +166,6 @@ def _swiglu_variant(y0: torch.Tensor, g: torch.Tensor, on: bool) -> tuple:
     return x.grad, us, used
 
 
-def shared_gather_case(groups: int, n: int, prompt: int, response: int, kv_heads: int, dim: int) -> dict:
-    """The shared-prompt key gather (``models.packed_attention``) of one micro-batch: ``groups`` prompts of
-    ``prompt`` tokens, each with ``n`` responses of ``response``; K and V [S, G, D] bf16 gathered to every
-    segment's key rows, forward + backward: autograd's ``index_select`` (bf16 ``index_add_`` backward) against
-    ``_GatherRows`` (fp32 sum of the copies). Largest gap of the key gradient to a float64 sum of copies."""
-    from megatron_rl.models.packed_attention import _GatherRows
-
-    seg = prompt + n * response  # one group's packed tokens
-    index = []
-    for g in range(groups):
-        base = g * seg
-        index += range(base, base + prompt)  # the prompt's own segment
-        for j in range(n):  # each response: its prompt's keys, then its own
-            index += range(base, base + prompt)
-            index += range(base + prompt + j * response, base + prompt + (j + 1) * response)
-    index = torch.tensor(index, device="cuda")
-    torch.manual_seed(0)
-    k0, v0 = (torch.randn(groups * seg, kv_heads, dim, device="cuda").to(torch.bfloat16) for _ in range(2))
-    gk = torch.randn(len(index), kv_heads, dim, device="cuda").to(torch.bfloat16)
-    res = {"rows": groups * seg, "gathered_rows": len(index), "kv_heads": kv_heads, "dim": dim}
-    want = torch.zeros(k0.shape, dtype=torch.float64, device="cuda").index_add_(0, index, gk.double())
-    for name, fused in (("autograd_bf16", False), ("fp32_sum", True)):
-        k, v = k0.clone().requires_grad_(), v0.clone().requires_grad_()
-
-        def run(k=k, v=v, fused=fused):
-            k.grad = v.grad = None
-            ks, vs = (
-                _GatherRows.apply(k, v, index)
-                if fused
-                else (k.index_select(0, index), v.index_select(0, index))
-            )
-            torch.autograd.backward((ks, vs), (gk, gk))
-
-        res[f"{name}_us"] = round(timed_us(run, n=50, warmup=5), 1)
-        res[f"{name}_max_abs_err"] = float((k.grad.double() - want).abs().max())
-    res["speedup"] = round(res["autograd_bf16_us"] / res["fp32_sum_us"], 3)
-    return res
-
-
 def swiglu_case(rows: int, ffn: int) -> dict:
     """The MLP's SwiGLU on a bf16 fc1 output y [rows, 2 ffn]: forward + backward through the autograd function
     with the compiled backward and with the Triton one, each backward alone, the Triton backward's block
@@ -248,7 +209,7 @@ def main() -> None:
     ap.add_argument(
         "--cases",
         default="logprob,rmsnorm,swiglu",
-        help="comma-separated: logprob, rmsnorm, swiglu, shared_gather",
+        help="comma-separated: logprob, rmsnorm, swiglu",
     )
     a = ap.parse_args()
     cases = set(a.cases.split(","))
@@ -265,10 +226,6 @@ def main() -> None:
     for rows, hidden in ((34816, 896), (34816, 2048)) if "rmsnorm" in cases else ():  # 0.5B and 3B hidden
         res["rmsnorm"].append(rmsnorm_case(rows, hidden))
         print(json.dumps(res["rmsnorm"][-1]), flush=True)
-    res["shared_gather"] = []
-    for kv_heads, dim in ((2, 64), (2, 128)) if "shared_gather" in cases else ():  # 0.5B; 3B (its KV heads 2)
-        res["shared_gather"].append(shared_gather_case(8, 8, 256, 512, kv_heads, dim))
-        print(json.dumps(res["shared_gather"][-1]), flush=True)
     res["swiglu"] = []
     for rows, ffn in ((34816, 4864), (34816, 11008)) if "swiglu" in cases else ():  # 0.5B, 3B: y 0.7, 1.5 GB
         res["swiglu"].append(swiglu_case(rows, ffn))

@@ -10,7 +10,7 @@ takes ~4.2 ms at the HBM rate, and the forward read the logits twice (max, then 
 offset is int64 once and its columns int32. Measured there (``bench_update_kernels.py``, 32,768 rows):
 forward + backward 18.4 -> 11.5 ms (backward 12.5 -> 6.1 ms, 69% of the HBM rate; forward 5.9 -> 5.4 ms, 38%:
 two exps per element, the per-lane rescale, bound it). Session 30: the statistics with one exp per element
-(``ONE_EXP``) and no division at temperature 1, in both passes. Logits are assumed finite (a live -inf
+(``ONE_EXP``) and no division at temperature 1, in both passes (H100: forward + backward 12.7 -> 11.5 ms). Logits are assumed finite (a live -inf
 column gives a nan entropy term, as the eager passes do).
 
 Statistics per row, fp32, relative to the row's own max ``m`` over the valid columns (local index <
@@ -118,8 +118,10 @@ ON_CUDA = env_switch("MEGATRON_RL_TRITON_LOGPROB", True)
 # The row statistics with one exp per element (the block's max moves every lane's base; one more exp a block)
 # against two (each lane its own running max). The special-function units bound the two-exp pass: at 0.5B's
 # 32,768 x 151,936 logits per micro-batch, two exps and a division (a reciprocal) per element are ~4 ms of
-# those units' rate on an H100, the pass took 5.4-5.6 ms and reading the logits takes ~3.3 ms.
-# MEGATRON_RL_LOGPROB_ONE_EXP=0: the two-exp pass.
+# those units' rate on an H100, the pass took 5.4-5.6 ms and reading the logits takes ~3.3 ms. Measured
+# (session 30, H100, ``bench_update_kernels.py``, 32,768 rows): forward 5.35 ms (session 29's kernels) ->
+# 5.00 (no division at temperature 1) -> 4.44 (one exp); forward + backward 12.73 -> 11.50 ms; in the 0.5B
+# fixed step's profile the statistics took 4.32 ms a micro-batch. MEGATRON_RL_LOGPROB_ONE_EXP=0: two exps.
 ONE_EXP = env_switch("MEGATRON_RL_LOGPROB_ONE_EXP", True)
 
 

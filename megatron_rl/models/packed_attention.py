@@ -38,11 +38,6 @@ _FA4_FAILED: set[str] = set()  # devices where FA4 failed its trial
 # (device, dtype, query heads, KV heads, head dim) -> whether FA4 passed its trial at that head layout (its
 # kernels specialise on head dim and heads per KV head; the device's trial runs one small layout)
 _FA4_LAYOUTS: dict[tuple, bool] = {}
-# Shared-prompt key rows: the backward of their gather sums each prompt key's copies in fp32 (``index_add_``
-# into an fp32 buffer, one rounding to bf16 after) instead of autograd's ``index_add_`` in bf16, whose
-# atomics are emulated (session 26's 0.5B fixed update: 67 us a call, 26 ms a step, ~0.4 TB/s).
-# MEGATRON_RL_SHARED_GRAD_FP32=0: autograd's.
-SHARED_GRAD_FP32 = env_switch("MEGATRON_RL_SHARED_GRAD_FP32", True)
 
 
 @dataclass
@@ -351,42 +346,13 @@ def shared_attention(q, k, v, cu_q, kv_index, cu_k, max_q: int, max_k: int, scal
                      varlen: bool | None = None):  # fmt: skip
     """Shared-prompt attention (``SegmentSeqParams`` with ``kv_index``): q [S, H, D], k/v [S, G, D] -> [S, H, D]. On the GPU
     one varlen call over the gathered key segments (a prompt's keys repeat once per response: G/H of the
-    query bytes, small with GQA; the gather's backward sums their gradients back into the one prompt copy,
-    in fp32 with ``SHARED_GRAD_FP32``)."""
+    query bytes, small with GQA; autograd sums their gradients back into the one prompt copy)."""
     if varlen is None:
         varlen = window is None and varlen_available(q.device, q.dtype, shared=True)
     if not varlen:
         return segment_attention(q, k, v, cu_q, scale, window, kv_index=kv_index, cu_k=cu_k)
-    if SHARED_GRAD_FP32 and (k.requires_grad or v.requires_grad):
-        ks, vs = _GatherRows.apply(k, v, kv_index)
-    else:
-        ks, vs = k.index_select(0, kv_index), v.index_select(0, kv_index)  # [Sk, G, D]
+    ks, vs = k.index_select(0, kv_index), v.index_select(0, kv_index)  # [Sk, G, D]
     return varlen_attention(q, ks, vs, cu_q, max_q, scale, cu_k=cu_k, max_k=max_k)
-
-
-class _GatherRows(torch.autograd.Function):
-    """(k, v) [S, G, D] -> their rows ``index`` [Sk, G, D]; the backward sums the gradients of a row's copies
-    (a prompt key's, once per response of its group) in fp32, then rounds once to the inputs' dtype."""
-
-    @staticmethod
-    def forward(ctx, k, v, index):
-        ctx.save_for_backward(index)
-        ctx.shapes = (k.shape, k.dtype, v.shape, v.dtype)
-        return k.index_select(0, index), v.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, dks, dvs):
-        (index,) = ctx.saved_tensors
-        k_shape, k_dtype, v_shape, v_dtype = ctx.shapes
-
-        def back(g, shape, dtype, needed):
-            if g is None or not needed:
-                return None
-            acc = torch.zeros(shape, dtype=torch.promote_types(g.dtype, torch.float32), device=g.device)
-            return acc.index_add_(0, index, g.to(acc.dtype)).to(dtype)
-
-        need_k, need_v, _ = ctx.needs_input_grad
-        return back(dks, k_shape, k_dtype, need_k), back(dvs, v_shape, v_dtype, need_v), None
 
 
 def segment_params_attention(q, k, v, p: SegmentSeqParams, scale: float, window: int | None):

@@ -153,34 +153,3 @@ def test_ranges_concatenates_aranges_with_empty_ones():
     got = ranges(starts, lens)
     assert got.dtype == torch.long and torch.equal(got, want)
     assert ranges([3], [0]).numel() == 0
-
-
-def test_shared_key_gather_sums_each_rows_copies_in_fp32():
-    """The varlen path's gather of shared-prompt key rows (``_GatherRows``): the forward holds the rows
-    ``index`` names; the backward sums each row's copies (prompt keys once per response) in fp32 and rounds
-    once. Against a float64 reference: fp32 inputs within fp32 rounding; bf16 inputs at least as close as
-    autograd's bf16 ``index_add_`` (which rounds after every copy), and within one bf16 rounding."""
-    from megatron_rl.models.packed_attention import _GatherRows
-
-    torch.manual_seed(0)
-    index = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 5, 0, 1, 2, 6, 7])  # a prompt of 3, four responses
-    for dtype in (torch.float32, torch.bfloat16):
-        k0, v0 = torch.randn(8, 2, 4), torch.randn(8, 2, 4)
-        gk, gv = torch.randn(len(index), 2, 4), torch.randn(len(index), 2, 4)
-        k, v = k0.to(dtype).clone().requires_grad_(), v0.to(dtype).clone().requires_grad_()
-        ks, vs = _GatherRows.apply(k, v, index)
-        assert torch.equal(ks, k.detach()[index]) and torch.equal(vs, v.detach()[index])
-        ((ks * gk.to(dtype)).sum() + (vs * gv.to(dtype)).sum()).backward()
-        ka, va = k0.to(dtype).clone().requires_grad_(), v0.to(dtype).clone().requires_grad_()
-        kas, vas = ka.index_select(0, index), va.index_select(0, index)  # autograd's: index_add_ backward
-        ((kas * gk.to(dtype)).sum() + (vas * gv.to(dtype)).sum()).backward()
-        for got, plain, g in ((k.grad, ka.grad, gk), (v.grad, va.grad, gv)):
-            want = torch.zeros(8, 2, 4, dtype=torch.float64).index_add_(0, index, g.to(dtype).double())
-            assert got.dtype == dtype
-            err = (got.double() - want).abs().max()
-            if dtype == torch.float32:
-                assert err < 1e-6
-            else:
-                assert err <= (plain.double() - want).abs().max()
-                # one rounding of the exact sum
-                torch.testing.assert_close(got, want.to(dtype), rtol=0, atol=0)
