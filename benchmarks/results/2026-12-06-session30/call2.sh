@@ -9,6 +9,9 @@
 # 3. the profiled 0.5B fixed step at this session's tree (its idle gaps by annotation: retire, split).
 # Run 2 also runs session 29's post-review FA4 code (the per-layout trial) on a GPU. ~7.5 min.
 # NO_FA4=1: without call1.sh and FA4 (carry `.whl` and `.old` only): the same runs without FA4.
+# As run (commit 0b15403): `NO_FA4=1 GUARD=270`; `shared_gather` was a bench_update_kernels.py case then (taken
+# out with the fp32 gather); `.old` lacked benchmarks/make_synthetic_gsm8k.py, so run 2's old tree failed and
+# call2b.sh ran it.
 set -u
 D=benchmarks/results/2026-12-06-session29; O=$OUT/c2; mkdir -p "$O"; T0=$SECONDS
 if [ -n "${NO_FA4:-}" ]; then  # one call, no FA4 (session 29's fa4_env.sh needs call1.sh first)
