@@ -10,8 +10,8 @@ takes ~4.2 ms at the HBM rate, and the forward read the logits twice (max, then 
 offset is int64 once and its columns int32. Measured there (``bench_update_kernels.py``, 32,768 rows):
 forward + backward 18.4 -> 11.5 ms (backward 12.5 -> 6.1 ms, 69% of the HBM rate; forward 5.9 -> 5.4 ms, 38%:
 two exps per element, the per-lane rescale, bound it). Session 30: the statistics with one exp per element
-(``ONE_EXP``) and no division at temperature 1, in both passes (H100: forward + backward 12.7 -> 11.5 ms). Logits are assumed finite (a live -inf
-column gives a nan entropy term, as the eager passes do).
+(``ONE_EXP``) and no division at temperature 1, in both passes (H100: forward + backward 12.7 -> 11.5 ms).
+Logits are assumed finite (a live -inf column gives a nan entropy term, as the eager passes do).
 
 Statistics per row, fp32, relative to the row's own max ``m`` over the valid columns (local index <
 ``valid``, the rest are vocab padding): ``s = sum exp(z - m)`` and ``t = sum exp(z - m) (z - m)`` with ``z =
