@@ -157,24 +157,27 @@ def _trial(device, dtype) -> None:
     micro-batch's launch). A gap raises (a miscompile on this GPU)."""
     gen = torch.Generator().manual_seed(0)
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # the gradient's rounding to the logits' dtype
+    w_lp, w_ent = (
+        torch.tensor([1.0, -0.5], dtype=torch.float64),
+        torch.tensor([0.3, 0.7], dtype=torch.float64),
+    )
+    g_lp, g_ent, rows = w_lp.float().to(device), w_ent.float().to(device), torch.arange(2)
     for width, splits in ((4096, None), (8192, 1)):
         x = 3 * torch.randn(2, width, generator=gen)
         x[1] = torch.linspace(-8, 8, width)
         x = x.to(device, dtype)
-        valid, rows = width - 96, torch.arange(2)
-        target = torch.tensor([5, valid - 1], device=device)
-        g_lp, g_ent = torch.tensor([1.0, -0.5], device=device), torch.tensor([0.3, 0.7], device=device)
+        valid = width - 96
+        target = torch.tensor([5, valid - 1])
         for temperature in (1.0, 0.7):
             m, s, t = row_stats(x, temperature, valid, splits=splits)
-            g = grad(x, m, s.log(), t / s, target, g_lp, g_ent, temperature, valid)
+            g = grad(x, m, s.log(), t / s, target.to(device), g_lp, g_ent, temperature, valid)
             z = x[:, :valid].double().cpu() / temperature
             zm = z.amax(-1)
             shifted = z - zm[:, None]
             e = shifted.exp()
             p = e / e.sum(-1, keepdim=True)
-            ref = p * (((p * shifted).sum(-1, keepdim=True) - shifted) * g_ent.double().cpu()[:, None]
-                       - g_lp.double().cpu()[:, None])  # fmt: skip
-            ref[rows, target.cpu()] += g_lp.double().cpu()
+            ref = p * (((p * shifted).sum(-1, keepdim=True) - shifted) * w_ent[:, None] - w_lp[:, None])
+            ref[rows, target] += w_lp
             ref /= temperature
 
             def gap(got, want):
