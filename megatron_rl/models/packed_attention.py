@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_rl.kernels import gather_rows
 from megatron_rl.kernels.compile import env_switch
 
 _VARLEN_OK: dict[tuple, bool] = {}  # (device, dtype, shared) -> whether varlen attention matched the loop
@@ -47,13 +48,16 @@ class SegmentSeqParams(PackedSeqParams):
     rotary module returns at each token's own position (``models.head.set_rope_positions``; megatron-core's
     per-segment THD RoPE reads every segment's offset with a host sync); ``max_seqlen_q`` sizes that
     table (the largest position + 1). Our attention reads the real segments: queries ``segments_q``
-    [N + 1], and for shared prompts the key rows ``kv_index`` [Sk] in ``segments_k`` [N + 1]."""
+    [N + 1], and for shared prompts the key rows ``kv_index`` [Sk] in ``segments_k`` [N + 1] (and the
+    copies of each row, ``kernels.gather_rows.inverse``'s ``kv_order`` / ``kv_ptr``, for their gradient)."""
 
     segments_q: torch.Tensor = None
     max_q: int = 0
     kv_index: torch.Tensor | None = None
     segments_k: torch.Tensor | None = None
     max_k: int = 0
+    kv_order: torch.Tensor | None = None
+    kv_ptr: torch.Tensor | None = None
 
 
 def segment_attention(q, k, v, cu_seqlens: torch.Tensor, scale: float, window: int | None = None, *,
@@ -343,15 +347,17 @@ def packed_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
 
 
 def shared_attention(q, k, v, cu_q, kv_index, cu_k, max_q: int, max_k: int, scale: float, window: int | None,
-                     varlen: bool | None = None):  # fmt: skip
+                     varlen: bool | None = None, kv_order=None, kv_ptr=None):  # fmt: skip
     """Shared-prompt attention (``SegmentSeqParams`` with ``kv_index``): q [S, H, D], k/v [S, G, D] -> [S, H, D]. On the GPU
     one varlen call over the gathered key segments (a prompt's keys repeat once per response: G/H of the
-    query bytes, small with GQA; autograd sums their gradients back into the one prompt copy)."""
+    query bytes, small with GQA). Their gradients are summed back into the one prompt copy by
+    ``kernels.gather_rows`` where ``kv_order`` / ``kv_ptr`` are given and its kernel serves (in a fixed
+    order), else by autograd's ``index_add_``."""
     if varlen is None:
         varlen = window is None and varlen_available(q.device, q.dtype, shared=True)
     if not varlen:
         return segment_attention(q, k, v, cu_q, scale, window, kv_index=kv_index, cu_k=cu_k)
-    ks, vs = k.index_select(0, kv_index), v.index_select(0, kv_index)  # [Sk, G, D]
+    ks, vs = gather_rows.gather_kv(k, v, kv_index, kv_order, kv_ptr)  # [Sk, G, D]
     return varlen_attention(q, ks, vs, cu_q, max_q, scale, cu_k=cu_k, max_k=max_k)
 
 
@@ -360,7 +366,18 @@ def segment_params_attention(q, k, v, p: SegmentSeqParams, scale: float, window:
     where ``p`` has shared-prompt key segments, else ``packed_attention``."""
     if p.kv_index is not None:
         return shared_attention(
-            q, k, v, p.segments_q, p.kv_index, p.segments_k, p.max_q, p.max_k, scale, window
+            q,
+            k,
+            v,
+            p.segments_q,
+            p.kv_index,
+            p.segments_k,
+            p.max_q,
+            p.max_k,
+            scale,
+            window,
+            kv_order=p.kv_order,
+            kv_ptr=p.kv_ptr,
         )
     return packed_attention(q, k, v, p.segments_q, p.max_q, scale, window)
 
