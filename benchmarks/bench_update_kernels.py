@@ -8,6 +8,10 @@ and the HBM bytes per second they reach, new against what they replace, in one p
 - RMSNorm forward + backward against torch's ``F.rms_norm``, bf16 [N, H]: compiled (``compile_rows_dynamic``
   of the fp32 formula; tried in session 18 for the trainer's norm, measured 3.3x slower, not landed) and
   ``kernels.rmsnorm``'s Triton backward (torch's forward; off by default until measured here).
+- SwiGLU forward + backward: the compiled backward against ``kernels.swiglu``'s Triton one.
+- The shared-prompt K/V gather (``actor.share_prompts``) forward + backward: autograd's ``index_select``
+  (its backward bf16 ``index_add_`` atomics) against ``kernels.gather_rows`` (a deterministic fp32 sum of
+  each row's copies), at a micro-batch of GRPO groups; each one's largest gap to a float64 sum.
 
 Run: ``python benchmarks/bench_update_kernels.py --out $OUT/update_kernels.json`` (CUDA).
 """
@@ -22,6 +26,7 @@ import torch
 from _timing import timed_us  # benchmarks/, the script's folder
 
 from megatron_rl.algos import vocab_parallel as vp
+from megatron_rl.kernels import gather_rows
 from megatron_rl.kernels import logprob as logprob_kernel
 from megatron_rl.kernels import rmsnorm as rmsnorm_kernel
 from megatron_rl.kernels import swiglu as swiglu_kernel
@@ -203,13 +208,72 @@ def swiglu_case(rows: int, ffn: int) -> dict:
     return res
 
 
+def gather_case(groups: int, n: int, prompt: int, response: int, kv_heads: int, dim: int) -> dict:
+    """The shared-prompt K/V gather of one micro-batch of ``groups`` GRPO groups of ``n`` (a prompt's rows
+    gathered once for its own segment and once per response, a response's once), bf16 K and V [S, G, D] as
+    strided views of one buffer (megatron-core's split): forward + backward and the backward alone through
+    autograd's index_select and through ``gather_rows.gather_kv``, each gradient's largest gap to a float64
+    sum relative to the copies' absolute sum. HBM bytes of a backward: read the gathered gradients, write
+    the rows'."""
+    from megatron_rl.rollout.shared_prompts import ranges
+
+    kv_s, kv_n, rows = [], [], 0
+    for _ in range(groups):
+        start_p = rows
+        kv_s.append(start_p), kv_n.append(prompt)
+        rows += prompt
+        for _ in range(n):
+            kv_s += [start_p, rows]
+            kv_n += [prompt, response]
+            rows += response
+    index = ranges(kv_s, kv_n).cuda()
+    torch.manual_seed(0)
+    both = torch.randn(rows, kv_heads, 2, dim, device="cuda").to(torch.bfloat16).requires_grad_(True)
+    k, v = both[:, :, 0], both[:, :, 1]
+    gk, gv = (torch.randn(index.numel(), kv_heads, dim, device="cuda").to(torch.bfloat16) for _ in range(2))
+    order, ptr = gather_rows.inverse(index, rows)
+    bwd_bytes = 2 * (index.numel() + rows) * kv_heads * dim * 2
+    res = {"rows": rows, "gathered": index.numel(), "kv_heads": kv_heads, "dim": dim}
+    want = torch.zeros(rows, kv_heads, dim, dtype=torch.float64, device="cuda")
+    scale = want.index_add(0, index, gk.double().abs()) + 1e-30
+    want = want.index_add(0, index, gk.double())
+    for name, lists in (("index_select", (None, None)), ("gather_rows", (order, ptr))):
+
+        def run(lists=lists):
+            both.grad = None
+            ks, vs = gather_rows.gather_kv(k, v, index, *lists)
+            torch.autograd.backward((ks, vs), (gk, gv))
+
+        run()
+        got = both.grad[:, :, 0]
+        fb_us = timed_us(run, n=50, warmup=5)
+        bwd = (
+            (lambda: gather_rows.segment_sum(gk, gv, order, ptr))
+            if lists[0] is not None
+            else (
+                lambda: (
+                    torch.zeros_like(k).index_add_(0, index, gk),
+                    torch.zeros_like(v).index_add_(0, index, gv),
+                )
+            )
+        )
+        b_us = timed_us(bwd, n=50, warmup=5)
+        res[name] = {"fwd_bwd_us": round(fb_us, 1), "bwd_us": round(b_us, 1),
+                     "bwd_fraction_of_hbm": round(bwd_bytes / (b_us / 1e6) / HBM, 3),
+                     "max_gap_to_float64": float(((got.double() - want).abs() / scale).max())}  # fmt: skip
+    res["gather_rows"]["used"] = gather_rows.usable(k, v)
+    res["speedup_fwd_bwd"] = round(res["index_select"]["fwd_bwd_us"] / res["gather_rows"]["fwd_bwd_us"], 3)
+    res["speedup_bwd"] = round(res["index_select"]["bwd_us"] / res["gather_rows"]["bwd_us"], 3)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "update_kernels.json"))
     ap.add_argument(
         "--cases",
-        default="logprob,rmsnorm,swiglu",
-        help="comma-separated: logprob, rmsnorm, swiglu",
+        default="logprob,rmsnorm,swiglu,gather",
+        help="comma-separated: logprob, rmsnorm, swiglu, gather",
     )
     a = ap.parse_args()
     cases = set(a.cases.split(","))
@@ -230,6 +294,12 @@ def main() -> None:
     for rows, ffn in ((34816, 4864), (34816, 11008)) if "swiglu" in cases else ():  # 0.5B, 3B: y 0.7, 1.5 GB
         res["swiglu"].append(swiglu_case(rows, ffn))
         print(json.dumps(res["swiglu"][-1]), flush=True)
+    res["gather"] = []
+    for kv_heads, dim in ((2, 64), (2, 128)) if "gather" in cases else ():  # 0.5B and 3B KV heads
+        res["gather"].append(
+            gather_case(8, 8, 256, 512, kv_heads, dim)
+        )  # a fixed-step micro-batch: 34,816 rows
+        print(json.dumps(res["gather"][-1]), flush=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 
