@@ -12,10 +12,12 @@ import copy
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_rl.config.schema import LoRAConfig
+from megatron_rl.kernels import bias as bias_kernel
 from megatron_rl.kernels import rmsnorm as rmsnorm_kernel
 from megatron_rl.kernels.swiglu import SwiGLU
 from megatron_rl.models.lora import apply_to_layer_spec
@@ -107,6 +109,18 @@ class RMSNorm(torch.nn.RMSNorm):
         return rmsnorm_kernel.rms_norm(x, self.weight, self.eps)
 
 
+class QKVLinear(ColumnParallelLinear):
+    """megatron-core's local ``linear_qkv`` whose bias (Qwen2's query-key-value bias) is added to its local
+    output shard by ``kernels.bias.add_bias`` (compiled both ways) instead of megatron-core's broadcast add;
+    the GEMM, its communication and the weight gradient stay megatron-core's."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if args or kwargs.get("bias") is None:
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        bias = kwargs.pop("bias")
+        return bias_kernel.add_bias(super()._forward_impl(input, weight, *args, bias=None, **kwargs), bias)
+
+
 def uses_te(backend: str) -> bool:
     """Whether ``backend`` ("auto", "local", "te") builds Transformer Engine layers here."""
     if backend not in ("auto", "local", "te"):
@@ -135,6 +149,7 @@ def layer_spec(
     spec = copy.deepcopy(get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm"))
     layer, attn = spec.submodules, spec.submodules.self_attention.submodules
     attn.core_attention = SDPACoreAttention
+    attn.linear_qkv = QKVLinear
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
     if qk_norm:
         attn.q_layernorm = attn.k_layernorm = RMSNorm
