@@ -4,10 +4,13 @@ megatron-core's unfused RoPE (``rope_utils._apply_rotary_pos_emb_bshd``) runs ab
 tensor and per direction: cos, sin, two products, the rotate-half ``cat``, the sum and a final ``cat``
 with the empty pass-through part. Compiled, the function below is one kernel forward and one backward.
 It computes in fp32 and rounds once (the unfused path rounds after every product: up to one bf16 ulp
-apart).
+apart). The per-row cos / sin tables are computed once per forward (``_tables``) and read by every layer's
+query and key rotation, forward and backward.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import Tensor
@@ -15,55 +18,78 @@ from torch import Tensor
 from megatron_rl.kernels.compile import compile_rows_dynamic
 
 
-def rope_reference(t: Tensor, freqs: Tensor) -> Tensor:
-    """t [S, B, H, D] (or [S*B, H, D]); freqs [S, 1, 1, D] (or [S*B, 1, D]) fp32 angles, halves repeated,
-    not interleaved -> rotated t in t's dtype: ``t cos + rotate_half(t) sin``, ``rotate_half(x) = [-x2, x1]``."""
+def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """t [..., D] -> ``t cos + rotate_half(t) sin`` in fp32 (cos / sin fp32, broadcast over the heads), rounded
+    once to t's dtype; ``rotate_half(x) = [-x2, x1]``."""
     x = t.float()
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [S, B, H, D]
-    return (x * freqs.cos() + rotated * freqs.sin()).to(t.dtype)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos + rotated * sin).to(t.dtype)
+
+
+def rope_reference(t: Tensor, freqs: Tensor) -> Tensor:
+    """t [S, B, H, D] (or [S*B, H, D]); freqs [S, 1, 1, D] (or [S*B, 1, D]) fp32 angles, halves repeated,
+    not interleaved -> rotated t in t's dtype: ``t cos + rotate_half(t) sin``."""
+    return _rotate(t, freqs.cos(), freqs.sin())
 
 
 def rope_transposed(g: Tensor, freqs: Tensor) -> Tensor:
     """The transpose of ``rope_reference``'s rotation (the rotation by -angle): ``g cos - rotate_half(g) sin``,
     in fp32, rounded once to g's dtype. RoPE's input gradient."""
-    x = g.float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * freqs.cos() - rotated * freqs.sin()).to(g.dtype)
+    return _rotate(g, freqs.cos(), -freqs.sin())
 
 
-_ROWS = compile_rows_dynamic(rope_reference)
-_ROWS_T = compile_rows_dynamic(rope_transposed)
+def _rotate_back(g: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return _rotate(g, cos, -sin)
+
+
+_ROWS = compile_rows_dynamic(_rotate)
+_ROWS_T = compile_rows_dynamic(_rotate_back)
+# The cos / sin tables of the last angles seen ((weak references to the angle tensor and its segment starts,
+# the grad mode), cos, sin): megatron-core rotates q and k of every layer of a forward by the same angle
+# tensor, so the per-row gather and the trigonometry run once per forward instead of 2 x layers times (session
+# 30's H100 profile of the 0.5B update: the rows' gather ~24 us a call and the query rotation 87-94 us, where
+# its bytes take ~40 us: the per-element sin / cos, evaluated again for each of 14 heads, bound it).
+_TABLES: list = []
+
+
+def _tables(key: tuple, per_row) -> tuple[Tensor, Tensor]:
+    """cos / sin [S, 1, D] fp32 of ``per_row()`` (the angles [S, 1, D]), from ``_TABLES`` when ``key`` (the
+    tensors they come from, then other values) is the last call's: the same tensor objects, alive."""
+    tensors = tuple(k for k in key if isinstance(k, Tensor))
+    rest = tuple(k for k in key if not isinstance(k, Tensor)) + (torch.is_inference_mode_enabled(),)
+    if _TABLES:
+        refs, other, cos, sin = _TABLES[0]
+        if other == rest and len(refs) == len(tensors) and all(r() is t for r, t in zip(refs, tensors)):
+            return cos, sin
+    rows = per_row().float()
+    cos, sin = rows.cos(), rows.sin()
+    _TABLES[:] = [(tuple(weakref.ref(t) for t in tensors), rest, cos, sin)]
+    return cos, sin
 
 
 class _RopeRows(torch.autograd.Function):
-    """t [S, H, D], per-row angles [S, 1, D] -> rotated t; the backward rotates the gradient back with its own
+    """t [S, H, D], per-row cos / sin [S, 1, D] -> rotated t; the backward rotates the gradient back with its own
     one-kernel compiled function. Autograd through the compiled forward gave a backward of two kernels per
     tensor at 2-3x the bytes' time (H100: 137 us for a [34816, 14, 64] query gradient, 80 us for the keys')."""
 
     @staticmethod
-    def forward(ctx, t: Tensor, per_row: Tensor) -> Tensor:
-        ctx.save_for_backward(per_row)
-        return _ROWS(t, per_row)
+    def forward(ctx, t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _ROWS(t, cos, sin)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        (per_row,) = ctx.saved_tensors
-        return _ROWS_T(g.contiguous(), per_row), None
-
-
-def rope_rows(t: Tensor, per_row: Tensor) -> Tensor:
-    """t [S, H, D] rotated by the per-row angles [S, 1, D] (compiled, dynamic in S; backward included)."""
-    return _RopeRows.apply(t, per_row)
+        cos, sin = ctx.saved_tensors
+        return _ROWS_T(g.contiguous(), cos, sin), None, None
 
 
 def compiled_rope(t: Tensor, freqs: Tensor) -> Tensor:
     """rope_reference compiled with one dynamic size: t [S, B, H, D] is viewed as [S*B, H, D] rows with
     the angles repeated per row ([S*B, 1, D], small), since S and B both vary between micro-batches."""
     s, b, h, d = t.shape
-    per_row = freqs.expand(s, b, 1, d).reshape(s * b, 1, d)  # [S*B, 1, D]
-    return rope_rows(t.reshape(s * b, h, d), per_row).view(s, b, h, d)
+    cos, sin = _tables((freqs, s, b), lambda: freqs.expand(s, b, 1, d).reshape(s * b, 1, d))
+    return _RopeRows.apply(t.reshape(s * b, h, d), cos, sin).view(s, b, h, d)
 
 
 def fused_apply_rotary_pos_emb(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
@@ -84,15 +110,19 @@ def fused_apply_rotary_pos_emb_thd(
     if cp_size != 1:
         raise NotImplementedError("packed sequences with context parallelism: RoPE positions per CP rank")
     s, h, d = t.shape
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [N]
-    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=s)  # [S]
-    positions = torch.arange(s, device=t.device) - starts  # [S] position inside its own segment
-    per_row = freqs[positions].reshape(s, 1, -1)  # [S, 1, D_rot]
-    if per_row.shape[-1] != d:  # partial rotary: megatron-core's unfused path
+
+    def per_row():
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [N]
+        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=s)  # [S]
+        positions = torch.arange(s, device=t.device) - starts  # [S] position inside its own segment
+        return freqs[positions].reshape(s, 1, -1)  # [S, 1, D_rot]
+
+    if freqs.shape[-1] != d:  # partial rotary: megatron-core's unfused path
         from megatron.core.models.common.embeddings import rope_utils
 
-        return rope_utils._apply_rotary_pos_emb_bshd(t[:, None], per_row[:, None]).squeeze(1)
-    return rope_rows(t, per_row)
+        return rope_utils._apply_rotary_pos_emb_bshd(t[:, None], per_row()[:, None]).squeeze(1)
+    cos, sin = _tables((freqs, cu_seqlens, s), per_row)
+    return _RopeRows.apply(t, cos, sin)
 
 
 # --- the inference engine's eager RoPE (rollout.decoder; the exact path's reference in kernels.decode_fused) ---

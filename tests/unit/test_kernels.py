@@ -5,7 +5,11 @@ import torch
 from megatron.core.models.common.embeddings import rope_utils
 
 from megatron_rl.kernels import compile as kc
-from megatron_rl.kernels.rope import fused_apply_rotary_pos_emb, rope_reference
+from megatron_rl.kernels.rope import (
+    fused_apply_rotary_pos_emb,
+    fused_apply_rotary_pos_emb_thd,
+    rope_reference,
+)
 
 
 def _freqs(s: int, d: int) -> torch.Tensor:
@@ -249,3 +253,52 @@ def test_rope_in_attention_that_fails_its_trial_warns_and_the_two_kernels_serve(
     ):
         assert not kernel.rope_usable(qkv)
     assert not kernel.rope_usable(qkv)  # remembered: no second trial
+
+
+def test_rope_tables_are_computed_once_per_angle_tensor_and_never_served_stale(monkeypatch):
+    """kernels.rope keeps the cos / sin of the last angles: q and k of every layer of a forward reuse them
+    (one gather and one sin / cos per forward); other angles, another segment layout, an angle tensor that
+    died (even if a new one got its id) or a switch into inference mode compute them again."""
+    from megatron_rl.kernels import rope
+
+    made = []
+    real = rope._tables
+
+    def counting(key, per_row):
+        return real(key, lambda: made.append(1) or per_row())
+
+    monkeypatch.setattr(rope, "_tables", counting)
+    monkeypatch.setattr(rope, "_TABLES", [])
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    freqs = torch.randn(5, 1, 1, 4, generator=g).repeat(
+        1, 1, 1, 2
+    )  # halves repeated, as megatron-core's table
+    q, k = (
+        torch.randn(7, 4, 8, generator=g, requires_grad=True),
+        torch.randn(7, 2, 8, generator=g, requires_grad=True),
+    )
+    outs = [fused_apply_rotary_pos_emb_thd(t, cu, freqs) for t in (q, k, q, k)]  # two layers
+    assert len(made) == 1
+    want = torch.cat(
+        [rope_reference(q[:3, None], freqs[:3])[:, 0], rope_reference(q[3:, None], freqs[:4])[:, 0]]
+    )
+    torch.testing.assert_close(outs[2], want, rtol=0, atol=1e-6)
+    (outs[0] * 2 + outs[2]).sum().backward()  # the backward rotates back with the saved tables
+    fresh = q.detach().clone().requires_grad_(True)
+    ref = torch.cat(
+        [rope_reference(fresh[:3, None], freqs[:3])[:, 0], rope_reference(fresh[3:, None], freqs[:4])[:, 0]]
+    )
+    (3 * ref).sum().backward()
+    torch.testing.assert_close(q.grad, fresh.grad, rtol=1e-6, atol=1e-6)
+    fused_apply_rotary_pos_emb_thd(q, torch.tensor([0, 4, 7], dtype=torch.int32), freqs)  # another layout
+    freqs2 = freqs.clone()
+    fused_apply_rotary_pos_emb_thd(q, cu, freqs2)  # other angles
+    assert len(made) == 3
+    with torch.inference_mode():
+        fused_apply_rotary_pos_emb_thd(q.detach(), cu, freqs2)
+    assert len(made) == 4
+    del freqs2
+    freqs3 = torch.zeros(5, 1, 1, 8)
+    got = fused_apply_rotary_pos_emb_thd(q, cu, freqs3)  # a new tensor (maybe the old one's id): new tables
+    assert len(made) == 5 and torch.equal(got, q)  # angle 0: no rotation
