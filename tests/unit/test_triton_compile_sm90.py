@@ -27,7 +27,9 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
   8 warps (LM head), fp32 qkv with ``IEEE`` (tl.dot's ieee precision); ``_rms_norm_kernel``;
   ``_add_rms_norm_kernel``; ``_lse_kernel``; ``_shard_max_kernel``; ``_exp_sum_kernel``;
   ``_attention_kernel``: ``shared`` off (training rows) / on (decode rows);
-- ``rope_exact``: ``_exact_rope_kernel``: ``backward`` off / on.
+- ``rope_exact``: ``_exact_rope_kernel``: ``backward`` off / on;
+- ``gather_rows``: ``_segment_sum_kernel``: 2 KV heads x 64 (0.5B) and x 128 (3B), the gathered gradients
+  contiguous and as strided views.
 
 The ``triton.jit`` helpers called from these (``sampler._hash_log_noise`` / ``_hash_bits`` /
 ``_exp_noise_lower_bound`` / ``_row_key`` / ``_store_logprob`` / ``_filtered_block``, ``decode_fused._round_to``,
@@ -63,7 +65,7 @@ SCRIPT = textwrap.dedent(
 
     from megatron_rl.kernels import batch_invariant_triton as bit
     from megatron_rl.kernels import decode_attention, decode_fused, decode_gemm, logprob, rmsnorm, rope_exact
-    from megatron_rl.kernels import sampler, swiglu
+    from megatron_rl.kernels import gather_rows, sampler, swiglu
 
     VARIANTS = []  # (kernel, runtime arguments, constexprs, compile options)
 
@@ -216,6 +218,14 @@ SCRIPT = textwrap.dedent(
         add(rope_exact._exact_rope_kernel, rx, {"dim": D, "block": 64, "backward": backward},
             enable_fp_fusion=False)
 
+    for dim, strided in ((64, True), (128, False)):  # gather_rows.segment_sum: tile x block ~ 4096 lanes
+        g_r, g_g = (2 * 2 * dim, 2 * dim) if strided else (2 * dim, dim)
+        seg = {"gk_ptr": bf, "gv_ptr": bf, "order_ptr": i64, "ptr_ptr": i64, "dk_ptr": bf, "dv_ptr": bf,
+               "rows": 34816, "s_gk_r": g_r, "s_gk_g": g_g, "s_gv_r": g_r, "s_gv_g": g_g, "s_dk_r": 2 * dim,
+               "s_dk_g": dim, "s_dv_r": 2 * dim, "s_dv_g": dim}
+        add(gather_rows._segment_sum_kernel, seg, {"groups": 2, "dim": dim, "tile": 4096 // (2 * dim),
+                                                   "block": 2 * dim}, num_warps=4)
+
     failed = []
     for fn, args, constexprs, options in VARIANTS:
         for launched in (False, True):
@@ -264,6 +274,6 @@ def test_every_triton_kernel_compiles_for_sm90():
         name for line in out.stdout.splitlines() if line.startswith("compiled ") for name in line.split()[1:]
     }
     kernels = launched_kernels()
-    assert len(kernels) >= 18 and compiled == kernels, (
+    assert len(kernels) >= 19 and compiled == kernels, (
         f"launched, not compiled here: {sorted(kernels - compiled)}; not found: {sorted(compiled - kernels)}"
     )
