@@ -17,7 +17,7 @@ TP_g < TP_t the merged shards are new tensors (the merge needs contiguous storag
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -234,9 +234,12 @@ def split_range(num_items: int, parts: int, index: int) -> range:
 
 
 def gather_results(local: list, lay: GenLayout) -> list:
-    """All-gather each replica's results over the model-parallel group, in replica order."""
+    """All-gather each replica's results over the model-parallel group, in replica order. Completions travel
+    without their ``arrays`` (a second copy of the lists' values: the pickle would carry both; without them
+    ``build_batch`` reads the lists)."""
     if lay.mp_group is None or dist.get_world_size(lay.mp_group) == 1:
         return list(local)
+    local = [replace(c, arrays=None) if getattr(c, "arrays", None) is not None else c for c in local]
     every: list = [None] * dist.get_world_size(lay.mp_group)
     dist.all_gather_object(every, (lay.replica, lay.gen_tp_rank, local), group=lay.mp_group)
     by_replica = {rep: items for rep, gen_rank, items in every if gen_rank == 0}

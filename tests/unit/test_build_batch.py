@@ -71,3 +71,34 @@ def test_the_engines_arrays_give_the_same_tensors_as_the_lists(monkeypatch):
     long.response_ids = long.response_ids[:-1]
     with pytest.raises(ValueError, match=f"Completion {long.prompt_index}/{long.sample_index}"):
         build_batch(comps, [None] * 4, 10, 8, 7, torch.device("cpu"))
+
+
+def test_completions_cross_ranks_without_their_arrays(monkeypatch):
+    """rollout.reshard.gather_results pickles each completion's lists only (its arrays are a second copy of
+    them); the gathered completions build the same batch through the lists."""
+    import pickle
+    from types import SimpleNamespace
+
+    from megatron_rl.rollout import reshard
+
+    ids, lps = np.array([5, 6, 7]), np.array([-0.5, -1.0, -2.0], dtype=np.float32)
+    mine = [
+        Completion(0, s, [1, 2], ids.tolist(), lps.tolist(), "length", arrays=(ids, lps)) for s in range(2)
+    ]
+    sent = []
+
+    def all_gather_object(every, obj, group=None):
+        sent.append(len(pickle.dumps(obj)))
+        every[0], every[1] = obj, (1, 0, [])  # replica 1 (another rank) had no prompts
+        assert all(c.arrays is None for c in obj[2])
+
+    monkeypatch.setattr(reshard.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(reshard.dist, "all_gather_object", all_gather_object)
+    lay = SimpleNamespace(mp_group=object(), replica=0, gen_tp_rank=0, num_replicas=2)
+    got = reshard.gather_results(mine, lay)
+    assert [c.response_ids for c in got] == [[5, 6, 7]] * 2 and all(c.arrays is None for c in got)
+    assert mine[0].arrays is not None  # the engine's own objects keep theirs
+    assert sent[0] < len(pickle.dumps((0, 0, mine)))
+    want = build_batch(mine, [None], 0, 4, 0, torch.device("cpu"))
+    have = build_batch(got, [None], 0, 4, 0, torch.device("cpu"))
+    assert torch.equal(want.input_ids, have.input_ids) and torch.equal(want.responses, have.responses)
