@@ -1,5 +1,6 @@
 """The bias add of megatron-core's local column-parallel linear (``linear_qkv`` of models with a query-key-value
-bias: Qwen2 / Qwen2.5) as one compiled kernel each way, for ``models.spec.QKVLinear``.
+bias: Qwen2 / Qwen2.5) as one compiled kernel each way, for ``models.spec.QKVLinear`` (full fine-tuning's
+trainable layers).
 
 megatron-core's local linear multiplies and then adds the bias as its own op, ``output + bias`` on
 [S, B, N] against [N]: a broadcast that torch runs in its generic (unvectorised) elementwise kernel, and

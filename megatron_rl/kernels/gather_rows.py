@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from megatron_rl.kernels.compile import env_switch, trial_once
 
@@ -82,21 +83,24 @@ def inverse(index: Tensor, rows: int) -> tuple[Tensor, Tensor]:
     )
 
 
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernel may run on ``device`` at all: Triton importable, CUDA with ``ON_CUDA`` (or CPU with
+    ``RUN_ON_CPU``). Where it may not, layouts skip listing the copies (``rollout.packing``)."""
+    dev = torch.device(device).type
+    return HAVE_TRITON and ((ON_CUDA and dev == "cuda") or (RUN_ON_CPU and dev == "cpu"))
+
+
 def usable(k: Tensor, v: Tensor) -> bool:
-    """Whether the kernel serves k / v [S, G, D] (unit stride in D): Triton importable, on CUDA with
-    ``ON_CUDA`` (or CPU with ``RUN_ON_CPU``), a float dtype, and a trial at that device, dtype and (G, D)
-    that agreed with a float64 sum (a failure warns once; autograd's ``index_add_`` serves from then on)."""
-    dev = k.device.type
+    """Whether the kernel serves the gradients of k / v [S, G, D]: ``runs_on`` their device, a float dtype,
+    and a trial at that device, dtype and (G, D) that agreed with a float64 sum (a failure warns once;
+    autograd's ``index_add_`` serves from then on)."""
     return (
-        HAVE_TRITON
-        and ((ON_CUDA and dev == "cuda") or (RUN_ON_CPU and dev == "cpu"))
+        runs_on(k.device)
         and k.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and k.dim() == 3
         and k.shape == v.shape
-        and k.stride(-1) == 1
-        and v.stride(-1) == 1
         and trial_once(
-            f"{PROBE} ({dev}, {k.dtype}, {k.shape[1]}x{k.shape[2]})",
+            f"{PROBE} ({k.device.type}, {k.dtype}, {k.shape[1]}x{k.shape[2]})",
             lambda: _trial(k.device, k.dtype, k.shape[1], k.shape[2]),
             "The deterministic shared-prompt gather backward failed its trial; autograd's index_add_ serves "
             "(atomics: slower, not the same bits from run to run).",
@@ -104,16 +108,24 @@ def usable(k: Tensor, v: Tensor) -> bool:
     )
 
 
-def segment_sum(gk: Tensor, gv: Tensor, order: Tensor, ptr: Tensor) -> tuple[Tensor, Tensor]:
+def tile_for(groups: int, dim: int) -> int:
+    """Source rows a program sums: ~4k fp32 lanes for each of K and V (a power of two)."""
+    return max(1, 4096 // triton.next_power_of_2(groups * dim))
+
+
+def segment_sum(
+    gk: Tensor, gv: Tensor, order: Tensor, ptr: Tensor, tile: int | None = None
+) -> tuple[Tensor, Tensor]:
     """gk / gv [Sk, G, D] (the gathered rows' gradients), ``inverse``'s order / ptr -> dk / dv [rows, G, D]
-    in gk's dtype: row s is the fp32 sum of gk[order[ptr[s]:ptr[s + 1]]] in that order, rounded once."""
+    in gk's dtype: row s is the fp32 sum of gk[order[ptr[s]:ptr[s + 1]]] in that order, rounded once.
+    ``tile``: source rows a program (``tile_for``'s unless given)."""
     rows = ptr.numel() - 1
     _, groups, dim = gk.shape
     gk, gv = (g if g.stride(-1) == 1 else g.contiguous() for g in (gk, gv))
     dk = torch.empty(rows, groups, dim, dtype=gk.dtype, device=gk.device)
     dv = torch.empty_like(dk)
     block = triton.next_power_of_2(groups * dim)
-    tile = max(1, 4096 // block)  # ~4k fp32 lanes a program for each of K and V
+    tile = tile or tile_for(groups, dim)
     _segment_sum_kernel[(triton.cdiv(rows, tile),)](
         gk, gv, order, ptr, dk, dv, rows, gk.stride(0), gk.stride(1), gv.stride(0), gv.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), groups=groups, dim=dim, tile=tile, block=block,
@@ -129,6 +141,7 @@ class _GatherKV(torch.autograd.Function):
         return k.index_select(0, index), v.index_select(0, index)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gk, gv):
         order, ptr = ctx.saved_tensors
         dk, dv = segment_sum(gk, gv, order, ptr)
@@ -140,15 +153,20 @@ def gather_kv(k: Tensor, v: Tensor, index: Tensor, order: Tensor | None = None, 
     ``usable``, the backward is ``segment_sum`` (deterministic), else autograd's ``index_add_``."""
     if order is None or not (k.requires_grad or v.requires_grad) or not usable(k, v):
         return k.index_select(0, index), v.index_select(0, index)
+    if ptr.numel() != k.shape[0] + 1:
+        raise ValueError(
+            f"copy lists for {ptr.numel() - 1} rows, keys have {k.shape[0]}: inverse(index, rows)"
+        )
     return _GatherKV.apply(k, v, index, order, ptr)
 
 
 def _trial(device, dtype, groups: int, dim: int) -> None:
-    """The kernel at the real (G, D) on 37 source rows (three tiles' worth at any tile size, the last
-    ragged), rows repeated 0 to 9 times in a shuffled gather, against a float64 ``index_add_``; K and V
-    through strided views of one buffer, as megatron-core's query-key-value split hands them over."""
+    """The kernel at the real (G, D) on two and a half tiles of source rows (three programs, the last ragged),
+    rows repeated 0 to 9 times in a shuffled gather, against a float64 ``index_add_``; the gradients as
+    strided views of one buffer."""
     g = torch.Generator().manual_seed(0)  # not the device's generator: the trial runs mid-training
-    rows = 37
+    tile = tile_for(groups, dim)
+    rows = 2 * tile + tile // 2 + 1
     index = torch.repeat_interleave(torch.arange(rows), torch.randint(0, 10, (rows,), generator=g))
     index = index[torch.randperm(index.numel(), generator=g)].to(device)
     both = torch.randn(index.numel(), groups, 2, dim, generator=g).to(device, dtype)

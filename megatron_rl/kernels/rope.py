@@ -46,7 +46,7 @@ def _rotate_back(g: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 _ROWS = compile_rows_dynamic(_rotate)
 _ROWS_T = compile_rows_dynamic(_rotate_back)
 # The cos / sin tables of the last angles seen ((weak references to the angle tensor and its segment starts,
-# the grad mode), cos, sin): megatron-core rotates q and k of every layer of a forward by the same angle
+# their versions, the other key values and inference mode), cos, sin): megatron-core rotates q and k of every layer of a forward by the same angle
 # tensor, so the per-row gather and the trigonometry run once per forward instead of 2 x layers times (session
 # 30's H100 profile of the 0.5B update: the rows' gather ~24 us a call and the query rotation 87-94 us, where
 # its bytes take ~40 us: the per-element sin / cos, evaluated again for each of 14 heads, bound it).
@@ -55,9 +55,11 @@ _TABLES: list = []
 
 def _tables(key: tuple, per_row) -> tuple[Tensor, Tensor]:
     """cos / sin [S, 1, D] fp32 of ``per_row()`` (the angles [S, 1, D]), from ``_TABLES`` when ``key`` (the
-    tensors they come from, then other values) is the last call's: the same tensor objects, alive."""
+    tensors they come from, then other values) is the last call's: the same tensor objects, alive and not
+    written to since (a weak reference per tensor: a new tensor that got a dead one's id is another key)."""
     tensors = tuple(k for k in key if isinstance(k, Tensor))
     rest = tuple(k for k in key if not isinstance(k, Tensor)) + (torch.is_inference_mode_enabled(),)
+    rest += tuple(t._version for t in tensors)  # an in-place write makes them other angles
     if _TABLES:
         refs, other, cos, sin = _TABLES[0]
         if other == rest and len(refs) == len(tensors) and all(r() is t for r, t in zip(refs, tensors)):

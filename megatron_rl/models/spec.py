@@ -112,7 +112,9 @@ class RMSNorm(torch.nn.RMSNorm):
 class QKVLinear(ColumnParallelLinear):
     """megatron-core's local ``linear_qkv`` whose bias (Qwen2's query-key-value bias) is added to its local
     output shard by ``kernels.bias.add_bias`` (compiled both ways) instead of megatron-core's broadcast add;
-    the GEMM, its communication and the weight gradient stay megatron-core's."""
+    the GEMM, its communication and the weight gradient stay megatron-core's. Serves full fine-tuning's
+    trainable layers: a LoRA target takes ``models.lora``'s class, and frozen weights (LoRA bases, the
+    reference model) run ``fold_frozen_linears``' GEMMs; the exact layers have their own."""
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if args or kwargs.get("bias") is None:

@@ -53,15 +53,15 @@ class PackedLayout:
         """The ``models.packed_attention.SegmentSeqParams`` of this layout: to megatron-core one segment of
         ``total`` tokens whose RoPE table is indexed by ``positions`` (the largest + 1 rows long: a
         segment's length for plain packing, a prompt + response for shared prompts); shared prompts also
-        carry the copies of each key row (``kernels.gather_rows.inverse``), listed here once for all layers."""
-        from megatron_rl.kernels.gather_rows import inverse
+        carry the copies of each key row (``kernels.gather_rows.inverse``, where its kernel may run), listed
+        here once for all layers."""
+        from megatron_rl.kernels.gather_rows import inverse, runs_on
         from megatron_rl.models.packed_attention import SegmentSeqParams
 
         whole = torch.tensor([0, self.total], dtype=torch.int32, device=self.input_ids.device)
         rope_len = self.max_seqlen_k if self.shared else self.max_seqlen
-        order, ptr = (
-            inverse(self.kv_index, self.total) if self.shared else (None, None)
-        )  # once, for every layer
+        listed = self.shared and runs_on(self.kv_index.device)  # once, for every layer
+        order, ptr = inverse(self.kv_index, self.total) if listed else (None, None)
         return SegmentSeqParams(
             qkv_format="thd", cu_seqlens_q=whole, cu_seqlens_kv=whole, max_seqlen_q=rope_len,
             max_seqlen_kv=rope_len, segments_q=self.cu_seqlens, max_q=self.max_seqlen, kv_index=self.kv_index,

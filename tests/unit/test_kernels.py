@@ -298,7 +298,14 @@ def test_rope_tables_are_computed_once_per_angle_tensor_and_never_served_stale(m
     with torch.inference_mode():
         fused_apply_rotary_pos_emb_thd(q.detach(), cu, freqs2)
     assert len(made) == 4
+    fused_apply_rotary_pos_emb_thd(q, cu, freqs2)
+    freqs2.mul_(2)  # written in place: other angles
+    fused_apply_rotary_pos_emb_thd(q, cu, freqs2)
+    assert len(made) == 6
     del freqs2
-    freqs3 = torch.zeros(5, 1, 1, 8)
-    got = fused_apply_rotary_pos_emb_thd(q, cu, freqs3)  # a new tensor (maybe the old one's id): new tables
-    assert len(made) == 5 and torch.equal(got, q)  # angle 0: no rotation
+    assert rope._TABLES[0][0][0]() is None  # the cache holds its angles weakly: it sees them die
+    freqs3 = torch.zeros(
+        5, 1, 1, 8
+    )  # (CPython may give it the dead tensor's id: a key by id alone would match)
+    got = fused_apply_rotary_pos_emb_thd(q, cu, freqs3)
+    assert len(made) == 7 and torch.equal(got, q)  # new tables: angle 0, no rotation

@@ -35,7 +35,7 @@ def _sequential(grad: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Ten
 )  # 3 x 4: a (group, dim) block that is not a power of two
 def test_segment_sum_is_the_sequential_fp32_sum_in_gather_order(dtype, groups, dim):
     torch.manual_seed(0)
-    rows = 150  # several tiles at any tile size (4096 // block rows each), the last ragged
+    rows = 150
     counts = torch.randint(0, 10, (rows,))
     counts[::7] = 0  # rows no segment reads: zero gradient
     index = torch.repeat_interleave(torch.arange(rows), counts)
@@ -45,9 +45,12 @@ def test_segment_sum_is_the_sequential_fp32_sum_in_gather_order(dtype, groups, d
     order, ptr = gr.inverse(index, rows)
     assert torch.equal(index[order], torch.repeat_interleave(torch.arange(rows), counts))
     assert ptr.tolist() == [0] + torch.cumsum(counts, 0).tolist()
-    dk, dv = gr.segment_sum(gk, gv, order, ptr)
+    dk, dv = gr.segment_sum(gk, gv, order, ptr)  # one program (tile_for: 256 rows at these widths)
     assert torch.equal(dk, _sequential(gk, index, rows))
     assert torch.equal(dv, _sequential(gv, index, rows))
+    assert gr.tile_for(groups, dim) >= rows
+    for tile in (8, 64):  # 19 and 3 programs, the last ragged
+        assert all(torch.equal(a, b) for a, b in zip(gr.segment_sum(gk, gv, order, ptr, tile=tile), (dk, dv)))
     assert not dk[::7].any()
     want = torch.zeros(rows, groups, dim, dtype=torch.float64).index_add_(0, index, gk.double())
     torch.testing.assert_close(dk.double(), want, rtol=4e-3 if dtype == torch.bfloat16 else 1e-6, atol=1e-5)
