@@ -365,20 +365,8 @@ def segment_params_attention(q, k, v, p: SegmentSeqParams, scale: float, window:
     """q [S, H, D], k/v [S, G, D] of a packed row described by ``p`` -> [S, H, D]: ``shared_attention``
     where ``p`` has shared-prompt key segments, else ``packed_attention``."""
     if p.kv_index is not None:
-        return shared_attention(
-            q,
-            k,
-            v,
-            p.segments_q,
-            p.kv_index,
-            p.segments_k,
-            p.max_q,
-            p.max_k,
-            scale,
-            window,
-            kv_order=p.kv_order,
-            kv_ptr=p.kv_ptr,
-        )
+        return shared_attention(q, k, v, p.segments_q, p.kv_index, p.segments_k, p.max_q, p.max_k, scale, window,
+                                kv_order=p.kv_order, kv_ptr=p.kv_ptr)  # fmt: skip
     return packed_attention(q, k, v, p.segments_q, p.max_q, scale, window)
 
 
