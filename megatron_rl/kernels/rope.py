@@ -72,6 +72,12 @@ def _tables(key: tuple, per_row) -> tuple[Tensor, Tensor]:
     return cos, sin
 
 
+def release_tables() -> None:
+    """Drop the cached tables (``models.pipeline.run_micro_batches`` does at the end of each pass, so they are
+    not held on the GPU through generation)."""
+    _TABLES.clear()
+
+
 class _RopeRows(torch.autograd.Function):
     """t [S, H, D], per-row cos / sin [S, 1, D] -> rotated t; the backward rotates the gradient back with its own
     one-kernel compiled function. Autograd through the compiled forward gave a backward of two kernels per

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_rl.kernels import rope as rope_kernel
 from megatron_rl.models.head import cell_rows, set_head_positions, set_rope_positions
 from megatron_rl.models.weights import unwrap
 from megatron_rl.rollout.packing import PackedLayout, pad_layout, unpack
@@ -154,15 +155,18 @@ def run_micro_batches(
 
     config.pipeline_dtype = next(model.parameters()).dtype
     rows, tokens = model_shape(micro_batches[0])
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=zip(micro_batches, cells, seq_params),
-        model=model,
-        num_microbatches=n,
-        seq_length=tokens,
-        micro_batch_size=rows,
-        forward_only=forward_only,
-    )
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=zip(micro_batches, cells, seq_params),
+            model=model,
+            num_microbatches=n,
+            seq_length=tokens,
+            micro_batch_size=rows,
+            forward_only=forward_only,
+        )
+    finally:  # RoPE's cos / sin tables of the pass's last micro-batch: not held through generation
+        rope_kernel.release_tables()
 
 
 def _loss_frame(

@@ -304,8 +304,9 @@ def test_rope_tables_are_computed_once_per_angle_tensor_and_never_served_stale(m
     assert len(made) == 6
     del freqs2
     assert rope._TABLES[0][0][0]() is None  # the cache holds its angles weakly: it sees them die
-    freqs3 = torch.zeros(
-        5, 1, 1, 8
-    )  # (CPython may give it the dead tensor's id: a key by id alone would match)
+    # (CPython may give the next tensor the dead one's id: a key by id alone would match it)
+    freqs3 = torch.zeros(5, 1, 1, 8)
     got = fused_apply_rotary_pos_emb_thd(q, cu, freqs3)
     assert len(made) == 7 and torch.equal(got, q)  # new tables: angle 0, no rotation
+    rope.release_tables()
+    assert not rope._TABLES

@@ -104,6 +104,18 @@ def test_a_micro_batch_without_response_tokens_runs(setup):
     assert all(torch.isfinite(g).all() and not g.any() for g in grads.values())
 
 
+def test_each_pass_releases_ropes_cached_tables(setup, monkeypatch):
+    """run_micro_batches drops kernels.rope's cos / sin tables when its pass ends (not held through generation)."""
+    from megatron_rl.kernels import rope
+
+    model, args = setup
+    monkeypatch.setattr(
+        rope, "_TABLES", [((), (), torch.zeros(1), torch.zeros(1))]
+    )  # a compiled RoPE's leftover
+    _run(model, args, share(trim(_batch(args.vocab_size))))
+    assert not rope._TABLES
+
+
 def test_cells_are_the_response_tokens_of_each_row():
     class MB:
         response_lens = torch.tensor([2, 0, 3])
