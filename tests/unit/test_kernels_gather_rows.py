@@ -149,3 +149,10 @@ def test_shared_attention_sums_the_prompt_keys_gradients_with_the_kernel(monkeyp
     torch.testing.assert_close(got, want)
     for a, b in zip(got_grads, torch.autograd.grad((want * w).sum(), (q, k, v))):
         torch.testing.assert_close(a, b)
+
+
+def test_copy_lists_of_another_layout_are_refused_by_name():
+    k, v = torch.randn(5, 2, 8, requires_grad=True), torch.randn(5, 2, 8, requires_grad=True)
+    index = torch.tensor([0, 1, 2, 0, 3, 4, 0])
+    with pytest.raises(ValueError, match=r"copy lists for 6 rows, keys have 5: inverse\(index, rows\)"):
+        gr.gather_kv(k, v, index, *gr.inverse(index, 6))
