@@ -18,9 +18,12 @@ us at 34,816 x 896 and 200 against 300 us at 34,816 x 2,048 (call G's sweep); in
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from megatron_rl.kernels.compile import env_switch, trial_once
 
@@ -32,13 +35,16 @@ try:
 except ImportError:
     HAVE_TRITON = False
 
+if HAVE_TRITON:
+    from megatron_rl.kernels.decode_fused import _round_to
+
 
 if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["rows", "rows_per"])  # one kernel for every micro-batch's row count
-    def _backward_kernel(x_ptr, dy_ptr, w_ptr, dx_ptr, dw_ptr, rstd_ptr, rows, hidden, stride_x, stride_dy,
-                         stride_dx, eps, rows_per, tile: tl.constexpr, block: tl.constexpr,
-                         saved_rstd: tl.constexpr):  # fmt: skip
+    def _backward_kernel(x_ptr, dy_ptr, w_ptr, dx_ptr, dw_ptr, rstd_ptr, dres_ptr, rows, hidden, stride_x,
+                         stride_dy, stride_dx, stride_dres, eps, rows_per, tile: tl.constexpr, block: tl.constexpr,
+                         saved_rstd: tl.constexpr, add_res: tl.constexpr):  # fmt: skip
         # rows_per is a runtime value: it follows the row count, which changes with every token-budgeted
         # micro-batch, and as a constexpr each new value would compile the kernel again. Rows go in tiles
         # of ``tile`` (one load of [tile, block] each): one row at a time, each with two reductions across
@@ -63,9 +69,37 @@ if HAVE_TRITON:
             xhat = x * rstd[:, None]
             wdy = w[None, :] * dy
             dx = rstd[:, None] * (wdy - xhat * (tl.sum(wdy * xhat, 1) / hidden)[:, None])
+            if (
+                add_res
+            ):  # ``add_rms_norm``: the sum's own gradient (its residual uses) joins dx before one rounding
+                dx += tl.load(dres_ptr + rr * stride_dres + cols[None, :], mask=m, other=0.0).to(tl.float32)
             tl.store(dx_ptr + rr * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
             dw += dy * xhat  # 0 outside the live rows and columns (loads filled with 0)
         tl.store(dw_ptr + pid * hidden + cols, tl.sum(dw, 0), mask=live_c)
+
+    @triton.jit(do_not_specialize=["rows"])
+    def _add_forward_kernel(a_ptr, r_ptr, w_ptr, s_ptr, n_ptr, rstd_ptr, rows, hidden, eps, tile: tl.constexpr,
+                            block: tl.constexpr):  # fmt: skip
+        # a, r, s, n: contiguous [rows, hidden]. s = a + r rounded to the activations' dtype (as torch's add),
+        # then RMSNorm of the rounded s: fp32 statistics, one rounding after the weight; 1/rms per row kept
+        # for the backward.
+        pid = tl.program_id(0)
+        cols = tl.arange(0, block)
+        live_c = cols < hidden
+        r = pid * tile + tl.arange(0, tile)
+        live_r = r < rows
+        m = live_r[:, None] & live_c[None, :]
+        at = r.to(tl.int64)[:, None] * hidden + cols[None, :]
+        dt: tl.constexpr = s_ptr.dtype.element_ty
+        x = tl.load(a_ptr + at, mask=m, other=0.0).to(tl.float32) + tl.load(r_ptr + at, mask=m, other=0.0).to(
+            tl.float32
+        )
+        x = _round_to(x, dt)
+        tl.store(s_ptr + at, x.to(dt), mask=m)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / hidden + eps)
+        tl.store(rstd_ptr + r, rstd, mask=live_r)
+        w = tl.load(w_ptr + cols, mask=live_c, other=0.0).to(tl.float32)
+        tl.store(n_ptr + at, _round_to(x * rstd[:, None] * w[None, :], dt).to(dt), mask=m)
 
 
 RUN_ON_CPU = False
@@ -128,12 +162,17 @@ def blocks_for(hidden: int) -> tuple[int, int, int, int]:
 def backward(
     x: Tensor, weight: Tensor, dy: Tensor, eps: float, programs: int | None = None,
     tile: int | None = None, num_warps: int | None = None, rstd: Tensor | None = None,
+    residual_grad: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """x, dy [N, H], weight [H] -> (dx [N, H] in x's dtype, dweight [H] in weight's dtype). ``programs`` /
     ``tile`` / ``num_warps``: ``blocks_for``'s unless given (the benchmark's sweep). ``rstd`` [N] fp32: the
-    forward's 1/rms per row (else recomputed from x)."""
+    forward's 1/rms per row (else recomputed from x). ``residual_grad`` [N, H]: added to dx in fp32 before
+    its one rounding (``add_rms_norm``: x's gradient from its other uses)."""
     rows, hidden = x.shape
     x, dy = x if x.stride(-1) == 1 else x.contiguous(), dy if dy.stride(-1) == 1 else dy.contiguous()
+    res = residual_grad
+    if res is not None and res.stride(-1) != 1:
+        res = res.contiguous()
     block, tile0, warps0, programs0 = blocks_for(hidden)
     tile, num_warps, programs = tile or tile0, num_warps or warps0, programs or programs0
     rows_per = max(1, triton.cdiv(rows, programs))
@@ -141,9 +180,11 @@ def backward(
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     part = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
     saved = rstd is not None
-    _backward_kernel[(n,)](x, dy, weight, dx, part, rstd.reshape(rows).float() if saved else part, rows, hidden,
-                           x.stride(0), dy.stride(0), dx.stride(0), float(eps), rows_per=rows_per, tile=tile,
-                           block=block, saved_rstd=saved, num_warps=num_warps)  # fmt: skip
+    _backward_kernel[(n,)](x, dy, weight, dx, part, rstd.reshape(rows).float() if saved else part,
+                           dx if res is None else res, rows, hidden, x.stride(0), dy.stride(0), dx.stride(0),
+                           dx.stride(0) if res is None else res.stride(0), float(eps), rows_per=rows_per,
+                           tile=tile, block=block, saved_rstd=saved, add_res=res is not None,
+                           num_warps=num_warps)  # fmt: skip
     return dx, part.sum(0).to(weight.dtype)
 
 
@@ -182,3 +223,124 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     lead = x.shape[:-1]
     return _RMSNorm.apply(x.reshape(-1, x.shape[-1]), weight, eps).view(*lead, x.shape[-1])
+
+
+# --- the residual add fused with the RMSNorm after it (``models.spec.AddNormBDA``) ---------------------
+# MEGATRON_RL_FUSED_ADD_NORM=0 (or false/off/no) turns it off: megatron-core's bias-dropout-add and the norm run
+# as before. Measured: see ``add_rms_norm``.
+ADD_NORM_ON_CUDA = env_switch("MEGATRON_RL_FUSED_ADD_NORM", True)
+ADD_NORM_PROBE = "the fused residual add + RMSNorm"
+
+
+def forward_tile(hidden: int) -> tuple[int, int, int]:
+    """(block, rows a program, num_warps) of ``_add_forward_kernel`` for rows of ``hidden``: ~4,096 elements a
+    program (hidden 896: 4 rows of 1,024 lanes over 4 warps), 8 warps from 4,096 columns."""
+    block = triton.next_power_of_2(hidden)
+    return block, max(1, 4096 // block), 4 if block <= 2048 else 8
+
+
+def add_forward(a: Tensor, r: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """a, r [..., H] (contiguous, one dtype), weight [H] -> (s = a + r, rms_norm(s) * weight, 1/rms [N] fp32):
+    one read of each summand, one write of each output."""
+    hidden = a.shape[-1]
+    rows = a.numel() // hidden
+    s, n = torch.empty_like(a), torch.empty_like(a)
+    rstd = torch.empty(rows, dtype=torch.float32, device=a.device)
+    block, tile, warps = forward_tile(hidden)
+    _add_forward_kernel[(triton.cdiv(rows, tile),)](a, r, weight, s, n, rstd, rows, hidden, float(eps), tile=tile,
+                                                    block=block, num_warps=warps)  # fmt: skip
+    return s, n, rstd
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, r, weight, eps):
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not a zero-filled tensor
+        s, n, rstd = add_forward(a, r, weight, eps)
+        ctx.save_for_backward(s, weight, rstd)
+        ctx.eps = eps
+        return s, n
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, ds, dn):
+        s, weight, rstd = ctx.saved_tensors
+        if dn is None:  # the norm's output went unused: the sum's gradient passes to both summands
+            return ds, ds, None, None
+        hidden = s.shape[-1]
+        dx, dw = backward(s.reshape(-1, hidden), weight, dn.reshape(-1, hidden), ctx.eps, rstd=rstd,
+                          residual_grad=None if ds is None else ds.reshape(-1, hidden))  # fmt: skip
+        dx = dx.view(s.shape)
+        return dx, dx, dw if ctx.needs_input_grad[2] else None, None
+
+
+def add_rms_norm(a: Tensor, r: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(s, n): s = a + r (a residual add), n = RMSNorm(s) * weight, in one kernel (``fusable`` first). Backward:
+    one kernel writes s's gradient, its residual part added inside the norm's backward, where autograd would
+    add the two in a kernel of its own; the weight gradient as ``backward``'s.
+
+    Bytes a call at N x H (bf16): the forward reads 2 and writes 2 (the add and the norm apart: 3 + 2); the
+    backward reads 3 and writes 1 (apart: 3 + 3). Measured: not yet on a GPU (session 32's device call)."""
+    if torch.is_grad_enabled() and (a.requires_grad or r.requires_grad or weight.requires_grad):
+        return _AddRMSNorm.apply(a, r, weight, eps)
+    return add_forward(a, r, weight, eps)[:2]
+
+
+def fusable(a: Tensor, r: Tensor, weight: Tensor) -> bool:
+    """Whether ``add_rms_norm`` takes a and r: Triton importable, on CUDA with ``ADD_NORM_ON_CUDA`` and H <=
+    16,384 (or CPU with ``RUN_ON_CPU``), bf16/fp16/fp32 alike for a, r and the weight, both contiguous of one
+    shape, and a trial at that device, dtype and H agreed with autograd through ``F.rms_norm`` (a failure
+    warns once; the add and the norm run apart from then on)."""
+    dev = a.device.type
+    return (
+        HAVE_TRITON
+        and ((ADD_NORM_ON_CUDA and dev == "cuda") or (RUN_ON_CPU and dev == "cpu"))
+        and a.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and a.dtype == r.dtype == weight.dtype
+        and a.shape == r.shape
+        and a.device == r.device == weight.device
+        and a.shape[-1] <= 16384
+        and a.is_contiguous()
+        and r.is_contiguous()
+        and trial_once(
+            f"{ADD_NORM_PROBE} ({dev}, {a.dtype}, H={a.shape[-1]})",
+            lambda: _add_trial(a.device, a.dtype, a.shape[-1]),
+            "The fused residual add + RMSNorm failed its trial; the add and the norm run apart (same math).",
+        )
+    )
+
+
+def _add_trial(device, dtype, hidden: int) -> None:
+    """The fused forward and backward at the real width on 37 rows (several programs, a ragged last one)
+    against autograd through ``a + r`` and ``F.rms_norm`` in fp32: both outputs, both summands' gradients
+    (the norm's and the sum's own, added) and the weight's."""
+    g = torch.Generator().manual_seed(0)  # not the device's generator: the trial runs mid-training
+    a, r, ds, dn = (torch.randn(37, hidden, generator=g).to(device, dtype) for _ in range(4))
+    w = (0.5 + torch.rand(hidden, generator=g)).to(device, dtype)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (a, r, w)]
+    with torch.enable_grad():
+        s, n = _AddRMSNorm.apply(*leaves, 1e-6)
+        torch.autograd.backward((s, n), (ds, dn))
+        refs = [t.detach().float().requires_grad_(True) for t in (a, r, w)]
+        s_ref = refs[0] + refs[1]
+        n_ref = F.rms_norm(s_ref, (hidden,), refs[2], 1e-6)
+        torch.autograd.backward((s_ref, n_ref), (ds.float(), dn.float()))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    pairs = [(s, s_ref), (n, n_ref)] + [(t.grad, ref.grad) for t, ref in zip(leaves, refs)]
+    gap = max(float((x.detach().float() - y.detach()).abs().max() / y.abs().max().clamp(min=1.0)) for x, y in pairs)
+    if not gap <= tol:  # nan fails too
+        raise RuntimeError(f"largest gap to autograd through a + r and F.rms_norm {gap:.3g}")
+
+
+def stash_normed(s: Tensor, norm: torch.nn.Module, n: Tensor) -> Tensor:
+    """Marks the sum s as already normalised by ``norm`` (n): ``take_normed`` returns n when that norm gets s."""
+    s._megatron_rl_normed = (weakref.ref(norm), n)
+    return s
+
+
+def take_normed(x: Tensor, norm: torch.nn.Module) -> Tensor | None:
+    """The output ``stash_normed`` left on x for ``norm`` (removed from x), or None."""
+    stash = x.__dict__.pop("_megatron_rl_normed", None)
+    if stash is None or stash[0]() is not norm:
+        return None
+    return stash[1]

@@ -16,7 +16,7 @@ from megatron_rl.kernels.mcore import fusion_flags
 from megatron_rl.models import exact_layers
 from megatron_rl.models.args import ModelArgs
 from megatron_rl.models.lora import fold_frozen_linears, freeze_base, init_adapters
-from megatron_rl.models.spec import block_spec, uses_te
+from megatron_rl.models.spec import block_spec, link_add_norms, uses_te
 
 ROLES = ("actor", "critic", "reward", "ref")
 VALUE_ROLES = ("critic", "reward")
@@ -120,6 +120,7 @@ def build_model(
         rope_scaling=args.rope_scaling_factor is not None,
         rope_scaling_factor=args.rope_scaling_factor or 8.0,
     )
+    link_add_norms(model)  # the local layers' residual adds fused with the norms after them
     if is_value and model.post_process:
         model.output_layer = ValueHead(config, args.hidden_size)
     elif exact:

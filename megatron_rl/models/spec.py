@@ -8,11 +8,14 @@ matrix; SDPA runs flash/memory-efficient kernels on GPU and works on CPU.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -106,7 +109,68 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # torch's forward; kernels.rmsnorm's opt-in backward
+        normed = rmsnorm_kernel.take_normed(x, self)  # x came from an ``AddNormBDA`` linked to this norm
+        if normed is not None:
+            return normed
         return rmsnorm_kernel.rms_norm(x, self.weight, self.eps)
+
+
+class AddNormBDA:
+    """megatron-core's bias-dropout-add slot (a layer's ``self_attn_bda`` / ``mlp_bda``) that, once linked to
+    the RMSNorm taking its sum next (``link_add_norms``: the layer's pre-MLP norm, the next layer's input norm,
+    or the final norm), computes the sum and that norm's output in one kernel (``kernels.rmsnorm.add_rms_norm``)
+    and leaves the output on the sum for the norm to return. Where the summand has a bias, dropout is live,
+    the kernel cannot take the tensors, or nothing is linked, megatron-core's ``get_bias_dropout_add`` runs,
+    as it does unlinked."""
+
+    def __init__(self):
+        self.norm: weakref.ref | None = None
+
+    def __call__(self, training: bool, fused: bool):
+        plain = get_bias_dropout_add(training, fused)
+        norm = self.norm() if self.norm is not None else None
+        if norm is None:
+            return plain
+
+        def add(x_with_bias, residual, prob):
+            x, bias = x_with_bias
+            if (
+                bias is None
+                and (prob == 0 or not training)
+                and not (norm._forward_pre_hooks or norm._forward_hooks)  # e.g. a parameter all-gather's wait
+                and rmsnorm_kernel.fusable(x, residual, norm.weight)
+            ):
+                s, n = rmsnorm_kernel.add_rms_norm(x, residual, norm.weight, norm.eps)
+                return rmsnorm_kernel.stash_normed(s, norm, n)
+            return plain(x_with_bias, residual, prob)
+
+        return add
+
+
+def link_add_norms(model) -> int:
+    """Links each ``AddNormBDA`` of ``model``'s decoder layers to the RMSNorm that takes its sum: a layer's
+    attention sum goes to its pre-MLP norm, its MLP sum to the next layer's input norm (the final norm after
+    this stage's last layer). Not where a layer recomputes or offloads that norm, or where the norm is not
+    ``RMSNorm`` itself, nor a layer with cross-attention. Returns the number linked."""
+    decoder = getattr(model, "decoder", None)
+    layers = list(getattr(decoder, "layers", ()))
+    final = getattr(decoder, "final_layernorm", None)
+    linked = 0
+    for i, layer in enumerate(layers):
+        nxt = layers[i + 1] if i + 1 < len(layers) else None
+        sites = (
+            (layer.self_attn_bda, layer.pre_mlp_layernorm,
+             getattr(layer, "recompute_pre_mlp_layernorm", False) or getattr(layer, "offload_mlp_norm", False)
+             or not all(isinstance(m, IdentityOp) for m in (layer.pre_cross_attn_layernorm, layer.cross_attention))),
+            (layer.mlp_bda, nxt.input_layernorm if nxt is not None else final,
+             nxt is not None and (getattr(nxt, "recompute_input_layernorm", False)
+                                  or getattr(nxt, "offload_attn_norm", False))),
+        )  # fmt: skip
+        for bda, norm, apart in sites:
+            if isinstance(bda, AddNormBDA) and type(norm) is RMSNorm and not apart:
+                bda.norm = weakref.ref(norm)
+                linked += 1
+    return linked
 
 
 class QKVLinear(ColumnParallelLinear):
@@ -173,6 +237,7 @@ def block_spec(config, qk_norm: bool, backend: str = "auto", lora: LoRAConfig | 
     layer = layer_spec(qk_norm, backend, fused_swiglu=config.use_te_activation_func, lora=lora)
     if uses_te(backend):
         return layer
+    layer.submodules.self_attn_bda = layer.submodules.mlp_bda = AddNormBDA  # linked by ``link_add_norms``
     return TransformerBlockSubmodules(
         layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm
     )

@@ -8,7 +8,9 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
 
 - ``decode_attention``: ``_decode_attention_kernel``: ``shared`` off / on (prompt KV sharing), and
   ``rope`` on (RoPE and the KV write inside, with sharing);
-- ``rmsnorm``: ``_backward_kernel``: ``blocks_for`` 896, 2048 (the forward's 1/rms) and 3584 (7B, recomputed);
+- ``rmsnorm``: ``_backward_kernel``: ``blocks_for`` 896 (with and without the residual gradient), 2048 (the
+  forward's 1/rms, the residual gradient) and 3584 (7B, recomputed); ``_add_forward_kernel``: ``forward_tile``
+  896, 2048, 3584;
 - ``swiglu``: ``_backward_kernel``: 8 x 256;
 - ``logprob``: ``_stats_kernel``: ``splits`` 1 (a training micro-batch) and 32 (a few rows), each with one
   exp an element at temperature 1 and another (``scaled``) and with two exps; ``_grad_kernel`` at
@@ -118,12 +120,19 @@ SCRIPT = textwrap.dedent(
     add(decode_attention._decode_attention_kernel, attn_rope,
         {"groups": 2, "rep": 7, "rows": 16, "dim": D, "block": 64, "shared": True, "rope": True}, num_warps=4)
 
-    norm = {"x_ptr": bf, "dy_ptr": bf, "w_ptr": bf, "dx_ptr": bf, "dw_ptr": f32, "rstd_ptr": f32, "rows": 16384, "hidden": H,
-            "stride_x": H, "stride_dy": H, "stride_dx": H, "eps": eps, "rows_per": 16}
-    for hidden, saved in ((896, True), (2048, True), (3584, False)):
+    norm = {"x_ptr": bf, "dy_ptr": bf, "w_ptr": bf, "dx_ptr": bf, "dw_ptr": f32, "rstd_ptr": f32, "dres_ptr": bf,
+            "rows": 16384, "hidden": H, "stride_x": H, "stride_dy": H, "stride_dx": H, "stride_dres": H, "eps": eps,
+            "rows_per": 16}
+    for hidden, saved, res in ((896, True, False), (896, True, True), (2048, True, True), (3584, False, False)):
         block, tile, warps, _ = rmsnorm.blocks_for(hidden)
         add(rmsnorm._backward_kernel, norm,
-            {"tile": tile, "block": block, "saved_rstd": saved}, num_warps=warps)
+            {"tile": tile, "block": block, "saved_rstd": saved, "add_res": res}, num_warps=warps)
+    add_norm = {"a_ptr": bf, "r_ptr": bf, "w_ptr": bf, "s_ptr": bf, "n_ptr": bf, "rstd_ptr": f32, "rows": 34816,
+                "hidden": H, "eps": eps}
+    for hidden in (896, 2048, 3584):
+        block, tile, warps = rmsnorm.forward_tile(hidden)
+        add(rmsnorm._add_forward_kernel, add_norm | {"hidden": hidden}, {"tile": tile, "block": block},
+            num_warps=warps)
     glu = {"y_ptr": bf, "g_ptr": bf, "dy_ptr": bf, "rows": 16384, "ffn": FFN, "stride_y": 2 * FFN,
            "stride_g": FFN, "stride_dy": 2 * FFN}
     add(swiglu._backward_kernel, glu, {"block_rows": 8, "block_cols": 256}, num_warps=4)
