@@ -448,7 +448,9 @@ def run(a: argparse.Namespace) -> dict:
         if dist.get_rank() == 0:
             print(json.dumps(row), flush=True)
     if a.profile:  # one more step, not timed: where generation's and the update's device time goes
-        profile_phases(c, a.steps, a.profile, update_seqs=a.profile_update_seqs)
+        profile_phases(
+            c, a.steps, a.profile, update_seqs=a.profile_update_seqs, device_only=a.profile_device_only
+        )
     timed = steps[1:] or steps
     med = {
         "step_s": statistics.median(r["step_s"] for r in timed),
@@ -555,14 +557,18 @@ def exact_gemm_summary() -> dict:
             "batched": bi.EXACT_BATCHED, "batched_trials": trials}  # fmt: skip
 
 
-def profile_phases(c, step: int, folder: str, rows: int = 60, update_seqs: int | None = None) -> None:
+def profile_phases(
+    c, step: int, folder: str, rows: int = 60, update_seqs: int | None = None, device_only: bool = False
+) -> None:
     """Run training step ``step`` with ``engine.generate`` and ``actor.update`` each under torch.profiler;
     write their op tables (top ``rows`` by self device time) to ``folder``/{generate,update}_ops.txt, and
     split by input shapes to {generate,update}_ops_by_shape.txt (recording shapes adds host overhead: the
     wall time under the profiler is not comparable with runs before session 19).
     ``update_seqs``: the profiled update runs on the batch's first that many sequences only (whole groups,
     one mini-batch), so that a long update's trace stays small enough to tabulate; its wall time goes
-    into ``folder``/update_slice.json beside the table."""
+    into ``folder``/update_slice.json beside the table. ``device_only``: the device's activity alone (no host ops,
+    no shapes), so the host runs at nearly its unprofiled speed and the gaps are the ones a plain step has;
+    the gaps then carry no host annotation."""
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
@@ -570,7 +576,8 @@ def profile_phases(c, step: int, folder: str, rows: int = 60, update_seqs: int |
     from megatron_rl.logging import Timer
     from megatron_rl.trainer.run import train_step
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    acts = [] if device_only else [ProfilerActivity.CPU]
+    acts += [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     Path(folder).mkdir(parents=True, exist_ok=True)
     originals = {"generate": (c.engine, "generate"), "update": (c.actor, "update")}
@@ -581,7 +588,7 @@ def profile_phases(c, step: int, folder: str, rows: int = 60, update_seqs: int |
                 batch, mini = args
                 seqs = min(update_seqs, len(batch))
                 args = (batch.select(range(seqs)), min(mini, seqs))
-            with profile(activities=acts, record_shapes=True) as prof:
+            with profile(activities=acts, record_shapes=not device_only) as prof:
                 t0 = time.perf_counter()
                 out = fn(*args, **kwargs)
                 if torch.cuda.is_available():
@@ -647,6 +654,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_rl_step.json"))
     p.add_argument("--profile-update-seqs", type=int, default=None,
                    help="with --profile: profile the update of the first N sequences only (whole groups)")  # fmt: skip
+    p.add_argument("--profile-device-only", action="store_true",
+                   help="with --profile: record the device's activity only (the host at nearly its own speed)")  # fmt: skip
     p.add_argument("--profile", default=None,
                    help="after the timed steps, one more under torch.profiler: op tables of generation and the update here")  # fmt: skip
     p.add_argument("--sync-audit", default=None,

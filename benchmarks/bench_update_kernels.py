@@ -9,6 +9,8 @@ and the HBM bytes per second they reach, new against what they replace, in one p
   of the fp32 formula; tried in session 18 for the trainer's norm, measured 3.3x slower, not landed) and
   ``kernels.rmsnorm``'s Triton backward (torch's forward; off by default until measured here).
 - SwiGLU forward + backward: the compiled backward against ``kernels.swiglu``'s Triton one.
+- A residual add and the RMSNorm after it, forward and forward + backward: torch's add and the trainer's
+  norm apart against ``kernels.rmsnorm.add_rms_norm`` (one kernel each way).
 - The shared-prompt K/V gather (``actor.share_prompts``) forward + backward: autograd's ``index_select``
   (its backward bf16 ``index_add_`` atomics) against ``kernels.gather_rows`` (a deterministic fp32 sum of
   each row's copies), at a micro-batch of GRPO groups; each one's largest gap to a float64 sum.
@@ -267,13 +269,50 @@ def gather_case(groups: int, n: int, prompt: int, response: int, kv_heads: int, 
     return res
 
 
+def addnorm_case(rows: int, hidden: int) -> dict:
+    """A residual add and the RMSNorm after it, forward and forward + backward, as a layer's site runs them
+    (the sum goes on as the next residual and into the norm; both get a gradient): the trainer's path before
+    (torch's add, ``kernels.rmsnorm._RMSNorm``, autograd adding the sum's two gradients) against
+    ``kernels.rmsnorm.add_rms_norm``; each one's largest gap to a float64 reference."""
+    torch.manual_seed(0)
+    a0, r0, gs, gn = (torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    w = (0.5 + torch.rand(hidden, device="cuda")).to(torch.bfloat16).requires_grad_(True)
+    a, r = a0.clone().requires_grad_(True), r0.clone().requires_grad_(True)
+    fns = {"apart": lambda: ((s := a + r), rmsnorm_kernel._RMSNorm.apply(s, w, 1e-6)),
+           "fused": lambda: rmsnorm_kernel.add_rms_norm(a, r, w, 1e-6)}  # fmt: skip
+    ref = [t.detach().double().requires_grad_(True) for t in (a0, r0, w)]
+    s_ref = ref[0] + ref[1]
+    n_ref = torch.nn.functional.rms_norm(s_ref, (hidden,), ref[2], 1e-6)
+    torch.autograd.backward((s_ref, n_ref), (gs.double(), gn.double()))
+    res = {"rows": rows, "hidden": hidden}
+    for name, fn in fns.items():
+
+        def run(fn=fn):
+            a.grad = r.grad = w.grad = None
+            torch.autograd.backward(fn(), (gs, gn))
+
+        def fwd(fn=fn):
+            with torch.no_grad():
+                return fn()
+
+        run()
+        s, n = fwd()
+        gaps = {"n": float((n.double() - n_ref.detach()).abs().max()), "da": float((a.grad.double() - ref[0].grad).abs().max()),
+                "dw_rel": float((w.grad.double() - ref[2].grad).abs().max() / ref[2].grad.abs().max())}  # fmt: skip
+        res[name] = {"fwd_us": round(timed_us(fwd, n=20, warmup=3), 1),
+                     "fwd_bwd_us": round(timed_us(run, n=20, warmup=3), 1), "gap_to_float64": gaps}  # fmt: skip
+    res["speedup_fwd"] = round(res["apart"]["fwd_us"] / res["fused"]["fwd_us"], 3)
+    res["speedup_fwd_bwd"] = round(res["apart"]["fwd_bwd_us"] / res["fused"]["fwd_bwd_us"], 3)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "update_kernels.json"))
     ap.add_argument(
         "--cases",
-        default="logprob,rmsnorm,swiglu,gather",
-        help="comma-separated: logprob, rmsnorm, swiglu, gather",
+        default="logprob,rmsnorm,swiglu,gather,addnorm",
+        help="comma-separated: logprob, rmsnorm, swiglu, gather, addnorm",
     )
     a = ap.parse_args()
     cases = set(a.cases.split(","))
@@ -300,6 +339,10 @@ def main() -> None:
             gather_case(8, 8, 256, 512, kv_heads, dim)
         )  # a fixed-step micro-batch: 34,816 rows
         print(json.dumps(res["gather"][-1]), flush=True)
+    res["addnorm"] = []
+    for hidden in (896, 2048) if "addnorm" in cases else ():  # 0.5B and 3B hidden, a fixed-step micro-batch
+        res["addnorm"].append(addnorm_case(34816, hidden))
+        print(json.dumps(res["addnorm"][-1]), flush=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 
