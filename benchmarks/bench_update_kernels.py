@@ -301,6 +301,19 @@ def addnorm_case(rows: int, hidden: int) -> dict:
                 "dw_rel": float((w.grad.double() - ref[2].grad).abs().max() / ref[2].grad.abs().max())}  # fmt: skip
         res[name] = {"fwd_us": round(timed_us(fwd, n=20, warmup=3), 1),
                      "fwd_bwd_us": round(timed_us(run, n=20, warmup=3), 1), "gap_to_float64": gaps}  # fmt: skip
+    # the backward alone (one call of ``rmsnorm_kernel.backward`` with the residual gradient) over tiles / warps /
+    # programs, the first ``blocks_for``'s default, against it without the residual gradient; bytes: the sum,
+    # the norm's gradient and the residual gradient read, dx written
+    s, _, rstd = rmsnorm_kernel.add_forward(a0, r0, w.detach(), 1e-6)
+    res["bwd_alone_us"] = round(timed_us(lambda: rmsnorm_kernel.backward(s, w, gn, 1e-6, rstd=rstd)), 1)
+    _, tile0, warps0, programs0 = rmsnorm_kernel.blocks_for(hidden)
+    res["bwd_with_residual"] = []
+    for tile, warps, programs in ((tile0, warps0, programs0), (2, 4, 2048), (4, 4, 1024), (4, 8, 1024), (1, 4, 4096),
+                                  (1, 2, 4096), (2, 2, 4096), (8, 8, 528)):  # fmt: skip
+        us = timed_us(lambda t=tile, nw=warps, p=programs: rmsnorm_kernel.backward(
+            s, w, gn, 1e-6, p, t, nw, rstd=rstd, residual_grad=gs))  # fmt: skip
+        res["bwd_with_residual"].append({"tile": tile, "num_warps": warps, "programs": programs, "bwd_us": round(us, 1),
+                                         "fraction_of_hbm": round(4 * rows * hidden * 2 / (us / 1e6) / HBM, 3)})  # fmt: skip
     res["speedup_fwd"] = round(res["apart"]["fwd_us"] / res["fused"]["fwd_us"], 3)
     res["speedup_fwd_bwd"] = round(res["apart"]["fwd_bwd_us"] / res["fused"]["fwd_bwd_us"], 3)
     return res
