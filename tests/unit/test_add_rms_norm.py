@@ -57,7 +57,9 @@ def test_the_fused_add_and_norm_equal_autograd_through_the_two_ops(dtype, tol, u
     assert torch.equal(s, a + r)  # the sum rounds as torch's add
     s_ref, n_ref, grads = _reference(a, r, w, ds, dn)
     torch.testing.assert_close(n.double(), n_ref, rtol=tol, atol=tol)
-    torch.autograd.backward([t for t, x in ((s, ds), (n, dn)) if x is not None], [x for x in (ds, dn) if x is not None])
+    torch.autograd.backward(
+        [t for t, x in ((s, ds), (n, dn)) if x is not None], [x for x in (ds, dn) if x is not None]
+    )
     for got, want in zip((t.grad for t in leaves), grads):
         if want is None:
             assert got is None
@@ -130,14 +132,20 @@ def _logits_and_grads(setup, fused: bool, monkeypatch, calls: list):
     pos = torch.arange(9)[None].expand(2, 9)
     logits = model(ids, pos, None)
     (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
-    return model, logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return (
+        model,
+        logits.detach(),
+        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+    )
 
 
 def test_the_model_with_fused_adds_gives_megatron_cores_logits_and_gradients(setup, monkeypatch):
     calls: list = []
     model, got, got_grads = _logits_and_grads(setup, True, monkeypatch, calls)
     layers = model.decoder.layers
-    assert spec_mod.link_add_norms(model) == 2 * len(layers)  # every layer's two sums, the last to the final norm
+    assert spec_mod.link_add_norms(model) == 2 * len(
+        layers
+    )  # every layer's two sums, the last to the final norm
     trial = 1
     assert len(calls) == trial + 2 * len(layers)  # every site ran the kernel
     calls.clear()
