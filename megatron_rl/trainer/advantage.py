@@ -85,50 +85,24 @@ def batch_decode(tokenizer, seqs: list[list[int]]) -> list[str]:
 
 def decode_responses(batch: RolloutBatch, tokenizer, host: HostResponses | None = None) -> list[str]:
     """The responses' text; from ``host`` (``HostResponses(batch)``) without reading the device."""
-    if host is not None:
-        return host.texts(tokenizer)
-    return _decode(tokenizer, batch.response_lens, batch.responses)
-
-
-def _decode(tokenizer, lens: torch.Tensor, ids: torch.Tensor) -> list[str]:
-    lens, ids = lens.tolist(), ids.tolist()
-    return batch_decode(tokenizer, [row if n == len(row) else row[:n] for row, n in zip(ids, lens)])
-
-
-_PREFETCH: ThreadPoolExecutor | None = None  # one thread: ``HostResponses``' decodes, in order
+    source = (batch.response_lens, batch.responses) if host is None else host.tensors()
+    lens, ids = (t.tolist() for t in source)
+    return batch_decode(tokenizer, [row[:n] for row, n in zip(ids, lens)])
 
 
 class HostResponses:
     """The batch's response lengths and ids copied to host memory behind the work queued so far, without a host
     sync (``distributed.transfer.to_host_async``): a scoring that runs later (``reward.overlap``, inside the
     update's first loss) reads them without waiting for the device work queued after the copy (a ``.tolist()``
-    of the device tensors would).
+    of the device tensors would)."""
 
-    With ``tokenizer`` the texts are decoded at once on a background thread (``texts`` waits for them), while
-    the main thread splits the update's micro-batches and queues the first forward: at the GRPO benchmark's
-    0.5B fixed step (512 x 512 tokens) the decode took most of the ~60 ms of the host's scoring, and ~33 ms of
-    it left the device idle after that forward (session 32's device-only profile). The reward function itself
-    still runs on the calling thread (some time out with signals, which work on the main thread only)."""
-
-    def __init__(self, batch: RolloutBatch, tokenizer=None):
-        global _PREFETCH
+    def __init__(self, batch: RolloutBatch):
         self._host, self._event = to_host_async([batch.response_lens, batch.responses])
-        self._texts = None
-        if tokenizer is not None:
-            if _PREFETCH is None:
-                _PREFETCH = ThreadPoolExecutor(1, thread_name_prefix="detokenize-prefetch")
-            self._texts = _PREFETCH.submit(lambda: _decode(tokenizer, *self.tensors()))
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._event is not None:
             self._event.synchronize()  # the copies only, not the work queued after them
         return self._host[0], self._host[1]
-
-    def texts(self, tokenizer) -> list[str]:
-        """The responses' texts: the background decode's (its error raised here), else decoded now."""
-        if self._texts is not None:
-            return self._texts.result()
-        return _decode(tokenizer, *self.tensors())
 
 
 def score_responses(

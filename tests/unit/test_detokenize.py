@@ -4,8 +4,6 @@ first call keeps transformers' decode."""
 
 import random
 
-import pytest
-
 from megatron_rl.data.tiny_tokenizer import build_char_tokenizer
 from megatron_rl.trainer import advantage
 
@@ -131,36 +129,3 @@ def test_scores_land_on_each_last_response_token_and_host_copies_read_the_same(m
             want[i, n - 1] = out_plain["score"][i]
     assert torch.equal(plain.token_level_scores, want) and torch.equal(copied.token_level_scores, want)
     assert plain.token_level_scores[-1].abs().sum() == 0 and out_plain["score"][-1] == 0.5
-
-
-def test_host_responses_decode_on_a_background_thread_and_raise_its_error_when_read(monkeypatch):
-    """``HostResponses(batch, tokenizer)`` (``reward.overlap``): the texts are decoded at once on a background
-    thread, equal to a decode on the caller's thread; a failure there is raised, with its message, where the
-    texts are read (the scoring inside the first loss)."""
-    import threading
-
-    import torch
-
-    tok = build_char_tokenizer()
-    seqs = _seqs(tok, 9, seed=5)
-    r = max(len(s) for s in seqs)
-    batch = type("B", (), {})()
-    batch.response_lens = torch.tensor([len(s) for s in seqs])
-    batch.responses = torch.tensor([s + [0] * (r - len(s)) for s in seqs])
-    threads = []
-    real = advantage.batch_decode
-    monkeypatch.setattr(
-        advantage, "batch_decode", lambda t, s: threads.append(threading.current_thread().name) or real(t, s)
-    )
-    host = advantage.HostResponses(batch, tok)
-    assert host.texts(tok) == tok.batch_decode(seqs, skip_special_tokens=True)
-    assert advantage.decode_responses(batch, tok, host) == host.texts(tok)  # the one decode, read again
-    assert threads == [t for t in threads if t.startswith("detokenize-prefetch")] and len(threads) == 1
-
-    def broken(t, s):
-        raise ValueError("no such token id 99999")
-
-    monkeypatch.setattr(advantage, "batch_decode", broken)
-    failing = advantage.HostResponses(batch, tok)
-    with pytest.raises(ValueError, match="no such token id 99999"):
-        failing.texts(tok)
