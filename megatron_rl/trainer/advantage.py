@@ -29,8 +29,10 @@ from megatron_rl.algos.dapo import overlong_filter, overlong_penalty
 from megatron_rl.algos.rollout_correction import rollout_gap_metrics
 from megatron_rl.config.schema import ActorConfig, AlgorithmConfig, JobConfig, OverlongBufferConfig
 from megatron_rl.distributed.transfer import to_device_async, to_host_async
+from megatron_rl.kernels.compile import env_switch
 from megatron_rl.rewards import score_batch
 from megatron_rl.rollout.batch import RolloutBatch
+from megatron_rl.trainer.detokenize_process import DecodeProcess
 
 
 def build_kl_controller(cfg: AlgorithmConfig):
@@ -85,24 +87,70 @@ def batch_decode(tokenizer, seqs: list[list[int]]) -> list[str]:
 
 def decode_responses(batch: RolloutBatch, tokenizer, host: HostResponses | None = None) -> list[str]:
     """The responses' text; from ``host`` (``HostResponses(batch)``) without reading the device."""
-    source = (batch.response_lens, batch.responses) if host is None else host.tensors()
-    lens, ids = (t.tolist() for t in source)
+    if host is not None:
+        return host.texts(tokenizer)
+    lens, ids = batch.response_lens.tolist(), batch.responses.tolist()
     return batch_decode(tokenizer, [row[:n] for row, n in zip(ids, lens)])
+
+
+# ``HostResponses(batch, tokenizer)`` decodes in a child process (``trainer.detokenize_process``) where the batch
+# is on CUDA (or CPU with ``PROCESS_ON_CPU``, for tests) and the tokenizer's Rust decode passed ``batch_decode``'s
+# check; MEGATRON_RL_DETOKENIZE_PROCESS=0 (or false/off/no) decodes in-process.
+PROCESS = env_switch("MEGATRON_RL_DETOKENIZE_PROCESS", True)
+PROCESS_ON_CPU = False
+_PROCESSES: dict[int, tuple[object, DecodeProcess]] = {}  # id(Rust tokenizer) -> (it, its child)
+
+
+def _process_for(tokenizer, create: bool) -> DecodeProcess | None:
+    """The tokenizer's decoding child (started here with ``create``), or None where it has none or it died."""
+    rust = _rust_tokenizer(tokenizer)
+    if rust is None or not _FAST_DECODE.get(id(rust), (None, False))[1]:
+        return None
+    if id(rust) not in _PROCESSES and create:
+        _PROCESSES[id(rust)] = (rust, DecodeProcess(rust))
+    proc = _PROCESSES.get(id(rust), (None, None))[1]
+    return proc if proc is not None and proc.dead is None else None
 
 
 class HostResponses:
     """The batch's response lengths and ids copied to host memory behind the work queued so far, without a host
     sync (``distributed.transfer.to_host_async``): a scoring that runs later (``reward.overlap``, inside the
     update's first loss) reads them without waiting for the device work queued after the copy (a ``.tolist()``
-    of the device tensors would)."""
+    of the device tensors would).
 
-    def __init__(self, batch: RolloutBatch):
+    With ``tokenizer`` (and ``PROCESS``, on CUDA) the ids go to a child process that decodes them while the
+    update starts: ``texts`` reads its answer. This waits for the copy here, so it is made where the device has
+    nothing else queued (``reward.overlap``: after the passes that read their results back to the host). The
+    first batch a tokenizer decodes runs in-process (``batch_decode``'s check of the Rust decode) and starts the
+    child for the next ones."""
+
+    def __init__(self, batch: RolloutBatch, tokenizer=None):
         self._host, self._event = to_host_async([batch.response_lens, batch.responses])
+        self._proc = None
+        self._wants_process = (
+            tokenizer is not None and PROCESS and (batch.responses.device.type == "cuda" or PROCESS_ON_CPU)
+        )
+        proc = _process_for(tokenizer, create=False) if self._wants_process else None
+        if proc is not None:
+            lens, ids = self.tensors()
+            self._proc = proc if proc.submit(lens.numpy(), ids.numpy()) else None
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._event is not None:
             self._event.synchronize()  # the copies only, not the work queued after them
         return self._host[0], self._host[1]
+
+    def texts(self, tokenizer) -> list[str]:
+        """The responses' texts: the child's, else decoded here (then the child is started for later batches)."""
+        proc, self._proc = self._proc, None
+        texts = proc.texts() if proc is not None else None
+        if texts is not None:
+            return texts
+        lens, ids = (t.tolist() for t in self.tensors())
+        texts = batch_decode(tokenizer, [row[:n] for row, n in zip(ids, lens)])
+        if self._wants_process:
+            _process_for(tokenizer, create=True)
+        return texts
 
 
 def score_responses(

@@ -172,12 +172,13 @@ def overlap_reward(c: Components) -> bool:
 
 def _defer_advantages(c: Components, batch: RolloutBatch, timer: Timer, into: dict) -> Pending:
     """``batch.advantages`` / ``returns`` computed on first use (the first update loss reads them after its
-    forward is queued): the reward function then runs on the host while the device runs that forward (the
-    detokenising too: the responses go to the host now, before that forward is queued, since reading the
-    device tensors then would wait for it; the advantage estimate may sync, e.g. DP's gather of row counts).
+    forward is queued): the reward function then runs on the host while the device runs that forward. The
+    responses go to the host now, before that forward is queued, since reading the device tensors then would
+    wait for it; on CUDA a child process decodes their texts from now on (``HostResponses``); the advantage
+    estimate may sync, e.g. DP's gather of row counts.
     Their metrics land in ``into``, their host seconds in the timer's reward / adv phases (not synced: a sync
     would wait for the forward), each bounded by ``trainer.timeout_minutes`` as before; no autograd graph."""
-    host = HostResponses(batch)
+    host = HostResponses(batch, c.tokenizer)  # the texts decoded by a child process from here (on CUDA)
     minutes = c.cfg.trainer.timeout_minutes
 
     def finish() -> None:

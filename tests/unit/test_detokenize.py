@@ -4,6 +4,8 @@ first call keeps transformers' decode."""
 
 import random
 
+import pytest
+
 from megatron_rl.data.tiny_tokenizer import build_char_tokenizer
 from megatron_rl.trainer import advantage
 
@@ -129,3 +131,79 @@ def test_scores_land_on_each_last_response_token_and_host_copies_read_the_same(m
             want[i, n - 1] = out_plain["score"][i]
     assert torch.equal(plain.token_level_scores, want) and torch.equal(copied.token_level_scores, want)
     assert plain.token_level_scores[-1].abs().sum() == 0 and out_plain["score"][-1] == 0.5
+
+
+def _fast_tok(monkeypatch):
+    tok = build_char_tokenizer()
+    tok.clean_up_tokenization_spaces = False
+    monkeypatch.setattr(advantage, "_FAST_DECODE", {})
+    monkeypatch.setattr(advantage, "_PROCESSES", {})
+    return tok
+
+
+def _padded(seqs):
+    import numpy as np
+
+    r = max(1, max(len(s) for s in seqs))
+    return np.array([len(s) for s in seqs]), np.array([s + [0] * (r - len(s)) for s in seqs], dtype=np.int64)
+
+
+def test_the_decoding_process_gives_batch_decodes_texts_and_drains_an_unread_job(monkeypatch):
+    """``detokenize_process.DecodeProcess``: a child process on the Rust tokenizer's JSON; its texts == the
+    tokenizer's ``batch_decode`` (special ids skipped, empty rows, multi-byte characters); a job whose texts
+    were never read is drained before the next one; a child that died is reported and answers None."""
+    from megatron_rl.trainer.detokenize_process import DecodeProcess
+
+    tok = _fast_tok(monkeypatch)
+    seqs = _seqs(tok, 40, seed=4) + [[]] + [tok.encode("naïve café ✓", add_special_tokens=False)]
+    want = tok.batch_decode(seqs, skip_special_tokens=True)
+    proc = DecodeProcess(tok._tokenizer)
+    try:
+        lens, ids = _padded(seqs)
+        assert proc.submit(lens, ids)
+        assert proc.texts() == want
+        assert proc.submit(lens[:3], ids[:3])  # never read...
+        assert proc.submit(lens, ids)  # ...drained here, then this job
+        assert proc.texts() == want
+        proc._proc.kill()
+        proc._proc.wait()
+        with pytest.warns(UserWarning, match="detokenising process stopped"):
+            ok = proc.submit(lens, ids)
+            texts = proc.texts()
+        assert not ok and texts is None and proc.dead
+    finally:
+        proc.close()
+
+
+def test_host_responses_decode_in_the_child_from_the_second_batch(monkeypatch):
+    """``reward.overlap``'s ``HostResponses(batch, tokenizer)``: the first batch decodes in-process (the Rust
+    decode's check) and starts the child; later batches go to the child at once (no in-process decode), with
+    the same texts; ``MEGATRON_RL_DETOKENIZE_PROCESS`` off, or a CPU batch without ``PROCESS_ON_CPU``, never
+    starts one."""
+    import torch
+
+    tok = _fast_tok(monkeypatch)
+    seqs = _seqs(tok, 70, seed=6)
+    lens, ids = _padded(seqs)
+    batch = type("B", (), {"response_lens": torch.from_numpy(lens), "responses": torch.from_numpy(ids)})()
+    want = tok.batch_decode(seqs, skip_special_tokens=True)
+    advantage.HostResponses(batch, tok).texts(tok)
+    assert not advantage._PROCESSES  # a CPU batch: in-process
+    monkeypatch.setattr(advantage, "PROCESS_ON_CPU", True)
+    calls = []
+    real = advantage.batch_decode
+    monkeypatch.setattr(advantage, "batch_decode", lambda t, s: calls.append(len(s)) or real(t, s))
+    try:
+        assert advantage.HostResponses(batch, tok).texts(tok) == want
+        assert len(advantage._PROCESSES) == 1  # started after an in-process decode
+        calls.clear()
+        for _ in range(2):
+            host = advantage.HostResponses(batch, tok)
+            assert host._proc is not None
+            assert advantage.decode_responses(batch, tok, host) == want
+        assert not calls  # the child decoded both
+        monkeypatch.setattr(advantage, "PROCESS", False)
+        assert advantage.HostResponses(batch, tok)._proc is None
+    finally:
+        for _, proc in advantage._PROCESSES.values():
+            proc.close()
