@@ -93,10 +93,11 @@ def decode_responses(batch: RolloutBatch, tokenizer, host: HostResponses | None 
     return batch_decode(tokenizer, [row[:n] for row, n in zip(ids, lens)])
 
 
-# ``HostResponses(batch, tokenizer)`` decodes in a child process (``trainer.detokenize_process``) where the batch
-# is on CUDA (or CPU with ``PROCESS_ON_CPU``, for tests) and the tokenizer's Rust decode passed ``batch_decode``'s
-# check; MEGATRON_RL_DETOKENIZE_PROCESS=0 (or false/off/no) decodes in-process.
-PROCESS = env_switch("MEGATRON_RL_DETOKENIZE_PROCESS", True)
+# ``HostResponses(batch, tokenizer)`` decodes in a child process (``trainer.detokenize_process``) where
+# MEGATRON_RL_DETOKENIZE_PROCESS=1 (or true/on/yes), the batch is on CUDA (or CPU with ``PROCESS_ON_CPU``, for
+# tests) and the tokenizer's Rust decode passed ``batch_decode``'s check. Off by default until measured on a GPU
+# (session 32's call for it timed out on a fresh machine's compiles; ``benchmarks/results/2026-12-06-session32``).
+PROCESS = env_switch("MEGATRON_RL_DETOKENIZE_PROCESS", False)
 PROCESS_ON_CPU = False
 _PROCESSES: dict[int, tuple[object, DecodeProcess]] = {}  # id(Rust tokenizer) -> (it, its child)
 
@@ -118,7 +119,7 @@ class HostResponses:
     update's first loss) reads them without waiting for the device work queued after the copy (a ``.tolist()``
     of the device tensors would).
 
-    With ``tokenizer`` (and ``PROCESS``, on CUDA) the ids go to a child process that decodes them while the
+    With ``tokenizer`` (and ``PROCESS``, opt-in, on CUDA) the ids go to a child process that decodes them while the
     update starts: ``texts`` reads its answer. This waits for the copy here, so it is made where the device has
     nothing else queued (``reward.overlap``: after the passes that read their results back to the host). The
     first batch a tokenizer decodes runs in-process (``batch_decode``'s check of the Rust decode) and starts the

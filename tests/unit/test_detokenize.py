@@ -176,10 +176,10 @@ def test_the_decoding_process_gives_batch_decodes_texts_and_drains_an_unread_job
 
 
 def test_host_responses_decode_in_the_child_from_the_second_batch(monkeypatch):
-    """``reward.overlap``'s ``HostResponses(batch, tokenizer)``: the first batch decodes in-process (the Rust
-    decode's check) and starts the child; later batches go to the child at once (no in-process decode), with
-    the same texts; ``MEGATRON_RL_DETOKENIZE_PROCESS`` off, or a CPU batch without ``PROCESS_ON_CPU``, never
-    starts one."""
+    """``reward.overlap``'s ``HostResponses(batch, tokenizer)`` with ``MEGATRON_RL_DETOKENIZE_PROCESS=1``: the
+    first batch decodes in-process (the Rust decode's check) and starts the child; later batches go to the child
+    at once (no in-process decode), with the same texts; the switch off (the default), or a CPU batch without
+    ``PROCESS_ON_CPU``, never starts one."""
     import torch
 
     tok = _fast_tok(monkeypatch)
@@ -187,6 +187,9 @@ def test_host_responses_decode_in_the_child_from_the_second_batch(monkeypatch):
     lens, ids = _padded(seqs)
     batch = type("B", (), {"response_lens": torch.from_numpy(lens), "responses": torch.from_numpy(ids)})()
     want = tok.batch_decode(seqs, skip_special_tokens=True)
+    advantage.HostResponses(batch, tok).texts(tok)
+    assert not advantage._PROCESSES  # off by default (until measured on a GPU)
+    monkeypatch.setattr(advantage, "PROCESS", True)  # MEGATRON_RL_DETOKENIZE_PROCESS=1
     advantage.HostResponses(batch, tok).texts(tok)
     assert not advantage._PROCESSES  # a CPU batch: in-process
     monkeypatch.setattr(advantage, "PROCESS_ON_CPU", True)
