@@ -82,3 +82,14 @@ def test_a_bias_add_that_fails_its_trial_warns_and_the_eager_add_serves(monkeypa
     torch.testing.assert_close(out, x + b)
     out.sum().backward()
     torch.testing.assert_close(b.grad, torch.full((8,), 12.0))
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_first_call_inside_a_no_grad_pass_still_passes_the_trial(mode):
+    """The first bias add of an off-policy run comes in the old-log-prob pass (no grad); its trial takes
+    gradients, so it runs with them on (it failed there and left the eager add for the whole run)."""
+    x, b = torch.randn(5, 3, 8), torch.randn(8, requires_grad=True)
+    with getattr(torch, mode)():
+        out = bias_kernel.add_bias(x, b)
+    torch.testing.assert_close(out, x + b.detach())
+    assert not kc._FAILED and kc._PROBED
