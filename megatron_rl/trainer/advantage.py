@@ -4,6 +4,7 @@ collectively across DP ranks."""
 from __future__ import annotations
 
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -102,15 +103,38 @@ PROCESS_ON_CPU = False
 _PROCESSES: dict[int, tuple[object, DecodeProcess]] = {}  # id(Rust tokenizer) -> (it, its child)
 
 
-def _process_for(tokenizer, create: bool) -> DecodeProcess | None:
-    """The tokenizer's decoding child (started here with ``create``), or None where it has none or it died."""
+def _process_for(tokenizer) -> DecodeProcess | None:
+    """The tokenizer's decoding child, or None where it has none (yet) or it died."""
     rust = _rust_tokenizer(tokenizer)
-    if rust is None or not _FAST_DECODE.get(id(rust), (None, False))[1]:
-        return None
-    if id(rust) not in _PROCESSES and create:
-        _PROCESSES[id(rust)] = (rust, DecodeProcess(rust))
-    proc = _PROCESSES.get(id(rust), (None, None))[1]
+    proc = _PROCESSES.get(id(rust), (None, None))[1] if rust is not None else None
     return proc if proc is not None and proc.dead is None else None
+
+
+def _start_process(tokenizer, lens: torch.Tensor, ids: torch.Tensor, texts: list[str]) -> None:
+    """Starts the tokenizer's decoding child once its Rust decode passed ``batch_decode``'s check, and keeps it
+    only if its answer for this batch equals ``texts`` (decoded here). A tokenizer that cannot go to a child, or
+    a child that disagrees or fails, warns once and the decode stays in-process."""
+    rust = _rust_tokenizer(tokenizer)
+    if rust is None or id(rust) in _PROCESSES or not _FAST_DECODE.get(id(rust), (None, False))[1]:
+        return
+    proc, why = None, None
+    try:
+        proc = DecodeProcess(rust)
+        got = proc.texts(proc.submit(lens.numpy(), ids.numpy()))
+        if got is None:
+            why = proc.dead or "no answer"
+        elif got != texts:
+            why = "its texts differ from the in-process decode's"
+    except Exception as err:  # noqa: BLE001 - e.g. a tokenizer with Python parts has no JSON form
+        why = f"{type(err).__name__}: {err}"
+    if why is not None:
+        if proc is not None:
+            proc.dead = why
+            proc.close()
+        warnings.warn(
+            f"The detokenising process is not used ({why}); the texts are decoded in-process.", stacklevel=3
+        )
+    _PROCESSES[id(rust)] = (rust, proc if why is None else None)
 
 
 class HostResponses:
@@ -127,14 +151,15 @@ class HostResponses:
 
     def __init__(self, batch: RolloutBatch, tokenizer=None):
         self._host, self._event = to_host_async([batch.response_lens, batch.responses])
-        self._proc = None
+        self._proc, self._job = None, None
         self._wants_process = (
             tokenizer is not None and PROCESS and (batch.responses.device.type == "cuda" or PROCESS_ON_CPU)
         )
-        proc = _process_for(tokenizer, create=False) if self._wants_process else None
+        proc = _process_for(tokenizer) if self._wants_process else None
         if proc is not None:
             lens, ids = self.tensors()
-            self._proc = proc if proc.submit(lens.numpy(), ids.numpy()) else None
+            self._job = proc.submit(lens.numpy(), ids.numpy())
+            self._proc = proc if self._job is not None else None
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._event is not None:
@@ -144,13 +169,14 @@ class HostResponses:
     def texts(self, tokenizer) -> list[str]:
         """The responses' texts: the child's, else decoded here (then the child is started for later batches)."""
         proc, self._proc = self._proc, None
-        texts = proc.texts() if proc is not None else None
+        texts = proc.texts(self._job) if proc is not None else None
         if texts is not None:
             return texts
-        lens, ids = (t.tolist() for t in self.tensors())
+        lens_t, ids_t = self.tensors()
+        lens, ids = lens_t.tolist(), ids_t.tolist()
         texts = batch_decode(tokenizer, [row[:n] for row, n in zip(ids, lens)])
         if self._wants_process:
-            _process_for(tokenizer, create=True)
+            _start_process(tokenizer, lens_t, ids_t, texts)
         return texts
 
 

@@ -11,8 +11,10 @@ a few milliseconds of the main thread's time.
 
 The child runs ``tokenizers`` only, on the Rust tokenizer's own JSON (``Tokenizer.to_str``), and only for a
 tokenizer whose Rust ``decode_batch`` gave transformers' strings in ``advantage.batch_decode``'s check. It exits
-when its stdin closes (this process ended or ``close``). One job is in flight at a time. A child that dies or
-answers short is reported in a warning and the caller decodes in-process from then on.
+when its stdin closes (this process ended or ``close``) or this process is gone; it runs in its own session, so a
+Ctrl-C reaches the trainer only. One job is in flight at a time. A child that dies or answers short is reported
+in a warning and the caller decodes in-process from then on. Before it serves, its answer for the first batch
+(decoded in-process too) must equal that decode (``advantage._start_process``).
 """
 
 from __future__ import annotations
@@ -27,8 +29,16 @@ import warnings
 import numpy as np
 
 _CHILD = r"""
-import array, struct, sys
+import sys
+sys.path = [p for p in sys.path if p not in ("", ".")]  # python -c puts the working directory first
+import array, os, struct, threading, time
 from tokenizers import Tokenizer
+parent = int(sys.argv[1])
+def orphaned():  # stdin may stay open in a forked grandchild of the parent (an async checkpoint writer)
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+threading.Thread(target=orphaned, daemon=True).start()
 inp, out = sys.stdin.buffer, sys.stdout.buffer
 def read(n):
     b = inp.read(n)
@@ -50,24 +60,28 @@ while True:
 
 
 def _threads() -> int:
-    """The child's Rust threads: this machine's cores shared by the node's ranks, at most 8."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(1, min(8, (os.cpu_count() or 1) // max(1, local) - 1))
+    """The child's Rust threads: the cores this process may use, shared by the node's ranks, at most 8."""
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cores // max(1, int(local or 1)) - 1))
 
 
 class DecodeProcess:
-    """A child process decoding token ids with one Rust tokenizer (``submit``, then ``texts``)."""
+    """A child process decoding token ids with one Rust tokenizer (``submit``, then ``texts``). Raises where the
+    tokenizer cannot be written as JSON (one with Python parts) or the child cannot start."""
 
     def __init__(self, rust_tokenizer):
+        spec = rust_tokenizer.to_str().encode("utf-8")  # before the child starts: this is what may raise
         env = dict(os.environ, TOKENIZERS_PARALLELISM="true", RAYON_NUM_THREADS=str(_threads()))
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
-        )
+            [sys.executable, "-c", _CHILD, str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=env, start_new_session=True,  # a Ctrl-C goes to the trainer, which closes the child itself
+        )  # fmt: skip
+        atexit.register(self.close)
+        self._job = 0  # jobs submitted; the one in flight is number ``_job`` while ``_rows`` is set
         self._rows: int | None = None  # the job in flight: its row count
         self.dead: str | None = None
-        spec = rust_tokenizer.to_str().encode("utf-8")
         self._write(struct.pack("<Q", len(spec)) + spec)
-        atexit.register(self.close)
 
     def _write(self, data: bytes) -> None:
         try:
@@ -77,7 +91,11 @@ class DecodeProcess:
             self._fail(f"the child did not take its input ({type(err).__name__}: {err})")
 
     def _read(self, n: int) -> bytes | None:
-        data = self._proc.stdout.read(n) if n else b""
+        try:
+            data = self._proc.stdout.read(n) if n else b""
+        except (OSError, ValueError) as err:
+            data = b""
+            self._fail(f"reading the child's answer failed ({type(err).__name__}: {err})")
         if len(data) != n:
             self._fail(f"the child answered {len(data)} of {n} bytes (exit code {self._proc.poll()})")
             return None
@@ -91,24 +109,31 @@ class DecodeProcess:
             )
         self.close()
 
-    def submit(self, lens: np.ndarray, ids: np.ndarray) -> bool:
-        """Starts decoding ``ids`` [B, R] (each row's first ``lens`` [B] tokens). False where the child is gone."""
+    def submit(self, lens: np.ndarray, ids: np.ndarray) -> int | None:
+        """Starts decoding ``ids`` [B, R] (each row's first ``lens`` [B] tokens). Returns its job number for
+        ``texts``, or None where the child is gone."""
         if self._rows is not None:  # a job whose texts were never read (a step that failed): drain it first
-            self.texts()
+            self.texts(self._job)
         if self.dead is not None:
-            return False
+            return None
         lens = np.asarray(lens, dtype=np.int64).clip(0, ids.shape[1])
         live = ids[np.arange(ids.shape[1])[None, :] < lens[:, None]].astype(np.int32)
         self._write(
             struct.pack("<QQ", len(lens), live.size) + lens.astype(np.int32).tobytes() + live.tobytes()
         )
-        self._rows = len(lens) if self.dead is None else None
-        return self.dead is None
+        if self.dead is not None:
+            return None
+        self._job += 1
+        self._rows = len(lens)
+        return self._job
 
-    def texts(self) -> list[str] | None:
-        """The submitted job's texts (None where the child failed: the caller decodes in-process)."""
+    def texts(self, job: int | None) -> list[str] | None:
+        """Job ``job``'s texts. None where the child failed (the caller decodes in-process), or where a later
+        job replaced this one (its answer was drained)."""
+        if job is None or job != self._job or self._rows is None:
+            return None
         rows, self._rows = self._rows, None
-        if rows is None or self.dead is not None:
+        if self.dead is not None:
             return None
         head = self._read(8 * rows)
         sizes = np.frombuffer(head, dtype=np.uint64) if head is not None else None
@@ -119,10 +144,16 @@ class DecodeProcess:
         return [blob[a:b].decode("utf-8") for a, b in zip([0] + ends[:-1], ends)]
 
     def close(self) -> None:
+        """Ends the child: its stdout closed first (a child blocked writing an unread answer then fails), then
+        its stdin (it exits at the end of its input); killed where it has not exited within 5 s."""
         proc = self._proc
-        if proc.poll() is None:
+        for stream in (proc.stdout, proc.stdin):
             try:
-                proc.stdin.close()
-                proc.wait(timeout=5)
-            except (OSError, ValueError, subprocess.TimeoutExpired):
-                proc.kill()
+                stream.close()
+            except (OSError, ValueError):
+                pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

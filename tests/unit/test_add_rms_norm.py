@@ -163,7 +163,11 @@ def _assert_same(got, want, got_grads, want_grads):
 
 def test_the_model_with_fused_adds_gives_megatron_cores_logits_and_gradients(setup, monkeypatch):
     calls: list = []
+    taken = []
+    real_take = kernel.take_normed
+    monkeypatch.setattr(kernel, "take_normed", lambda x, norm: taken.append(real_take(x, norm)) or taken[-1])
     model, got, got_grads = _logits_and_grads(setup, True, monkeypatch, calls)
+    assert sum(t is not None for t in taken) == 2 * len(model.decoder.layers)  # every stash taken in training
     layers = model.decoder.layers
     assert spec_mod.link_add_norms(model) == 2 * len(
         layers

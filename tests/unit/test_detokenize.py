@@ -134,7 +134,9 @@ def test_scores_land_on_each_last_response_token_and_host_copies_read_the_same(m
 
 
 def _fast_tok(monkeypatch):
-    tok = build_char_tokenizer()
+    from megatron_rl.data.tiny_tokenizer import DEFAULT_ALPHABET
+
+    tok = build_char_tokenizer(DEFAULT_ALPHABET + "ïé✓😀")  # multi-byte characters in the vocabulary
     tok.clean_up_tokenization_spaces = False
     monkeypatch.setattr(advantage, "_FAST_DECODE", {})
     monkeypatch.setattr(advantage, "_PROCESSES", {})
@@ -151,35 +153,36 @@ def _padded(seqs):
 def test_the_decoding_process_gives_batch_decodes_texts_and_drains_an_unread_job(monkeypatch):
     """``detokenize_process.DecodeProcess``: a child process on the Rust tokenizer's JSON; its texts == the
     tokenizer's ``batch_decode`` (special ids skipped, empty rows, multi-byte characters); a job whose texts
-    were never read is drained before the next one; a child that died is reported and answers None."""
+    were never read is drained before the next one and then answers None, not another job's texts; a child that
+    died is reported and answers None."""
     from megatron_rl.trainer.detokenize_process import DecodeProcess
 
     tok = _fast_tok(monkeypatch)
-    seqs = _seqs(tok, 40, seed=4) + [[]] + [tok.encode("naïve café ✓", add_special_tokens=False)]
+    seqs = _seqs(tok, 40, seed=4) + [[]] + [tok.encode("naïve café ✓😀", add_special_tokens=False)]
     want = tok.batch_decode(seqs, skip_special_tokens=True)
+    assert "naïve café ✓😀" in want
     proc = DecodeProcess(tok._tokenizer)
     try:
         lens, ids = _padded(seqs)
-        assert proc.submit(lens, ids)
-        assert proc.texts() == want
-        assert proc.submit(lens[:3], ids[:3])  # never read...
-        assert proc.submit(lens, ids)  # ...drained here, then this job
-        assert proc.texts() == want
+        assert proc.texts(proc.submit(lens, ids)) == want
+        first = proc.submit(lens[:3], ids[:3])  # never read...
+        second = proc.submit(lens, ids)  # ...drained here, then this job
+        assert proc.texts(first) is None and proc.texts(second) == want
         proc._proc.kill()
         proc._proc.wait()
         with pytest.warns(UserWarning, match="detokenising process stopped"):
-            ok = proc.submit(lens, ids)
-            texts = proc.texts()
-        assert not ok and texts is None and proc.dead
+            job = proc.submit(lens, ids)
+        assert job is None and proc.texts(job) is None and proc.dead
     finally:
         proc.close()
+    assert proc._proc.returncode is not None  # reaped, no zombie
 
 
 def test_host_responses_decode_in_the_child_from_the_second_batch(monkeypatch):
     """``reward.overlap``'s ``HostResponses(batch, tokenizer)`` with ``MEGATRON_RL_DETOKENIZE_PROCESS=1``: the
-    first batch decodes in-process (the Rust decode's check) and starts the child; later batches go to the child
-    at once (no in-process decode), with the same texts; the switch off (the default), or a CPU batch without
-    ``PROCESS_ON_CPU``, never starts one."""
+    first batch decodes in-process (the Rust decode's check) and starts the child, which must give the same
+    texts for it; later batches go to the child at once (no in-process decode), with the same texts; the switch
+    off (the default), or a CPU batch without ``PROCESS_ON_CPU``, never starts one."""
     import torch
 
     tok = _fast_tok(monkeypatch)
@@ -198,7 +201,7 @@ def test_host_responses_decode_in_the_child_from_the_second_batch(monkeypatch):
     monkeypatch.setattr(advantage, "batch_decode", lambda t, s: calls.append(len(s)) or real(t, s))
     try:
         assert advantage.HostResponses(batch, tok).texts(tok) == want
-        assert len(advantage._PROCESSES) == 1  # started after an in-process decode
+        assert advantage._process_for(tok) is not None  # started (and checked) after an in-process decode
         calls.clear()
         for _ in range(2):
             host = advantage.HostResponses(batch, tok)
@@ -209,4 +212,45 @@ def test_host_responses_decode_in_the_child_from_the_second_batch(monkeypatch):
         assert advantage.HostResponses(batch, tok)._proc is None
     finally:
         for _, proc in advantage._PROCESSES.values():
-            proc.close()
+            if proc is not None:
+                proc.close()
+
+
+@pytest.mark.parametrize("fault", ["no_json", "disagrees"])
+def test_a_child_that_cannot_start_or_disagrees_is_not_used(monkeypatch, fault):
+    """A tokenizer without a JSON form (Python parts) or a child whose texts differ from the in-process decode:
+    one warning naming the cause, the texts from the in-process decode, no child kept or retried."""
+    import torch
+
+    from megatron_rl.trainer import detokenize_process
+
+    tok = _fast_tok(monkeypatch)
+    monkeypatch.setattr(advantage, "PROCESS", True)
+    monkeypatch.setattr(advantage, "PROCESS_ON_CPU", True)
+    seqs = _seqs(tok, 20, seed=8)
+    lens, ids = _padded(seqs)
+    batch = type("B", (), {"response_lens": torch.from_numpy(lens), "responses": torch.from_numpy(ids)})()
+    want = tok.batch_decode(seqs, skip_special_tokens=True)
+    if fault == "no_json":
+
+        def no_json(rust):
+            raise Exception("Custom PyDecoder cannot be serialized")
+
+        monkeypatch.setattr(advantage, "DecodeProcess", no_json)
+        match = "Custom PyDecoder"
+    else:
+        real_texts = detokenize_process.DecodeProcess.texts
+        monkeypatch.setattr(
+            detokenize_process.DecodeProcess,
+            "texts",
+            lambda self, job: [t + "!" for t in real_texts(self, job)],
+        )
+        match = "differ"
+    with pytest.warns(UserWarning, match=match):
+        assert advantage.HostResponses(batch, tok).texts(tok) == want
+    assert advantage._process_for(tok) is None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second attempt, no second warning
+        assert advantage.HostResponses(batch, tok).texts(tok) == want
