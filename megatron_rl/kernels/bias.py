@@ -46,9 +46,8 @@ def _trial(device: torch.device, dtype: torch.dtype, n: int) -> None:
     call may come inside a no-grad pass (old log-probs, a critic's values) or ``torch.inference_mode``."""
     rows = TRIAL_ROWS if torch.device(device).type == "cuda" else 33
     with torch.inference_mode(False), torch.enable_grad():
-        g = torch.Generator(device=device).manual_seed(
-            0
-        )  # not the global generator: the trial runs mid-training
+        # not the global generator: the trial runs mid-training
+        g = torch.Generator(device=device).manual_seed(0)
         x, grad = (torch.randn(rows, n, generator=g, device=device).to(dtype) for _ in range(2))
         b = torch.randn(1, n, generator=g, device=device).to(dtype).requires_grad_(True)
         out = _COMPILED(x, b)
