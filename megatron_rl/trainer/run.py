@@ -174,14 +174,11 @@ def _defer_advantages(c: Components, batch: RolloutBatch, timer: Timer, into: di
     """``batch.advantages`` / ``returns`` computed on first use (the first update loss reads them after its
     forward is queued): the reward function then runs on the host while the device runs that forward. The
     responses go to the host now, before that forward is queued, since reading the device tensors then would
-    wait for it; with ``MEGATRON_RL_DETOKENIZE_PROCESS=1``, on CUDA, a child process decodes their texts from now
-    on (``HostResponses``); the advantage
-    estimate may sync, e.g. DP's gather of row counts.
-    Their metrics land in ``into``, their host seconds in the timer's reward / adv phases (not synced: a sync
+    wait for it; with ``MEGATRON_RL_DETOKENIZE_PROCESS=1``, on CUDA, a child process decodes their texts from
+    now on (``HostResponses``). The advantage estimate may sync, e.g. DP's gather of row counts. Their metrics
+    land in ``into``, their host seconds in the timer's reward / adv phases (not synced: a sync
     would wait for the forward), each bounded by ``trainer.timeout_minutes`` as before; no autograd graph."""
-    host = HostResponses(
-        batch, c.tokenizer
-    )  # opt-in: the texts decoded by a child process from here (on CUDA)
+    host = HostResponses(batch, c.tokenizer)  # opt-in: a child process decodes the texts from here (CUDA)
     minutes = c.cfg.trainer.timeout_minutes
 
     def finish() -> None:
