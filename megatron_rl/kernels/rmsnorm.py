@@ -69,9 +69,8 @@ if HAVE_TRITON:
             xhat = x * rstd[:, None]
             wdy = w[None, :] * dy
             dx = rstd[:, None] * (wdy - xhat * (tl.sum(wdy * xhat, 1) / hidden)[:, None])
-            if (
-                add_res
-            ):  # ``add_rms_norm``: the sum's own gradient (its residual uses) joins dx before one rounding
+            # ``add_rms_norm``: the sum's own gradient (its residual uses) joins dx before one rounding
+            if add_res:
                 dx += tl.load(dres_ptr + rr * stride_dres + cols[None, :], mask=m, other=0.0).to(tl.float32)
             tl.store(dx_ptr + rr * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
             dw += dy * xhat  # 0 outside the live rows and columns (loads filled with 0)
@@ -91,10 +90,8 @@ if HAVE_TRITON:
         m = live_r[:, None] & live_c[None, :]
         at = r.to(tl.int64)[:, None] * hidden + cols[None, :]
         dt: tl.constexpr = s_ptr.dtype.element_ty
-        x = tl.load(a_ptr + at, mask=m, other=0.0).to(tl.float32) + tl.load(r_ptr + at, mask=m, other=0.0).to(
-            tl.float32
-        )
-        x = _round_to(x, dt)
+        x = tl.load(a_ptr + at, mask=m, other=0.0).to(tl.float32)
+        x = _round_to(x + tl.load(r_ptr + at, mask=m, other=0.0).to(tl.float32), dt)
         tl.store(s_ptr + at, x.to(dt), mask=m)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / hidden + eps)
         tl.store(rstd_ptr + r, rstd, mask=live_r)
