@@ -90,7 +90,12 @@ def decode_responses(batch: RolloutBatch, tokenizer, host: HostResponses | None 
     """The responses' text; from ``host`` (``HostResponses(batch)``) without reading the device."""
     if host is not None:
         return host.texts(tokenizer)
-    lens, ids = batch.response_lens.tolist(), batch.responses.tolist()
+    return _decode_rows(tokenizer, batch.response_lens, batch.responses)
+
+
+def _decode_rows(tokenizer, lens: torch.Tensor, ids: torch.Tensor) -> list[str]:
+    """``batch_decode`` of each row of ids [B, R] up to its length in lens [B]."""
+    lens, ids = lens.tolist(), ids.tolist()
     return batch_decode(tokenizer, [row[:n] for row, n in zip(ids, lens)])
 
 
@@ -172,11 +177,10 @@ class HostResponses:
         texts = proc.texts(self._job) if proc is not None else None
         if texts is not None:
             return texts
-        lens_t, ids_t = self.tensors()
-        lens, ids = lens_t.tolist(), ids_t.tolist()
-        texts = batch_decode(tokenizer, [row[:n] for row, n in zip(ids, lens)])
+        lens, ids = self.tensors()
+        texts = _decode_rows(tokenizer, lens, ids)
         if self._wants_process:
-            _start_process(tokenizer, lens_t, ids_t, texts)
+            _start_process(tokenizer, lens, ids, texts)
         return texts
 
 
