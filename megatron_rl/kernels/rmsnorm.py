@@ -296,27 +296,20 @@ def add_rms_norm(a: Tensor, r: Tensor, weight: Tensor, eps: float) -> tuple[Tens
 
 
 def fusable(a: Tensor, r: Tensor, weight: Tensor) -> bool:
-    """Whether ``add_rms_norm`` takes a and r: Triton importable, on CUDA with ``ADD_NORM_ON_CUDA`` and the Triton
-    backward's own switch and widths (``ON_CUDA``, ``MEASURED_HIDDEN``: its backward is that kernel), or CPU
-    with ``RUN_ON_CPU`` and H <= 16,384, bf16/fp16/fp32 alike for a, r and the weight, both contiguous of one
-    shape, and a trial at that device, dtype and H agreed with autograd through ``F.rms_norm`` (a failure
-    warns once; the add and the norm run apart from then on)."""
-    dev = a.device.type
+    """Whether ``add_rms_norm`` takes a and r: ``ADD_NORM_ON_CUDA`` on CUDA; a, r and the weight of one dtype and
+    device, a and r contiguous of one shape; ``usable(a)`` (its backward is this module's Triton backward: that
+    kernel's switches, widths, dtypes and trial); and a trial of the pair at that device, dtype and H against
+    autograd through ``F.rms_norm`` (a failure warns once; the add and the norm run apart from then on)."""
     return (
-        HAVE_TRITON
-        and (
-            (ADD_NORM_ON_CUDA and ON_CUDA and dev == "cuda" and a.shape[-1] <= MEASURED_HIDDEN)
-            or (RUN_ON_CPU and dev == "cpu")
-        )
-        and a.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        (ADD_NORM_ON_CUDA or a.device.type != "cuda")
         and a.dtype == r.dtype == weight.dtype
         and a.shape == r.shape
         and a.device == r.device == weight.device
-        and a.shape[-1] <= 16384
         and a.is_contiguous()
         and r.is_contiguous()
+        and usable(a)
         and trial_once(
-            f"{ADD_NORM_PROBE} ({dev}, {a.dtype}, H={a.shape[-1]})",
+            f"{ADD_NORM_PROBE} ({a.device.type}, {a.dtype}, H={a.shape[-1]})",
             lambda: _add_trial(a.device, a.dtype, a.shape[-1]),
             "The fused residual add + RMSNorm failed its trial; the add and the norm run apart (same math).",
         )
