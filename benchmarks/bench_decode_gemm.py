@@ -7,6 +7,8 @@ and 160 MB of them, so the weights do not stay in L2, as in a real step), at eac
 - ``fc1``: ``F.linear(h, fc1)`` + ``swiglu`` against ``swiglu_gemm`` (one kernel);
 - ``fc2``: ``F.linear(act, fc2)`` + ``add_rms_norm`` against ``splitk_gemm`` + ``add_rms_norm_parts``;
 - ``proj``: ``F.linear(a, proj)`` + ``add_rms_norm`` against the same pair.
+For ``fc2`` and ``proj`` the split-K partials come from Triton's kernel or from cuBLAS (``"cublas": 1``: one
+strided-batched GEMM over the K slices with fp32 output, ``decode_gemm.splitk_cublas``).
 Each fused part is swept over tile / split settings that fit the shared memory; the sweep's best is timed
 again against cuBLAS three times, alternating (medians reported, with its gap to the cuBLAS output).
 ``--table FILE`` writes, per part (with the weight shape it was measured at) and row count, that setting
@@ -68,11 +70,13 @@ def weights(shape, layers, dev, min_bytes=160e6):
 def fits(part, s, bm=64, limit=232448):
     """Whether setting ``s`` of ``part`` fits an H100/H200 block's shared memory at the widest row tile (the
     pipeline's stages of the x tile and the one or two weight tiles, bf16)."""
+    if s.get("cublas"):
+        return True
     tiles = 1 if part in decode_gemm.SPLIT_K else 2
     return s["num_stages"] * (bm * s["bk"] + tiles * s["bk"] * s["bn"]) * 2 <= limit
 
 
-def settings(part, dim=64):
+def settings(part, dim=64, cublas_only=False):
     if part == "qkv":
         return [
             dict(bn=bn, bk=bk, num_stages=3, num_warps=4)
@@ -84,8 +88,13 @@ def settings(part, dim=64):
             for bn, bk in itertools.product([32, 64, 128], [64, 128])
         ]
     splits = [1, 2, 4, 8] if part == "fc2" else [1, 2, 4]
-    return [dict(splits=s, bn=bn, bk=bk, num_stages=3, num_warps=4)
-            for s, bn, bk in itertools.product(splits, [32, 64], [64, 128])]  # fmt: skip
+    cublas = [
+        dict(splits=s, cublas=1) for s in (2, 3, 4, 6, 8)
+    ]  # a split that does not divide K: an error row
+    if cublas_only:
+        return cublas
+    return cublas + [dict(splits=s, bn=bn, bk=bk, num_stages=3, num_warps=4)
+                     for s, bn, bk in itertools.product(splits, [32, 64], [64, 128])]  # fmt: skip
 
 
 def part_fns(part, w, rows, dev):
@@ -124,10 +133,8 @@ def part_fns(part, w, rows, dev):
             return [decode_fused.add_rms_norm(resid, F.linear(x_in, wl), w["norm"], eps)[1] for wl in ws]
 
         def fused(s):
-            s = dict(s)
-            splits = s.pop("splits")
             return lambda: [
-                decode_gemm.add_rms_norm_parts(resid, decode_gemm.splitk_gemm(x_in, wl, splits, **s), w["norm"], eps)[1]
+                decode_gemm.add_rms_norm_parts(resid, decode_gemm.partials(x_in, wl, s), w["norm"], eps)[1]
                 for wl in ws
             ]  # fmt: skip
 
@@ -159,6 +166,7 @@ def main():
     p.add_argument(
         "--min-gain", type=float, default=0.03, help="fraction faster than cuBLAS to enter the table"
     )
+    p.add_argument("--cublas-only", action="store_true", help="fc2 / proj: only cuBLAS's split-K partials")
     p.add_argument("--out", required=True)
     p.add_argument("--table")
     a = p.parse_args()
@@ -176,7 +184,7 @@ def main():
             base, fused = part_fns(part, w, rows, dev)
             ref = base()
             row = {"weights": n, "cublas_us": graphed_us(base, 1, 10) / n, "settings": []}
-            for s in settings(part, w["heads"][2]):
+            for s in settings(part, w["heads"][2], a.cublas_only):
                 if not fits(part, s):
                     continue
                 fn = fused(s)

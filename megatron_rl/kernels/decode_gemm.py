@@ -190,6 +190,32 @@ def splitk_gemm(x: torch.Tensor, w: torch.Tensor, splits: int, bn: int = 64, bk:
     return parts
 
 
+def splitk_cublas(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Tensor:
+    """``splitk_gemm``'s partials [splits, M, N] (fp32) from cuBLAS: one strided-batched GEMM over ``splits``
+    equal slices of K (K % splits == 0), each slice's product written in fp32 (``torch.bmm``'s
+    ``out_dtype``). cuBLAS picks its own tiles for each slice, which at decode rows fill the GPU where the
+    whole-K GEMM's narrow output (the hidden size) leaves most SMs idle. On CPU (tests) the same slices in
+    fp32 (``bmm``'s out_dtype is CUDA-only)."""
+    rows, k = x.shape
+    if k % splits:
+        raise ValueError(f"splits {splits} does not divide K = {k}")
+    xs = x.view(rows, splits, k // splits).transpose(0, 1)  # [S, M, K/S], views of x
+    ws = w.view(w.shape[0], splits, k // splits).permute(1, 2, 0)  # [S, K/S, N], views of w
+    if x.device.type == "cuda":
+        return torch.bmm(xs, ws, out_dtype=torch.float32)
+    return torch.bmm(xs.float(), ws.float())
+
+
+def partials(x: torch.Tensor, w: torch.Tensor, s: dict) -> torch.Tensor:
+    """The fp32 split-K partials [S, M, N] of x @ w.T for a split-K part's setting ``s``: cuBLAS's
+    (``splitk_cublas``) where ``s`` says ``"cublas": 1``, else ``splitk_gemm``'s Triton kernel."""
+    s = dict(s)
+    splits = s.pop("splits")
+    if s.pop("cublas", 0):
+        return splitk_cublas(x, w, splits)
+    return splitk_gemm(x, w, splits, **s)
+
+
 def qkv_rope(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
              positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rep: int, dim: int,
              bn: int | None = None, bk: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:  # fmt: skip
@@ -227,7 +253,7 @@ ON_CUDA = env_switch("MEGATRON_RL_DECODE_GEMM", True)
 # qkv + RoPE + the KV write; fc1 + SwiGLU; fc2 / the attention output projection + add + RMSNorm
 PARTS = ("qkv", "fc1", "fc2", "proj")
 SPLIT_K = ("fc2", "proj")
-_KEYS = {"bn", "bk", "num_warps", "num_stages", "splits"}
+_KEYS = {"bn", "bk", "num_warps", "num_stages", "splits", "cublas"}
 # Per part, per weight shape [N, K] measured (None: any): per decode row count, the launch setting for a step
 # of up to that many rows (the smallest entry >= the rows serves; null or past the last entry: cuBLAS). Empty
 # until measured on a GPU: benchmarks/bench_decode_gemm.py writes a table (JSON: {"device": name, "parts":
@@ -244,11 +270,14 @@ def _setting_problem(part: str, s: object) -> str | None:
         return None
     if not isinstance(s, dict) or not set(s) <= _KEYS:
         return f"expected null or an object with keys among {sorted(_KEYS)}"
-    if not {"bn", "bk"} <= set(s):
+    if "cublas" in s:  # cuBLAS's split-K partials (``splitk_cublas``): no Triton tile to set
+        if part not in SPLIT_K or s["cublas"] != 1 or set(s) != {"cublas", "splits"}:
+            return f'"cublas": 1 is for {" / ".join(SPLIT_K)} only, with "splits" and no other key'
+    elif not {"bn", "bk"} <= set(s):
         return "bn and bk are required"
     if not all(type(v) is int and v > 0 for v in s.values()):
         return "every value must be a positive integer"
-    if not all(s[k] & (s[k] - 1) == 0 and s[k] >= 16 for k in ("bn", "bk")):
+    if not all(s[k] & (s[k] - 1) == 0 and s[k] >= 16 for k in ("bn", "bk") if k in s):
         return "bn and bk must be powers of two >= 16"
     if s.get("num_warps", 4) not in (1, 2, 4, 8, 16):
         return "num_warps must be 1, 2, 4, 8 or 16"
@@ -402,10 +431,9 @@ def _trial(part: str, s: dict, x: torch.Tensor, w: torch.Tensor, bias, rep: int,
     elif part == "fc1":
         got, want = [swiglu_gemm(xt, w, **s)], [decode_fused.swiglu_reference(F.linear(xt, w))]
     else:
-        s = dict(s)
         resid = torch.randn(rows, w.shape[0], generator=g).to(dev, dt)
         norm = torch.ones(w.shape[0], device=dev, dtype=dt)
-        parts = splitk_gemm(xt, w, s.pop("splits"), **s)
+        parts = partials(xt, w, s)
         got = list(add_rms_norm_parts(resid, parts, norm, 1e-6))  # the sum x + y and its norm
         want = list(decode_fused.add_rms_norm_reference(resid, F.linear(xt, w), norm, 1e-6))
     for a, b in zip(got, want):

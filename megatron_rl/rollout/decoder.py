@@ -365,9 +365,7 @@ def _linear_add_norm(x, a, weight, norm, w: GenWeights, spec: ModelArgs, part: s
     trial say so (generation TP 1: no all-reduce between), else cuBLAS, the all-reduce and ``_add_norm``."""
     s = decode_gemm.usable(part, a, weight) if w.tp == 1 else None
     if s is not None:
-        s = dict(s)
-        parts = decode_gemm.splitk_gemm(a, weight, s.pop("splits"), **s)
-        return decode_gemm.add_rms_norm_parts(x, parts, norm, spec.norm_eps)
+        return decode_gemm.add_rms_norm_parts(x, decode_gemm.partials(a, weight, s), norm, spec.norm_eps)
     return _add_norm(x, _all_reduce(F.linear(a, weight), w), norm, spec, False)
 
 

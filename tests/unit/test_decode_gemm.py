@@ -53,6 +53,20 @@ def test_splitk_partials_sum_to_the_product(splits):
         assert torch.all(parts[4:] == 0) and not torch.all(parts[:4] == 0)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_cublas_splitk_partials_are_the_k_slices_products(splits):
+    x, w = _data(6, 200, 48, torch.float16, seed=5)
+    parts = decode_gemm.partials(x, w, {"splits": splits, "cublas": 1})
+    assert parts.shape == (splits, 6, 48) and parts.dtype == torch.float32
+    k = 200 // splits
+    for i in range(splits):  # slice i of K, in fp32: not a reordering of another slice's terms
+        want = x[:, i * k : (i + 1) * k].float() @ w[:, i * k : (i + 1) * k].float().t()
+        torch.testing.assert_close(parts[i], want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(parts.sum(0), x.float() @ w.float().t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="splits 3 does not divide K = 200"):
+        decode_gemm.partials(x, w, {"splits": 3, "cublas": 1})
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_add_rms_norm_parts_equals_linear_then_add_rms_norm(dtype):
     x, w = _data(7, 96, 40, dtype, seed=3)
@@ -115,6 +129,9 @@ def test_table_parsing_and_row_lookup(tmp_path, monkeypatch):
         ),
         (_parts(qkv=(None, {"8": {**ok, "splits": 2}})), "taken by them only"),
         (_parts(fc2=(None, {"8": ok})), "splits is required"),
+        (_parts(fc1=(None, {"8": {"cublas": 1}})), '"cublas": 1 is for fc2 / proj only'),
+        (_parts(fc2=(None, {"8": {"cublas": 1, "splits": 2, "bn": 32}})), "no other key"),
+        (_parts(proj=(None, {"8": {"cublas": 2, "splits": 2}})), '"cublas": 1 is for'),
         (_parts(proj=(None, {"8": {**ok, "splits": 2, "evil": "os.system"}})), "keys among"),
         ({"parts": {"fc1": [{"weight": [1, 2], "rows": {}}, {"weight": [1, 2], "rows": {}}]}}, "two entries"),
     ]:
@@ -170,14 +187,16 @@ def test_engine_with_the_fused_decode_gemms_equals_hf(monkeypatch, arch):
         "fc1": [
             {"weight": None, "rows": {2: {"bn": 32, "bk": 32}, 64: {"bn": 16, "bk": 16, "num_stages": 2}}}
         ],
-        "fc2": [{"weight": None, "rows": {64: {"bn": 16, "bk": 32, "splits": 3}}}],
+        "fc2": [
+            {"weight": None, "rows": {64: {"splits": 2, "cublas": 1}}}
+        ],  # cuBLAS's partials (CPU: fp32 bmm)
         "proj": [{"weight": None, "rows": {64: {"bn": 32, "bk": 16, "splits": 2}}}],
     }
     monkeypatch.setattr(decode_gemm, "_LOADED", [table])
     monkeypatch.setattr(compile_trials, "_PROBED", set())  # the trials of this test's kernels run here
     monkeypatch.setattr(compile_trials, "_FAILED", {})
     calls = []
-    for name in ("qkv_rope", "swiglu_gemm", "splitk_gemm", "add_rms_norm_parts"):
+    for name in ("qkv_rope", "swiglu_gemm", "splitk_gemm", "splitk_cublas", "add_rms_norm_parts"):
         original = getattr(decode_gemm, name)
         monkeypatch.setattr(
             decode_gemm, name, lambda *a, _n=name, _f=original, **k: calls.append(_n) or _f(*a, **k)
@@ -185,7 +204,7 @@ def test_engine_with_the_fused_decode_gemms_equals_hf(monkeypatch, arch):
     prompts = random_prompts(3, seed=6)
     engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=3))
     out = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=5))
-    assert set(calls) == {"swiglu_gemm", "splitk_gemm", "add_rms_norm_parts"} | (
+    assert set(calls) == {"swiglu_gemm", "splitk_gemm", "splitk_cublas", "add_rms_norm_parts"} | (
         {"qkv_rope"} if arch == "qwen2" else set()
     )
     assert not compile_trials._FAILED and any("decode GEMM" in k for k in compile_trials._PROBED)
