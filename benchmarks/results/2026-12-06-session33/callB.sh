@@ -3,7 +3,7 @@
 # Carry `.whl`, `.fa4b`'s wheels and `cu13.part_ab` (not `cb/`). cuBLAS's split-K partials for the decode
 # step's fc2 and attention output projection (`decode_gemm.splitk_cublas`, reduced inside the add + RMSNorm
 # kernel) against cuBLAS's whole-K GEMM then the add + RMSNorm, at the 0.5B and 3B shapes; writes the tables
-# call C puts in force. ~100-200 s.
+# call C puts in force; then quack's fused MLP against today's (`bench_quack_mlp.py`). ~200-350 s.
 set -u
 D=benchmarks/results/2026-12-06-session29; O=$OUT/cB; mkdir -p "$O"; T0=$SECONDS
 source $D/fa4_env.sh
@@ -16,4 +16,6 @@ timeout 150 python3 benchmarks/bench_decode_gemm.py --shape qwen2.5-3b --parts f
 grep "rows" "$O/gemm_3b.log" | cut -c1-150
 cat "$O/table_05b.json" | python3 -c "import json,sys; print(json.dumps(json.load(sys.stdin)))"
 cp "$O/table_05b.json" /tmp/table_05b.json 2>/dev/null; cp "$O/table_3b.json" /tmp/table_3b.json 2>/dev/null
+timeout 170 python3 benchmarks/bench_quack_mlp.py --out "$O/quack_mlp.json" > "$O/quack_mlp.log" 2>&1
+echo "quack rc=$? $((SECONDS - T0))s"; tail -6 "$O/quack_mlp.log" | cut -c1-400
 tail -3 "$O"/*.log | grep -i error | head
