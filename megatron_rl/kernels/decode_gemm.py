@@ -367,12 +367,14 @@ _UNMATCHED: set[tuple] = set()  # (part, weight shape) told once that the table 
 def setting(part: str, rows: int, weight: tuple | None = None) -> dict | None:
     """The launch setting of ``part`` for a decode step of ``rows`` rows with a weight of shape ``weight``
     (None: any), or None (cuBLAS serves). The entry measured at that weight shape serves (else one without a
-    shape); where the part has entries for other shapes only, cuBLAS serves and a warning says so once."""
+    shape); where the part has entries for other shapes only, cuBLAS serves, and for a table given by
+    ``MEGATRON_RL_DECODE_GEMM_TABLE`` a warning says so once (the built-in ``TABLE`` names the shapes measured
+    for this repository's benchmarks; any other model keeps cuBLAS without a word)."""
     entries = table().get(part, [])
     entry = next((e for e in entries if weight is not None and e["weight"] == tuple(weight)), None)
     entry = entry or next((e for e in entries if e["weight"] is None), None)
     if entry is None:
-        if entries and (part, weight) not in _UNMATCHED:
+        if entries and table() is not TABLE and (part, weight) not in _UNMATCHED:
             _UNMATCHED.add((part, weight))
             warnings.warn(
                 f"{TABLE_ENV}: the {part} entries were measured at weights {[e['weight'] for e in entries]}, not "

@@ -2,6 +2,7 @@
 F.linear then SwiGLU, F.linear then add + RMSNorm. Run under Triton's interpreter on CPU."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -104,6 +105,17 @@ def test_table_parsing_and_row_lookup(tmp_path, monkeypatch):
     ):
         assert decode_gemm.setting("fc1", 32, (96, 128)) is None  # measured at another weight shape: cuBLAS
     assert decode_gemm.setting("fc1", 32, (96, 128)) is None  # told once
+    # the built-in table: another model's shape keeps cuBLAS without a warning
+    builtin = {"fc2": [{"weight": (7, 9), "rows": {64: {"splits": 2, "cublas": 1}}}]}
+    monkeypatch.setattr(decode_gemm, "TABLE", builtin)
+    monkeypatch.setattr(decode_gemm, "_LOADED", [builtin])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert decode_gemm.setting("fc2", 32, (7, 10)) is None
+    assert decode_gemm.setting("fc2", 32, (7, 9)) == {"splits": 2, "cublas": 1}
+    monkeypatch.setattr(
+        decode_gemm, "_LOADED", [decode_gemm.parse_table(good, "F")]
+    )  # the file's table again
     assert decode_gemm.setting("fc1", 33, (96, 64)) is None  # the 128-row entry says cuBLAS
     assert decode_gemm.setting("fc1", 129, (96, 64)) is None and decode_gemm.setting("proj", 8) is None
     assert decode_gemm.setting("fc2", 64, (7, 9)) == {"bn": 32, "bk": 64, "splits": 4}  # any weight
