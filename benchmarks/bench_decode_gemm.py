@@ -76,7 +76,7 @@ def fits(part, s, bm=64, limit=232448):
     return s["num_stages"] * (bm * s["bk"] + tiles * s["bk"] * s["bn"]) * 2 <= limit
 
 
-def settings(part, dim=64, cublas_only=False):
+def settings(part, dim=64, cublas_only=False, k=None):
     if part == "qkv":
         return [
             dict(bn=bn, bk=bk, num_stages=3, num_warps=4)
@@ -88,9 +88,8 @@ def settings(part, dim=64, cublas_only=False):
             for bn, bk in itertools.product([32, 64, 128], [64, 128])
         ]
     splits = [1, 2, 4, 8] if part == "fc2" else [1, 2, 4]
-    cublas = [
-        dict(splits=s, cublas=1) for s in (2, 3, 4, 6, 8)
-    ]  # a split that does not divide K: an error row
+    # cuBLAS partials: the splits that divide K (a bmm over equal slices)
+    cublas = [dict(splits=s, cublas=1) for s in (2, 3, 4, 6, 8) if k is None or k % s == 0]
     if cublas_only:
         return cublas
     return cublas + [dict(splits=s, bn=bn, bk=bk, num_stages=3, num_warps=4)
@@ -184,7 +183,7 @@ def main():
             base, fused = part_fns(part, w, rows, dev)
             ref = base()
             row = {"weights": n, "cublas_us": graphed_us(base, 1, 10) / n, "settings": []}
-            for s in settings(part, w["heads"][2], a.cublas_only):
+            for s in settings(part, w["heads"][2], a.cublas_only, w[part][0].shape[1]):
                 if not fits(part, s):
                     continue
                 fn = fused(s)

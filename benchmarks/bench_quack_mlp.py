@@ -5,10 +5,13 @@ cuBLAS; the forward writes fc1's output and SwiGLU reads it back, the backward w
 and the SwiGLU backward reads it back. quack (``quack-kernels``, the CuTe-DSL kernels FlashAttention-4 ships
 with; optional, like FA4) computes SwiGLU in fc1's GEMM epilogue and its gradient in the epilogue of fc2's
 input-gradient GEMM (``quack.mlp.mlp_func``, megatron-core's [gate; up] weight through ``concat_layout``).
-Timed at an update micro-batch's rows (forward, forward + backward) and at a decode step's rows (forward),
-with the gap of quack's output and gradients to today's. Nothing here is used by the trainer.
+Timed at update rows (32,768 for 0.5B, 8,192 for 3B; forward, forward + backward) and at a decode step's
+rows (forward), with the gap of quack's output and gradients to today's. Both write bf16 ``.grad``: the
+trainer's fp32 ``main_grad`` accumulation (``kernels.wgrad_fusion``) is not part of either. ``first_calls_s``
+is both sides' first call together (today's compile and quack's JIT). Nothing here is used by the trainer.
 
-Run: ``python benchmarks/bench_quack_mlp.py --out $OUT/quack_mlp.json`` (CUDA, quack importable).
+Run: ``PYTHONPATH=$PWD python benchmarks/bench_quack_mlp.py --out $OUT/quack_mlp.json`` (CUDA, quack
+importable).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from megatron_rl.kernels import swiglu  # noqa: E402
 
-# hidden, ffn, update micro-batch rows (0.5B: the fixed workload's ~34.8k tokens a micro-batch; 3B: 8,192)
+# hidden, ffn, update rows timed (0.5B: about an H100 micro-batch of the fixed workload; an H200 plans ~70k)
 SHAPES = {"qwen2.5-0.5b": (896, 4864, 32768), "qwen2.5-3b": (2048, 11008, 8192)}
 
 

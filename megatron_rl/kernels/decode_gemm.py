@@ -195,15 +195,16 @@ def splitk_cublas(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Tensor
     equal slices of K (K % splits == 0), each slice's product written in fp32 (``torch.bmm``'s
     ``out_dtype``). cuBLAS picks its own tiles for each slice, which at decode rows fill the GPU where the
     whole-K GEMM's narrow output (the hidden size) leaves most SMs idle. On CPU (tests) the same slices in
-    fp32 (``bmm``'s out_dtype is CUDA-only)."""
+    fp32 (``bmm``'s out_dtype has no CPU kernel); ``out_dtype`` needs torch >= 2.8 (older: the setting's trial
+    fails, with a warning, and cuBLAS's whole-K GEMM serves)."""
     rows, k = x.shape
     if k % splits:
         raise ValueError(f"splits {splits} does not divide K = {k}")
     xs = x.view(rows, splits, k // splits).transpose(0, 1)  # [S, M, K/S], views of x
     ws = w.view(w.shape[0], splits, k // splits).permute(1, 2, 0)  # [S, K/S, N], views of w
-    if x.device.type == "cuda":
-        return torch.bmm(xs, ws, out_dtype=torch.float32)
-    return torch.bmm(xs.float(), ws.float())
+    if x.device.type == "cpu":
+        return torch.bmm(xs.float(), ws.float())
+    return torch.bmm(xs, ws, out_dtype=torch.float32)
 
 
 def partials(x: torch.Tensor, w: torch.Tensor, s: dict) -> torch.Tensor:
@@ -262,6 +263,7 @@ _KEYS = {"bn", "bk", "num_warps", "num_stages", "splits", "cublas"}
 TABLE: dict[str, list[dict]] = {}
 TABLE_ENV = "MEGATRON_RL_DECODE_GEMM_TABLE"
 _LOADED: list = []  # the table in force, read once
+_FROM_ENV: list = []  # [True] once ``table()`` has read MEGATRON_RL_DECODE_GEMM_TABLE's file
 
 
 def _setting_problem(part: str, s: object) -> str | None:
@@ -322,6 +324,14 @@ def parse_table(raw: object, source: str) -> dict[str, list[dict]]:
                         f"{source}: {part}: row count {r!r} is not a positive integer, or repeats one"
                     )
                 problem = _setting_problem(part, st)
+                if (
+                    not problem
+                    and st is not None
+                    and "cublas" in st
+                    and weight is not None
+                    and weight[1] % st["splits"]
+                ):
+                    problem = f"splits {st['splits']} does not divide the weight's K = {weight[1]}"
                 if problem:
                     raise ValueError(f"{source}: {part} at {r} rows: {st!r}: {problem}")
                 rows[int(r)] = st
@@ -356,6 +366,7 @@ def table() -> dict[str, list[dict]]:
                     f"--table; unset {TABLE_ENV} to run without one)"
                 ) from exc
             _LOADED.append(parse_table(raw, source))
+            _FROM_ENV.append(True)
         else:
             _LOADED.append(TABLE)
     return _LOADED[0]
@@ -367,14 +378,14 @@ _UNMATCHED: set[tuple] = set()  # (part, weight shape) told once that the table 
 def setting(part: str, rows: int, weight: tuple | None = None) -> dict | None:
     """The launch setting of ``part`` for a decode step of ``rows`` rows with a weight of shape ``weight``
     (None: any), or None (cuBLAS serves). The entry measured at that weight shape serves (else one without a
-    shape); where the part has entries for other shapes only, cuBLAS serves, and for a table given by
-    ``MEGATRON_RL_DECODE_GEMM_TABLE`` a warning says so once (the built-in ``TABLE`` names the shapes measured
-    for this repository's benchmarks; any other model keeps cuBLAS without a word)."""
+    shape); where the part has entries for other shapes only, cuBLAS serves, and for a table read from
+    ``MEGATRON_RL_DECODE_GEMM_TABLE`` a warning says so once (entries in the built-in ``TABLE``, empty today,
+    would name the shapes measured for this repository's benchmarks; other models keep cuBLAS without a word)."""
     entries = table().get(part, [])
     entry = next((e for e in entries if weight is not None and e["weight"] == tuple(weight)), None)
     entry = entry or next((e for e in entries if e["weight"] is None), None)
     if entry is None:
-        if entries and table() is not TABLE and (part, weight) not in _UNMATCHED:
+        if entries and _FROM_ENV and (part, weight) not in _UNMATCHED:
             _UNMATCHED.add((part, weight))
             warnings.warn(
                 f"{TABLE_ENV}: the {part} entries were measured at weights {[e['weight'] for e in entries]}, not "

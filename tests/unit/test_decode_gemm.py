@@ -60,12 +60,23 @@ def test_cublas_splitk_partials_are_the_k_slices_products(splits):
     parts = decode_gemm.partials(x, w, {"splits": splits, "cublas": 1})
     assert parts.shape == (splits, 6, 48) and parts.dtype == torch.float32
     k = 200 // splits
-    for i in range(splits):  # slice i of K, in fp32: not a reordering of another slice's terms
-        want = x[:, i * k : (i + 1) * k].float() @ w[:, i * k : (i + 1) * k].float().t()
-        torch.testing.assert_close(parts[i], want, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(parts.sum(0), x.float() @ w.float().t(), rtol=1e-5, atol=1e-5)
+    for i in range(splits):  # slice i of K against float64: not another slice's terms
+        want = x[:, i * k : (i + 1) * k].double() @ w[:, i * k : (i + 1) * k].double().t()
+        torch.testing.assert_close(parts[i].double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(parts.sum(0).double(), x.double() @ w.double().t(), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="splits 3 does not divide K = 200"):
         decode_gemm.partials(x, w, {"splits": 3, "cublas": 1})
+
+
+def test_cublas_splitk_on_a_gpu_tensor_asks_bmm_for_fp32_out():
+    """The branch the GPU takes (``bmm(..., out_dtype=float32)`` on bf16 slices), on the meta device: its shapes,
+    dtype and the slices' layouts as cuBLAS gets them."""
+    x, w = (
+        torch.empty(6, 200, dtype=torch.bfloat16, device="meta"),
+        torch.empty(48, 200, dtype=torch.bfloat16, device="meta"),
+    )
+    parts = decode_gemm.splitk_cublas(x, w, 4)
+    assert parts.shape == (4, 6, 48) and parts.dtype == torch.float32 and parts.device.type == "meta"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -97,6 +108,7 @@ def test_table_parsing_and_row_lookup(tmp_path, monkeypatch):
     path.write_text(json.dumps(good))
     monkeypatch.setenv(decode_gemm.TABLE_ENV, str(path))
     monkeypatch.setattr(decode_gemm, "_LOADED", [])
+    monkeypatch.setattr(decode_gemm, "_FROM_ENV", [])
     monkeypatch.setattr(decode_gemm, "_UNMATCHED", set())
     ok = {"bn": 64, "bk": 64}
     assert decode_gemm.setting("fc1", 32, (96, 64)) == {"bn": 64, "bk": 64}
@@ -106,9 +118,10 @@ def test_table_parsing_and_row_lookup(tmp_path, monkeypatch):
         assert decode_gemm.setting("fc1", 32, (96, 128)) is None  # measured at another weight shape: cuBLAS
     assert decode_gemm.setting("fc1", 32, (96, 128)) is None  # told once
     # the built-in table: another model's shape keeps cuBLAS without a warning
+    assert decode_gemm._FROM_ENV == [True]
     builtin = {"fc2": [{"weight": (7, 9), "rows": {64: {"splits": 2, "cublas": 1}}}]}
-    monkeypatch.setattr(decode_gemm, "TABLE", builtin)
     monkeypatch.setattr(decode_gemm, "_LOADED", [builtin])
+    monkeypatch.setattr(decode_gemm, "_FROM_ENV", [])  # as table() leaves it without the variable
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert decode_gemm.setting("fc2", 32, (7, 10)) is None
@@ -116,6 +129,7 @@ def test_table_parsing_and_row_lookup(tmp_path, monkeypatch):
     monkeypatch.setattr(
         decode_gemm, "_LOADED", [decode_gemm.parse_table(good, "F")]
     )  # the file's table again
+    monkeypatch.setattr(decode_gemm, "_FROM_ENV", [True])
     assert decode_gemm.setting("fc1", 33, (96, 64)) is None  # the 128-row entry says cuBLAS
     assert decode_gemm.setting("fc1", 129, (96, 64)) is None and decode_gemm.setting("proj", 8) is None
     assert decode_gemm.setting("fc2", 64, (7, 9)) == {"bn": 32, "bk": 64, "splits": 4}  # any weight
@@ -142,6 +156,11 @@ def test_table_parsing_and_row_lookup(tmp_path, monkeypatch):
         (_parts(qkv=(None, {"8": {**ok, "splits": 2}})), "taken by them only"),
         (_parts(fc2=(None, {"8": ok})), "splits is required"),
         (_parts(fc1=(None, {"8": {"cublas": 1}})), '"cublas": 1 is for fc2 / proj only'),
+        (_parts(qkv=(None, {"8": {"cublas": 1, "splits": 2}})), '"cublas": 1 is for fc2 / proj only'),
+        (
+            _parts(fc2=([896, 4864], {"8": {"cublas": 1, "splits": 3}})),
+            "splits 3 does not divide the weight's K = 4864",
+        ),
         (_parts(fc2=(None, {"8": {"cublas": 1, "splits": 2, "bn": 32}})), "no other key"),
         (_parts(proj=(None, {"8": {"cublas": 2, "splits": 2}})), '"cublas": 1 is for'),
         (_parts(proj=(None, {"8": {**ok, "splits": 2, "evil": "os.system"}})), "keys among"),
@@ -166,6 +185,7 @@ def test_a_table_file_that_cannot_be_read_names_the_variable(tmp_path, monkeypat
         path.write_text(text)
     monkeypatch.setenv(decode_gemm.TABLE_ENV, str(path))
     monkeypatch.setattr(decode_gemm, "_LOADED", [])
+    monkeypatch.setattr(decode_gemm, "_FROM_ENV", [])
     with pytest.raises(ValueError, match=words) as e:
         decode_gemm.table()
     assert f"{decode_gemm.TABLE_ENV}={path}" in str(e.value)
@@ -243,6 +263,21 @@ def test_a_setting_that_fails_its_trial_warns_once_and_cublas_serves(monkeypatch
     assert decode_gemm.usable("fc1", x, w) is None  # remembered: no second trial, no second warning
     assert decode_gemm.usable("fc1", torch.zeros(9, 32), w) is None  # past the table: cuBLAS, no trial
     assert len(compile_trials._FAILED) == 1 and "decode GEMM fc1" in next(iter(compile_trials._FAILED))
+
+
+def test_a_cublas_split_that_does_not_divide_k_fails_its_trial_by_name(monkeypatch):
+    """A table entry without a weight shape cannot be checked when it is read: the trial refuses it, naming the
+    split and K, and cuBLAS's whole-K GEMM serves."""
+    monkeypatch.setattr(decode_fused, "RUN_ON_CPU", True)
+    monkeypatch.setattr(
+        decode_gemm, "_LOADED", [{"fc2": [{"weight": None, "rows": {8: {"splits": 3, "cublas": 1}}}]}]
+    )
+    monkeypatch.setattr(compile_trials, "_PROBED", set())
+    monkeypatch.setattr(compile_trials, "_FAILED", {})
+    x, w = _data(4, 64, 16)
+    with pytest.warns(UserWarning, match="fc2 .* failed its trial at 4 rows; cuBLAS"):
+        assert decode_gemm.usable("fc2", x, w) is None
+    assert "splits 3 does not divide K = 64" in str(next(iter(compile_trials._FAILED.values())))
 
 
 def _rope_inputs(rows, groups, rep, dim, dtype, seed, bias=True, t=12):

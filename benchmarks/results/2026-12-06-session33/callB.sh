@@ -2,8 +2,9 @@
 # Session 33, call B (within 30 s of session 29's call1.sh, which carries `.fa4a`, on the same held machine).
 # Carry `.whl`, `.fa4b`'s wheels and `cu13.part_ab` (not `cb/`). cuBLAS's split-K partials for the decode
 # step's fc2 and attention output projection (`decode_gemm.splitk_cublas`, reduced inside the add + RMSNorm
-# kernel) against cuBLAS's whole-K GEMM then the add + RMSNorm, at the 0.5B and 3B shapes; writes the tables
-# call C puts in force; then quack's fused MLP against today's (`bench_quack_mlp.py`). ~200-350 s.
+# kernel) against cuBLAS's whole-K GEMM then the add + RMSNorm, at the 0.5B and 3B shapes (writes their
+# tables); then quack's fused MLP against today's (`bench_quack_mlp.py`). ~200-350 s. Not run in session 33
+# (call E ran its first half; the quack bench is still to be measured).
 set -u
 D=benchmarks/results/2026-12-06-session29; O=$OUT/cB; mkdir -p "$O"; T0=$SECONDS
 source $D/fa4_env.sh

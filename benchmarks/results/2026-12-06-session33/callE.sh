@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 33, call E (what the device budget left after eleven asks that found no machine): call D's kernel
-# half only, carry `.whl`. cuBLAS's split-K partials for the decode step's fc2 and attention output
+# Session 33, call E (what the device budget left after the asks that found no machine): the kernel half of
+# a call that also ran the step (not run; removed), carry `.whl`. cuBLAS's split-K partials for the decode step's fc2 and attention output
 # projection (reduced inside the add + RMSNorm kernel) against cuBLAS's whole-K GEMM then the add + RMSNorm,
 # at the 0.5B shape (256 and 512 rows) and the 3B shape (512 rows); writes the tables of the settings that
 # won by >= 3%. ~120-250 s on a fresh machine.
