@@ -266,8 +266,9 @@ _LOADED: list = []  # the table in force, read once
 _FROM_ENV: list = []  # [True] once ``table()`` has read MEGATRON_RL_DECODE_GEMM_TABLE's file
 
 
-def _setting_problem(part: str, s: object) -> str | None:
-    """Why ``s`` is not a launch setting of ``part`` (None: it is one, or null)."""
+def _setting_problem(part: str, s: object, weight: list | None = None) -> str | None:
+    """Why ``s`` is not a launch setting of ``part`` for a weight of shape ``weight`` ([N, K]; None: any) (None:
+    it is one, or null)."""
     if s is None:
         return None
     if not isinstance(s, dict) or not set(s) <= _KEYS:
@@ -285,6 +286,8 @@ def _setting_problem(part: str, s: object) -> str | None:
         return "num_warps must be 1, 2, 4, 8 or 16"
     if (part in SPLIT_K) != ("splits" in s):
         return f"splits is required for {' / '.join(SPLIT_K)} and taken by them only"
+    if "cublas" in s and weight is not None and weight[1] % s["splits"]:  # equal K slices (``splitk_cublas``)
+        return f"splits {s['splits']} does not divide the weight's K = {weight[1]}"
     return None
 
 
@@ -323,15 +326,7 @@ def parse_table(raw: object, source: str) -> dict[str, list[dict]]:
                     raise ValueError(
                         f"{source}: {part}: row count {r!r} is not a positive integer, or repeats one"
                     )
-                problem = _setting_problem(part, st)
-                if (
-                    not problem
-                    and st is not None
-                    and "cublas" in st
-                    and weight is not None
-                    and weight[1] % st["splits"]
-                ):
-                    problem = f"splits {st['splits']} does not divide the weight's K = {weight[1]}"
+                problem = _setting_problem(part, st, weight)
                 if problem:
                     raise ValueError(f"{source}: {part} at {r} rows: {st!r}: {problem}")
                 rows[int(r)] = st
