@@ -179,14 +179,22 @@ ON_CUDA = env_switch("MEGATRON_RL_HEAD_SAMPLER", True)
 TILE = (128, 128, 64, 8, 3)
 
 
+def serves(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether the kernel runs for activations of ``dtype`` on ``device``: Triton importable, bf16 / fp16 on
+    CUDA with ``ON_CUDA``, or on CPU with ``RUN_ON_CPU`` (fp32 too: the interpreter's dot is exact fp32)."""
+    dev = torch.device(device).type
+    half = dtype in (torch.bfloat16, torch.float16)
+    return HAVE_TRITON and (
+        (ON_CUDA and dev == "cuda" and half)
+        or (RUN_ON_CPU and dev == "cpu" and (half or dtype == torch.float32))
+    )
+
+
 def usable(h: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the fused head and draw serves h [B, hidden] against weight [Vp, hidden]: Triton importable,
-    both bf16/fp16 of one dtype, contiguous rows, on CUDA with ``ON_CUDA`` (or on CPU with ``RUN_ON_CPU``)."""
-    dev = h.device.type
+    """Whether the fused head and draw serves h [B, hidden] against weight [Vp, hidden]: ``serves`` their
+    device and dtype (one dtype), contiguous rows."""
     return (
-        HAVE_TRITON
-        and ((ON_CUDA and dev == "cuda") or (RUN_ON_CPU and dev == "cpu"))
-        and h.dtype in (torch.bfloat16, torch.float16)
+        serves(h.device, h.dtype)
         and weight.dtype == h.dtype
         and h.dim() == 2
         and weight.dim() == 2

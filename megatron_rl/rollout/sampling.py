@@ -15,7 +15,7 @@ import torch
 
 from megatron_rl.config.rollout_rules import check_sampling
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.kernels import batch_invariant
+from megatron_rl.kernels import batch_invariant, head_sampler
 from megatron_rl.kernels import sampler as sampler_kernel
 from megatron_rl.kernels.compile import compile_enabled, compile_rows_dynamic, probe, trial_once
 
@@ -281,6 +281,58 @@ def sample_with_logprobs(
         tokens = share_tokens(tokens)
     picked = logits.gather(-1, tokens[:, None])[:, 0].float() * inv_temp
     return tokens, picked - lse
+
+
+_HEAD = "the fused LM head and sampler"
+_HEAD_FALLBACK = (
+    "The fused LM head and sampler (kernels.head_sampler) failed its trial; the decode step computes its "
+    "logits and draws from them instead."
+)
+
+
+def head_draw_serves(h: torch.Tensor, weight: torch.Tensor, vocab: int, params: SamplingParams) -> bool:
+    """Whether ``sample_from_hidden`` draws with ``kernels.head_sampler`` for these decode-step hidden states
+    [B, hidden] and output weight [Vp, hidden]: no top-k / top-p, the kernel usable, and its first call's
+    trial passed (``_head_trial``: against the sampler on the kernel's own logits)."""
+    if params.top_k > 0 or params.top_p < 1.0 or not head_sampler.usable(h, weight):
+        return False
+    return trial_once(_HEAD, lambda: _head_trial(h, weight, vocab), _HEAD_FALLBACK)
+
+
+def _head_trial(h: torch.Tensor, weight: torch.Tensor, vocab: int) -> None:
+    """The fused head and draw once on (up to) four rows, noisy and greedy, against ``kernels.sampler`` on
+    the logits it computed: raises when it fails or its tokens or log-probs differ (host syncs, first call)."""
+    rows = h[:4]
+    keys = torch.arange(rows.shape[0], device=h.device) * 0x5DEECE66D
+    logits = torch.empty(rows.shape[0], vocab, dtype=h.dtype, device=h.device)
+    for noisy in (True, False):
+        tokens, lse, lp = head_sampler.draw(rows, weight, vocab, keys, 0.7, noisy, logits_out=logits)
+        want, want_lse = _draw(logits, keys, _token_ids(logits), 0.7, noisy)
+        if not torch.equal(tokens, want):
+            raise RuntimeError(f"tokens {tokens.tolist()} != the reference's {want.tolist()} (noisy={noisy})")
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+        picked = logits.gather(-1, tokens[:, None])[:, 0].float() * 0.7
+        torch.testing.assert_close(lp, picked - lse, rtol=0, atol=1e-6)
+
+
+def sample_from_hidden(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    vocab: int,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    row_keys: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_with_logprobs`` on the logits ``h @ weight[:vocab].T`` without writing them: the output layer
+    and the draw in one kernel (``kernels.head_sampler``; the caller checked ``head_draw_serves``). The noise
+    is ``sample_with_logprobs``'s: ``counter_log_exponential`` of ``row_keys``, or of one int64 key per row
+    drawn from ``generator``."""
+    if row_keys is None and not params.greedy:
+        row_keys = torch.randint(-(2**62), 2**62, h.shape[:1], device=h.device, generator=generator)
+    keys = row_keys if row_keys is not None else torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
+    inv_temp = 1.0 / logprob_temperature(params.temperature)
+    tokens, _, lps = head_sampler.draw(h, weight, vocab, keys, inv_temp, not params.greedy)
+    return tokens, lps
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:

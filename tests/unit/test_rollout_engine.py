@@ -411,6 +411,45 @@ def test_engine_with_the_fused_decode_kernels_equals_hf(model, monkeypatch):
         ).abs().max() < 1e-5
 
 
+def test_the_lm_head_fused_with_the_draw_gives_hf_greedy_and_its_logprobs(monkeypatch):
+    """``kernels.head_sampler`` (interpreted on CPU): the decode step ends at the final norm and the output
+    layer runs inside the draw. It ran; greedy equals HF token for token; sampled log-probs equal the HF
+    forward; sampled tokens equal the unfused engine's with keys from the generator and with layout-invariant
+    keys (the same noise: the logits differ only in the GEMM's summation order; the unfused draw is the
+    Triton sampler's, interpreted); top-p falls back to logits from the hidden states."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import head_sampler
+    from megatron_rl.kernels import sampler as sampler_kernel
+
+    hf = tiny_hf("qwen2")
+    spec = spec_of(hf)
+    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
+    monkeypatch.setattr(sampler_kernel, "RUN_ON_CPU", True)  # the unfused draw: the same keyed noise
+    calls, original = [], head_sampler.draw
+    monkeypatch.setattr(head_sampler, "draw", lambda *a, **k: calls.append(1) or original(*a, **k))
+    prompts = random_prompts(2, seed=6)
+    engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=4))
+    for invariant in (False, True):
+        sp = SamplingParams(
+            temperature=0.9, n=2, max_new_tokens=5, seed=1, layout_invariant_sampling=invariant
+        )
+        runs = {}
+        for on in (False, True):
+            monkeypatch.setattr(head_sampler, "RUN_ON_CPU", on)  # read when a generate call builds its state
+            del calls[:]
+            runs[on] = engine.generate(prompts, sp, [11, 12])
+            assert bool(calls) == on
+        assert [c.response_ids for c in runs[True]] == [c.response_ids for c in runs[False]]
+        for c in runs[True]:
+            want = hf_logprobs(hf, c.prompt_ids, c.response_ids, 0.9)
+            assert (torch.tensor(c.logprobs) - want).abs().max() < 1e-5
+    greedy = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=5))
+    assert [c.response_ids for c in greedy] == [hf_greedy(hf, p, 5) for p in prompts]
+    n = len(calls)
+    top_p = engine.generate(prompts, SamplingParams(temperature=0.9, top_p=0.8, max_new_tokens=4, seed=1))
+    assert len(calls) == n and all(len(c.response_ids) for c in top_p)  # logits computed, not the fused draw
+
+
 def test_rope_inside_the_decode_attention_kernel_gives_the_engine_the_same_bits(model, monkeypatch):
     """``MEGATRON_RL_DECODE_ROPE_IN_ATTENTION`` (one kernel for RoPE, the KV write and attention; the fused
     kernels and the Triton decode kernel interpreted on CPU): it runs, passed its trial, and the engine's
