@@ -33,6 +33,8 @@ TILES = [
     (64, 256, 64, 8, 3),
     (128, 256, 64, 8, 3),
     (128, 64, 64, 4, 3),
+    (128, 64, 64, 8, 3),
+    (64, 64, 64, 4, 3),
     (256, 128, 64, 8, 3),
 ]
 
@@ -72,8 +74,9 @@ def bench(rows: int, hidden: int, vocab: int, scale: float, tiles) -> dict:
             out[name + "_mismatch_vs_today"] = int((tok != t_tok).sum())
             out[name + "_logits_max_diff_vs_cublas"] = float((logits.float() - buf.float()).abs().max())
             out[name + "_lse_max_diff_vs_today"] = float((lse - t_lse).abs().max())
-            g_tok, _, _ = head.draw(h, w, vocab, keys, 1.0, False, tile=tile)
-            out[name + "_greedy_mismatch_own"] = int((g_tok != logits.float().argmax(-1)).sum())
+            if tile == tiles[0]:  # greedy: one more compile, so once
+                g_tok, _, _ = head.draw(h, w, vocab, keys, 1.0, False, tile=tile, logits_out=logits)
+                out[name + "_greedy_mismatch_own"] = int((g_tok != logits.float().argmax(-1)).sum())
         except Exception as e:  # noqa: BLE001 - a sweep: record why a tile failed
             out[name + "_us"] = f"error: {type(e).__name__}: {str(e)[:200]}"
     return out
@@ -82,13 +85,19 @@ def bench(rows: int, hidden: int, vocab: int, scale: float, tiles) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--rows", default="512,256,128")
+    ap.add_argument("--rows", default="512,256")
     ap.add_argument("--shapes", default="896,2048", help="hidden sizes (0.5B: 896, 3B: 2048)")
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "results": []}
     for hidden in map(int, a.shapes.split(",")):
         for rows in map(int, a.rows.split(",")):
-            tiles = TILES if (hidden == 896 and rows == 512) else TILES[:4]
+            tiles = (
+                TILES
+                if (hidden == 896 and rows == 512)
+                else TILES[:1] + [t for t in TILES if t[:2] == (64, 128)]
+            )
+            if hidden != 896 and rows != 512:
+                continue
             r = bench(rows, hidden, 151936, 0.02, tiles)
             res["results"].append(r)
             best = min(
