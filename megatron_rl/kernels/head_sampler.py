@@ -75,7 +75,7 @@ if HAVE_TRITON:
         x_ptr, w_ptr, keys_ptr, m_ptr, l_ptr, z_ptr, id_ptr, logits_ptr, inv_temp, M, V, K, n_tiles,
         sxm, swn, sp, spb, s_lg,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, noisy: tl.constexpr, mix: tl.constexpr,
-        approx: tl.constexpr, write_logits: tl.constexpr,
+        approx: tl.constexpr, write_logits: tl.constexpr, EVEN_K: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BM)
@@ -91,8 +91,12 @@ if HAVE_TRITON:
         w_cols = w_ptr + rn[None, :].to(tl.int64) * swn
         for k0 in range(0, K, BK):
             kk = k0 + rk
-            x = tl.load(x_rows + kk[None, :], mask=row_live[:, None] & (kk[None, :] < K), other=0.0)
-            w = tl.load(w_cols + kk[:, None], mask=col_live[None, :] & (kk[:, None] < K), other=0.0)
+            if EVEN_K:  # no mask along K
+                x = tl.load(x_rows + kk[None, :], mask=row_live[:, None], other=0.0)
+                w = tl.load(w_cols + kk[:, None], mask=col_live[None, :], other=0.0)
+            else:
+                x = tl.load(x_rows + kk[None, :], mask=row_live[:, None] & (kk[None, :] < K), other=0.0)
+                w = tl.load(w_cols + kk[:, None], mask=col_live[None, :] & (kk[:, None] < K), other=0.0)
             acc = tl.dot(x, w, acc)
         dt: tl.constexpr = x_ptr.dtype.element_ty
         logit = _round_to(acc, dt)  # the logits as the GEMM writes them
@@ -235,7 +239,8 @@ def draw(
     _head_draw_tile_kernel[grid](
         h, weight, keys, part[0], part[1], z_parts, ids, lg, float(inv_temp), rows, vocab, hidden, n_tiles,
         h.stride(0), weight.stride(0), rows * n_tiles, n_tiles, lg.stride(0) if write else 0,
-        BM=bm, BN=bn, BK=bk, noisy=noisy, mix=mix, approx=approx, write_logits=write, num_warps=warps, **opts,
+        BM=bm, BN=bn, BK=bk, noisy=noisy, mix=mix, approx=approx, write_logits=write, EVEN_K=hidden % bk == 0,
+        num_warps=warps, **opts,
     )  # fmt: skip
     _head_draw_combine_kernel[(rows,)](
         keys, part[0], part[1], z_parts, ids, tokens, out[0], out[1], n_tiles, rows * n_tiles, n_tiles,
