@@ -30,23 +30,21 @@ def _inputs(rows, hidden, padded, scale, seed):
     return h, w, keys
 
 
+# rows, vocab, padded vocab, hidden, tile, weight scale:
+# - rows below one row tile, the vocab not a tile multiple, padded ids;
+# - three row tiles (the last partial), a one-column last tile, hidden not a multiple of BK;
+# - flat logits: many near scores in every tile
+CASES = [
+    (5, 300, 320, 64, (16, 32, 32, 4, 1), 0.3),
+    (40, 257, 257, 80, (16, 64, 32, 4, 1), 1.0),
+    (9, 200, 256, 64, (32, 32, 64, 4, 1), 0.05),
+]
+
+
 @pytest.mark.parametrize("noisy", [True, False])
-@pytest.mark.parametrize(
-    "rows,vocab,padded,tile,scale",
-    [
-        (
-            5,
-            300,
-            320,
-            (16, 32, 32, 4, 1),
-            0.3,
-        ),  # rows below one row tile, vocab not a tile multiple, padded ids
-        (40, 257, 257, (16, 64, 32, 4, 1), 1.0),  # three row tiles (the last partial), a one-column last tile
-        (9, 200, 256, (32, 32, 64, 4, 1), 0.05),  # flat logits: many near scores in every tile
-    ],
-)
-def test_equals_the_sampler_on_its_own_logits(rows, vocab, padded, tile, scale, noisy):
-    h, w, keys = _inputs(rows, 64, padded, scale, rows)
+@pytest.mark.parametrize("rows,vocab,padded,hidden,tile,scale", CASES)
+def test_equals_the_sampler_on_its_own_logits(rows, vocab, padded, hidden, tile, scale, noisy):
+    h, w, keys = _inputs(rows, hidden, padded, scale, rows)
     logits = torch.full((rows, padded), float("nan"), dtype=torch.float16)
     tok, lse, lp = head.draw(h, w, vocab, keys, 0.7, noisy, tile=tile, logits_out=logits)
     assert torch.isnan(logits[:, vocab:].float()).all()  # columns past the vocab are not written
