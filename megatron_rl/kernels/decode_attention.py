@@ -36,8 +36,12 @@ if HAVE_TRITON:
         q_ptr, k_ptr, v_ptr, pos_ptr, lead_ptr, plen_ptr, out_ptr, cos_ptr, sin_ptr, scale,
         sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, sc_b, sc_d,
         groups: tl.constexpr, rep: tl.constexpr, rows: tl.constexpr, dim: tl.constexpr, block: tl.constexpr,
-        shared: tl.constexpr, rope: tl.constexpr,
+        shared: tl.constexpr, rope: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
+        if (
+            PDL
+        ):  # launched before the kernel ahead of it finished (``decode_fused.PDL``): its writes from here
+            decode_fused.gdc_wait()
         pid = tl.program_id(0)
         b = pid // groups
         g = pid % groups
@@ -160,7 +164,7 @@ def _launch(q, rep: int, k, v, positions, scale, block, num_warps, num_stages, p
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         cos.stride(0), cos.stride(-1), groups=groups, rep=rep, rows=rows, dim=dim, block=block,
         shared=prefix is not None, rope=rope is not None, num_warps=num_warps,
-        **({} if num_stages is None else {"num_stages": num_stages}),
+        **({} if num_stages is None else {"num_stages": num_stages}), **decode_fused.pdl(q.device),
     )  # fmt: skip
     return out
 

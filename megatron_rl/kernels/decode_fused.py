@@ -36,6 +36,16 @@ except ImportError:  # CPU-only installs without triton: the reference ops serve
 
 
 if HAVE_TRITON:
+    try:  # programmatic dependent launch (``PDL``): Triton >= 3.4 on sm90+
+        from triton.language.extra.cuda import gdc_wait
+
+        HAVE_GDC = True
+    except ImportError:
+        HAVE_GDC = False
+
+        @triton.jit
+        def gdc_wait():
+            pass
 
     @triton.jit
     def _round_to(x, dt: tl.constexpr):
@@ -55,7 +65,10 @@ if HAVE_TRITON:
         qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr,
         s_b, s_g, s_r, s_d, sc_b, sc_d, sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t,
         groups: tl.constexpr, rep: tl.constexpr, rows: tl.constexpr, dim: tl.constexpr, exact: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
+        if PDL:  # launched before the kernel ahead of it finished: its writes are visible from here
+            gdc_wait()
         pid = tl.program_id(0).to(tl.int64)  # slot x (groups x T x D) passes 2^31 in a long cache
         b = pid // groups
         g = pid % groups
@@ -83,7 +96,9 @@ if HAVE_TRITON:
         tl.store(v_at, x.to(v_ptr.dtype.element_ty), mask=r[:, None] == rep + 1)
 
     @triton.jit
-    def _swiglu_kernel(y_ptr, out_ptr, s_y, s_o, ffn, block: tl.constexpr):
+    def _swiglu_kernel(y_ptr, out_ptr, s_y, s_o, ffn, block: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            gdc_wait()
         row = tl.program_id(0)
         f = tl.program_id(1) * block + tl.arange(0, block)
         live = f < ffn
@@ -94,8 +109,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _add_rms_norm_kernel(
-        x_ptr, y_ptr, w_ptr, x_out_ptr, h_ptr, S, s_ys, s_x, s_y, s_xo, s_h, hidden, eps, block: tl.constexpr
+        x_ptr, y_ptr, w_ptr, x_out_ptr, h_ptr, S, s_ys, s_x, s_y, s_xo, s_h, hidden, eps, block: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
+        if PDL:
+            gdc_wait()
         # y: S summands in order (one for ``add_rms_norm``; ``decode_gemm``'s split-K partials, fp32), their sum
         # rounded to the activation dtype as a GEMM's output is
         row = tl.program_id(0)
@@ -121,6 +139,18 @@ RUN_ON_CPU = False
 # CUDA graphs) the decode step takes 3.95 -> 3.06 ms at the Qwen2.5-0.5B shape and 10.20 -> 8.97 ms at 3B;
 # MEGATRON_RL_FUSED_DECODE=0 (or false/off/no) keeps the reference ops (each kernel also runs only after its trial passes).
 ON_CUDA = env_switch("MEGATRON_RL_FUSED_DECODE", True)
+# MEGATRON_RL_DECODE_PDL=1: the decode step's Triton kernels (RoPE + KV write, attention, SwiGLU, add + RMSNorm)
+# launch with programmatic dependent launch, so each may start while the kernel ahead of it drains (it waits
+# for that kernel's writes first). Off until measured on a GPU (``benchmarks/probe_pdl.py``).
+PDL = env_switch("MEGATRON_RL_DECODE_PDL", False)
+
+
+def pdl(device: torch.device) -> dict:
+    """Launch options of a decode kernel: with ``PDL`` on CUDA (and a Triton that has it) the kernel's
+    ``PDL`` flag and ``launch_pdl``; else none."""
+    if PDL and HAVE_TRITON and HAVE_GDC and device.type == "cuda":
+        return {"PDL": True, "launch_pdl": True}
+    return {}
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -142,7 +172,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         groups=groups, rep=rep, rows=triton.next_power_of_2(rows2), dim=dim, exact=exact,
-        num_warps=1 if dim <= 64 else 2,
+        num_warps=1 if dim <= 64 else 2, **pdl(qkv.device),
     )  # fmt: skip
     return q
 
@@ -153,7 +183,9 @@ def swiglu(y: torch.Tensor, block: int = 1024) -> torch.Tensor:
     rows, two_f = y.shape
     ffn = two_f // 2
     out = torch.empty(rows, ffn, dtype=y.dtype, device=y.device)
-    _swiglu_kernel[(rows, triton.cdiv(ffn, block))](y, out, y.stride(0), out.stride(0), ffn, block=block)
+    _swiglu_kernel[(rows, triton.cdiv(ffn, block))](
+        y, out, y.stride(0), out.stride(0), ffn, block=block, **pdl(y.device)
+    )
     return out
 
 
@@ -168,7 +200,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
     block = triton.next_power_of_2(hidden)
     _add_rms_norm_kernel[(rows,)](
         x, ys, weight, x_new, h, ys.shape[0], ys.stride(0), x.stride(0), ys.stride(1), x_new.stride(0),
-        h.stride(0), hidden, eps, block=block, num_warps=4 if block <= 2048 else 8,
+        h.stride(0), hidden, eps, block=block, num_warps=4 if block <= 2048 else 8, **pdl(x.device),
     )  # fmt: skip
     return x_new, h
 
