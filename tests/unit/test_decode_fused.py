@@ -119,3 +119,13 @@ def test_a_broken_kernel_falls_back_with_a_warning(monkeypatch):
     qkv = torch.zeros(2, 2, 5, 16)  # [B, G, rep + 2, D]: each trial runs at the caller's trailing dims
     assert fused.usable("add_rms_norm", x) and fused.usable("rope_kv_write", qkv)
     assert ("add_rms_norm", "cpu", x.dtype, (4,)) in fused._PASSED
+
+
+def test_pdl_launch_options_only_on_cuda_when_switched_on(monkeypatch):
+    """``MEGATRON_RL_DECODE_PDL``: off by default; on, the CUDA launches get the kernels' PDL flag and
+    ``launch_pdl`` (where Triton has ``gdc_wait``), CPU launches (the interpreter) nothing."""
+    assert fused.pdl(torch.device("cuda")) == {} or fused.PDL
+    monkeypatch.setattr(fused, "PDL", True)
+    assert fused.pdl(torch.device("cpu")) == {}
+    want = {"PDL": True, "launch_pdl": True} if fused.HAVE_GDC else {}
+    assert fused.pdl(torch.device("cuda")) == want
