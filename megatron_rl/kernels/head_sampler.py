@@ -26,6 +26,8 @@ batch-invariant path. Runs on CUDA where Triton is installed; tests run it on CP
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from megatron_rl.kernels.compile import env_switch
@@ -180,8 +182,28 @@ RUN_ON_CPU = False
 # Off until measured on a GPU (session 34 wrote it while no device came): MEGATRON_RL_HEAD_SAMPLER=1 turns it
 # on; off, the decode step keeps cuBLAS's LM head and the sampler kernel.
 ON_CUDA = env_switch("MEGATRON_RL_HEAD_SAMPLER", False)
+
+
+def _tile_from_env(default: tuple[int, int, int, int, int]) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages) of the tile kernel: ``default``, or MEGATRON_RL_HEAD_SAMPLER_TILE
+    ("128,128,64,8,3": five positive integers, BM / BN / BK powers of two >= 16)."""
+    raw = os.environ.get("MEGATRON_RL_HEAD_SAMPLER_TILE", "").strip()
+    if not raw:
+        return default
+    try:
+        tile = tuple(int(v) for v in raw.split(","))
+    except ValueError:
+        tile = ()
+    if len(tile) != 5 or min(tile) < 1 or any(t < 16 or t & (t - 1) for t in tile[:3]):
+        raise ValueError(
+            f"MEGATRON_RL_HEAD_SAMPLER_TILE={raw!r}: give BM,BN,BK,num_warps,num_stages as five positive "
+            f"integers with BM, BN, BK powers of two >= 16 (e.g. 128,128,64,8,3), or unset it"
+        )
+    return tile
+
+
 # (BM, BN, BK, num_warps, num_stages) of the tile kernel
-TILE = (128, 128, 64, 8, 3)
+TILE = _tile_from_env((128, 128, 64, 8, 3))
 
 
 def serves(device: torch.device | str, dtype: torch.dtype) -> bool:

@@ -82,3 +82,14 @@ def test_the_fast_score_is_within_its_bound_of_the_exact_one():
     k[(1,)](exact, fast, 12345, n, BLOCK=n)
     assert torch.isfinite(exact).all() and torch.isfinite(fast).all()
     assert (fast - exact).abs().max() < 2e-5
+
+
+def test_the_tile_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("MEGATRON_RL_HEAD_SAMPLER_TILE", "64,256,64,8,3")
+    assert head._tile_from_env((1, 2, 3, 4, 5)) == (64, 256, 64, 8, 3)
+    monkeypatch.delenv("MEGATRON_RL_HEAD_SAMPLER_TILE")
+    assert head._tile_from_env((1, 2, 3, 4, 5)) == (1, 2, 3, 4, 5)
+    for bad in ("128,128,64,8", "128,96,64,8,3", "a,b,c,d,e", "128,128,64,0,3"):
+        monkeypatch.setenv("MEGATRON_RL_HEAD_SAMPLER_TILE", bad)
+        with pytest.raises(ValueError, match="MEGATRON_RL_HEAD_SAMPLER_TILE.*BM,BN,BK,num_warps,num_stages"):
+            head._tile_from_env((1, 2, 3, 4, 5))
