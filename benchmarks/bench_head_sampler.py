@@ -39,7 +39,8 @@ TILES = [
 ]
 
 
-def bench(rows: int, hidden: int, vocab: int, scale: float, tiles) -> dict:
+def bench(rows: int, hidden: int, vocab: int, scale: float, tiles, dump=lambda out: None) -> dict:
+    """One shape's timings and checks; ``dump(partial)`` after each tile (a timeout keeps what finished)."""
     torch.manual_seed(rows + hidden)
     h = torch.randn(rows, hidden, device="cuda").to(torch.bfloat16)
     w = (scale * torch.randn(vocab, hidden, device="cuda")).to(torch.bfloat16)
@@ -79,6 +80,7 @@ def bench(rows: int, hidden: int, vocab: int, scale: float, tiles) -> dict:
                 out[name + "_greedy_mismatch_own"] = int((g_tok != logits.float().argmax(-1)).sum())
         except Exception as e:  # noqa: BLE001 - a sweep: record why a tile failed
             out[name + "_us"] = f"error: {type(e).__name__}: {str(e)[:200]}"
+        dump(out)
     return out
 
 
@@ -98,13 +100,20 @@ def main() -> None:
             )
             if hidden != 896 and rows != 512:
                 continue
-            r = bench(rows, hidden, 151936, 0.02, tiles)
-            res["results"].append(r)
-            best = min(
+            res["results"].append({})
+
+            def dump(partial):
+                res["results"][-1] = partial
+                with open(a.out, "w") as f:
+                    json.dump(res, f, indent=1)
+
+            r = bench(rows, hidden, 151936, 0.02, tiles, dump)
+            timed = [
                 (v, k)
                 for k, v in r.items()
                 if k.startswith("fused_") and k.endswith("_us") and isinstance(v, float)
-            )
+            ]
+            best = min(timed, default=(float("nan"), "none"))
             print(hidden, rows, "today", round(r["today_us"], 1), "(mm", round(r["cublas_mm_us"], 1), "+ draw",
                   round(r["sampler_us"], 1), ") best fused", round(best[0], 1), best[1], flush=True)  # fmt: skip
             with open(a.out, "w") as f:

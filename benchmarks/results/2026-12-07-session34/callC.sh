@@ -9,7 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
-timeout 100 python3 benchmarks/bench_head_sampler.py --rows 512 --shapes 896 --out "$O/head.json" > "$O/head.log" 2>&1
+timeout 130 python3 benchmarks/bench_head_sampler.py --rows 512 --shapes 896 --out "$O/head.json" > "$O/head.log" 2>&1
 echo "head rc=$? $((SECONDS - T0))s"; grep -E "^896 |Error" "$O/head.log" | head -5
 BEST=$(python3 - "$O/head.json" <<'PY'
 import json, sys
