@@ -7,7 +7,7 @@ Kernels (module: kernel: constexpr variants), at the Qwen2.5-0.5B shape (hidden 
 groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
 
 - ``decode_attention``: ``_decode_attention_kernel``: ``shared`` off / on (prompt KV sharing), and
-  ``rope`` on (RoPE and the KV write inside, with sharing);
+  ``rope`` on (RoPE and the KV write inside, with sharing); ``PDL`` on (``gdc_wait`` first) with sharing;
 - ``rmsnorm``: ``_backward_kernel``: ``blocks_for`` 896 (with and without the residual gradient), 2048 (the
   forward's 1/rms, the residual gradient) and 3584 (7B, recomputed); ``_add_forward_kernel``: ``forward_tile``
   896, 2048, 3584;
@@ -21,7 +21,10 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
   on (the default: the block-max skip, noisy and greedy);
   ``_draw_combine_kernel``: ``splits`` 2, 64, ``logprobs`` on / off;
 - ``decode_fused``: ``_rope_kv_kernel``: ``exact`` off / on, and on in fp16 (``_round_to``'s cast branch);
-  ``_swiglu_kernel``; ``_add_rms_norm_kernel`` (one bf16 summand, and 8 fp32 split-K partials);
+  ``_swiglu_kernel``; ``_add_rms_norm_kernel`` (one bf16 summand, and 8 fp32 split-K partials); each with
+  ``PDL`` on once;
+- ``head_sampler``: ``_head_draw_tile_kernel`` at ``TILE`` (noisy with ``lg2.approx`` inline assembly,
+  greedy, and with the tests' logits output), ``_head_draw_combine_kernel`` noisy and greedy;
 - ``decode_gemm``: ``_swiglu_gemm_kernel``, ``_splitk_kernel`` and ``_qkv_rope_kernel`` (bias on; a quarter head
   / a whole head a program) at row tile 16 with the narrowest tiles and at row tile 64 with the widest (the
   most shared memory: each variant's must fit an H100/H200 block's 227 KiB);
@@ -67,7 +70,7 @@ SCRIPT = textwrap.dedent(
 
     from megatron_rl.kernels import batch_invariant_triton as bit
     from megatron_rl.kernels import decode_attention, decode_fused, decode_gemm, logprob, rmsnorm, rope_exact
-    from megatron_rl.kernels import gather_rows, sampler, swiglu
+    from megatron_rl.kernels import gather_rows, head_sampler, sampler, swiglu
 
     VARIANTS = []  # (kernel, runtime arguments, constexprs, compile options)
 
@@ -111,14 +114,15 @@ SCRIPT = textwrap.dedent(
     strides = ("sq_b", "sq_g", "sq_r", "sk_b", "sk_g", "sk_t", "sv_b", "sv_g", "sv_t", "so_b", "so_g", "so_r",
                "sc_b", "sc_d")
     attn |= dict(zip(strides, DEC_Q + CACHE + CACHE + DEC_Q + (D, 1)))
-    for shared in (False, True):
+    for shared, pdl in ((False, False), (True, False), (True, True)):
         add(decode_attention._decode_attention_kernel, attn,
-            {"groups": 2, "rep": 7, "rows": 16, "dim": D, "block": 64, "shared": shared, "rope": False},
-            num_warps=4)
+            {"groups": 2, "rep": 7, "rows": 16, "dim": D, "block": 64, "shared": shared, "rope": False,
+             "PDL": pdl}, num_warps=4)
     # rope: q_ptr is the step's qkv [B, 2, 9, D] (decode_attention.rope_decode_attention)
     attn_rope = attn | dict(zip(("sq_b", "sq_g", "sq_r"), (QKV, 9 * D, D)))
     add(decode_attention._decode_attention_kernel, attn_rope,
-        {"groups": 2, "rep": 7, "rows": 16, "dim": D, "block": 64, "shared": True, "rope": True}, num_warps=4)
+        {"groups": 2, "rep": 7, "rows": 16, "dim": D, "block": 64, "shared": True, "rope": True, "PDL": False},
+        num_warps=4)
 
     norm = {"x_ptr": bf, "dy_ptr": bf, "w_ptr": bf, "dx_ptr": bf, "dw_ptr": f32, "rstd_ptr": f32, "dres_ptr": bf,
             "rows": 16384, "hidden": H, "stride_x": H, "stride_dy": H, "stride_dx": H, "stride_dres": H, "eps": eps,
@@ -164,20 +168,38 @@ SCRIPT = textwrap.dedent(
     for splits, fused in ((2, True), (64, True), (2, False)):
         add(sampler._draw_combine_kernel, comb, {"splits": splits, "logprobs": fused}, enable_fp_fusion=False)
 
-    for dt, exact in ((bf, False), (bf, True), ("*fp16", True)):
+    for dt, exact, pdl in ((bf, False, False), (bf, True, False), ("*fp16", True, False), (bf, False, True)):
         rope = {"qkv_ptr": dt, "cos_ptr": dt, "sin_ptr": dt, "pos_ptr": i64, "q_ptr": dt, "k_ptr": dt,
                 "v_ptr": dt}
         rope |= dict(zip(("s_b", "s_g", "s_r", "s_d", "sc_b", "sc_d", "sq_b", "sq_g", "sq_r"),
                          (QKV, QKV // 2, D, 1, D, 1) + DEC_Q))
         rope |= dict(zip(("sk_b", "sk_g", "sk_t", "sv_b", "sv_g", "sv_t"), CACHE + CACHE))
         add(decode_fused._rope_kv_kernel, rope,
-            {"groups": 2, "rep": 7, "rows": 16, "dim": D, "exact": exact}, num_warps=1)
-    add(decode_fused._swiglu_kernel, {"y_ptr": bf, "out_ptr": bf, "s_y": 2 * FFN, "s_o": FFN, "ffn": FFN},
-        {"block": 1024})
-    for y, summands in ((bf, 1), (f32, 8)):  # y itself; decode_gemm's split-K partials (fp32, 512 rows)
+            {"groups": 2, "rep": 7, "rows": 16, "dim": D, "exact": exact, "PDL": pdl}, num_warps=1)
+    for pdl in (False, True):
+        add(decode_fused._swiglu_kernel, {"y_ptr": bf, "out_ptr": bf, "s_y": 2 * FFN, "s_o": FFN, "ffn": FFN},
+            {"block": 1024, "PDL": pdl})
+    for y, summands, pdl in ((bf, 1, False), (f32, 8, False), (bf, 1, True)):  # y; decode_gemm's split-K partials
         add_norm = {"x_ptr": bf, "y_ptr": y, "w_ptr": bf, "x_out_ptr": bf, "h_ptr": bf, "S": summands,
                     "s_ys": 512 * H, "s_x": H, "s_y": H, "s_xo": H, "s_h": H, "hidden": H, "eps": eps}
-        add(decode_fused._add_rms_norm_kernel, add_norm, {"block": 1024}, num_warps=4)
+        add(decode_fused._add_rms_norm_kernel, add_norm, {"block": 1024, "PDL": pdl}, num_warps=4)
+
+    # head_sampler: the LM head with the draw in its epilogue at the default tile (noisy with the SFU logs,
+    # greedy; the tests' logits output once), and the combine (libdevice logs, no FMA contraction)
+    n_tiles = -(-V // head_sampler.TILE[1])
+    bm, bn, bk, warps, stages = head_sampler.TILE
+    tile = {"x_ptr": bf, "w_ptr": bf, "keys_ptr": i64, "m_ptr": f32, "l_ptr": f32, "z_ptr": f32, "id_ptr": "*i32",
+            "logits_ptr": bf, "inv_temp": 1 / 0.7, "M": 512, "V": V, "K": H, "n_tiles": n_tiles, "sxm": H, "swn": H,
+            "sp": 512 * n_tiles, "spb": n_tiles, "s_lg": V}
+    for noisy, write in ((True, False), (False, False), (True, True)):
+        add(head_sampler._head_draw_tile_kernel, tile,
+            {"BM": bm, "BN": bn, "BK": bk, "noisy": noisy, "mix": True, "approx": True, "write_logits": write,
+             "EVEN_K": True}, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    comb = {"keys_ptr": i64, "m_ptr": f32, "l_ptr": f32, "z_ptr": f32, "id_ptr": "*i32", "tok_ptr": i64,
+            "lse_ptr": f32, "lp_ptr": f32, "n_tiles": n_tiles, "sp": 512 * n_tiles, "spb": n_tiles}
+    for noisy in (True, False):
+        add(head_sampler._head_draw_combine_kernel, comb,
+            {"CHUNK": 256, "noisy": noisy, "mix": True, "libdevice_log": True}, num_warps=4, enable_fp_fusion=False)
 
     # decode_gemm at 8 rows (row tile 16, the narrowest tiles) and 64+ rows (row tile 64, the widest tiles of
     # bench_decode_gemm's sweep: the most shared memory)
