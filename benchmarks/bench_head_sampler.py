@@ -89,14 +89,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="512,256")
     ap.add_argument("--shapes", default="896,2048", help="hidden sizes (0.5B: 896, 3B: 2048)")
+    ap.add_argument("--tiles", default="", help="BM,BN,BK,warps,stages;... (default: the built-in sweep)")
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "results": []}
+    sweep = [tuple(int(v) for v in t.split(",")) for t in a.tiles.split(";") if t] or TILES
     for hidden in map(int, a.shapes.split(",")):
         for rows in map(int, a.rows.split(",")):
             tiles = (
-                TILES
+                sweep
                 if (hidden == 896 and rows == 512)
-                else TILES[:1] + [t for t in TILES if t[:2] == (64, 128)]
+                else sweep[:1] + [t for t in sweep if t[:2] == (64, 128)]
             )
             if hidden != 896 and rows != 512:
                 continue
