@@ -36,14 +36,5 @@ source $D/steps.sh; GUARD=${GUARD:-585}
 ab() { export MEGATRON_RL_HEAD_SAMPLER=$1 MEGATRON_RL_DECODE_PDL=$2; run_step 86 "$3" 0 --steps 3 --shape qwen2.5-0.5b; }
 ab 1 0 fused1; ab 0 0 plain1; ab 1 1 pdl1; ab 0 0 plain2; ab 1 0 fused2
 summary fused1 plain1 pdl1 plain2 fused2
-python3 - "$O" <<'PY'
-import json, sys
-for f in ("fused1", "plain1", "pdl1", "plain2", "fused2"):
-    try:
-        d = json.load(open(f"{sys.argv[1]}/{f}.json"))
-        print(f, "decode ms", [round(s["decode"]["ms_per_decode_step"], 4) for s in d["steps"]],
-              "hbm %", d["median_after_warmup"].get("decode_fraction_of_hbm_floor_this_gpu"))
-    except Exception as e:  # noqa: BLE001
-        print(f, "unreadable", e)
-PY
+python3 benchmarks/results/2026-12-07-session34/decode_ms.py "$O" fused1 plain1 pdl1 plain2 fused2
 grep -h "failed its trial" "$O"/*.log | sort | uniq -c | head
