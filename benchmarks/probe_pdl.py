@@ -2,7 +2,9 @@
 
 A decode step at 512 rows launches ~200 kernels inside one CUDA graph; the gaps between them were ~0.2 ms a
 step on an H100 (session 26). With PDL a kernel launched with ``launch_pdl=True`` may start while the kernel
-before it drains, and waits (``gdc_wait``) only where it reads that kernel's output. Here, inside one graph:
+before it drains; it waits (``gdc_wait``) before it reads that kernel's output. The engine's kernels wait at
+entry and never trigger early; this probe's kernel also calls ``gdc_launch_dependents`` after its load, so it
+shows the most PDL could give (an upper bound for the engine's use). Here, inside one graph:
 
 - ``triton``: a chain of N small Triton kernels (each reads the previous one's output), PDL off and on;
 - ``mixed``: the decode step's pattern, a cuBLAS GEMM (512 x 896 -> 1152) then a Triton elementwise kernel,

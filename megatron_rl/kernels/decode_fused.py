@@ -146,9 +146,15 @@ PDL = env_switch("MEGATRON_RL_DECODE_PDL", False)
 
 
 def pdl(device: torch.device) -> dict:
-    """Launch options of a decode kernel: with ``PDL`` on CUDA (and a Triton that has it) the kernel's
-    ``PDL`` flag and ``launch_pdl``; else none."""
-    if PDL and HAVE_TRITON and HAVE_GDC and device.type == "cuda":
+    """Launch options of a decode kernel: with ``PDL`` on a CUDA GPU of compute capability 9.0+ (and a Triton
+    that has it) the kernel's ``PDL`` flag and ``launch_pdl``; else none."""
+    if (
+        PDL
+        and HAVE_TRITON
+        and HAVE_GDC
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    ):
         return {"PDL": True, "launch_pdl": True}
     return {}
 

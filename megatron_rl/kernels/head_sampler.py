@@ -15,8 +15,11 @@ draw:
 A second small kernel combines a row's tiles: the log-sum-exp, the exact score (the sampler's libdevice
 logarithms, no fused multiply-adds: the eager reference's bits) of every kept candidate, and the best of
 them (ties to the lowest id), its log-prob ``z - lse``. The exact winner of a row is among the candidates
-unless three scores of one tile lie within ~4e-5 of each other (the fast scores' error twice): then the
-token may differ from the reference draw on these logits. Greedy (``noisy`` off) ranks z itself: exact.
+unless three scores of one tile lie within ~4e-5 plus one fp32 ulp of the score of each other (the fast
+scores' error twice, and the rounding of ``z - log E``: 1.5e-5 at |z| >= 128, more at low temperatures): then
+the token may differ from the reference draw on these logits. Greedy (``noisy`` off) ranks z itself: exact.
+The fast score's error (session 34's review, numpy over all 2^23 values of u with the worst ``lg2.approx``
+error in both logarithms): at most 7.5e-6 at PTX's 2^-22.6, 1.1e-5 at 2^-22; the series within 7e-8.
 
 The logits differ from cuBLAS's in accumulation order only (fp32 sums, rounded to bf16 as cuBLAS rounds), so
 this serves the non-exact decode path (as ``decode_gemm`` does); ``rollout.exact_logprobs`` keeps cuBLAS's
@@ -186,7 +189,7 @@ ON_CUDA = env_switch("MEGATRON_RL_HEAD_SAMPLER", False)
 
 def _tile_from_env(default: tuple[int, int, int, int, int]) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, num_warps, num_stages) of the tile kernel: ``default``, or MEGATRON_RL_HEAD_SAMPLER_TILE
-    ("128,128,64,8,3": five positive integers, BM / BN / BK powers of two >= 16)."""
+    ("128,128,64,8,3": five positive integers, BM / BN / BK powers of two >= 16, num_warps a power of two)."""
     raw = os.environ.get("MEGATRON_RL_HEAD_SAMPLER_TILE", "").strip()
     if not raw:
         return default
@@ -194,27 +197,39 @@ def _tile_from_env(default: tuple[int, int, int, int, int]) -> tuple[int, int, i
         tile = tuple(int(v) for v in raw.split(","))
     except ValueError:
         tile = ()
-    if len(tile) != 5 or min(tile) < 1 or any(t < 16 or t & (t - 1) for t in tile[:3]):
+    bad_warps = len(tile) == 5 and tile[3] & (tile[3] - 1)
+    if len(tile) != 5 or min(tile) < 1 or bad_warps or any(t < 16 or t & (t - 1) for t in tile[:3]):
         raise ValueError(
             f"MEGATRON_RL_HEAD_SAMPLER_TILE={raw!r}: give BM,BN,BK,num_warps,num_stages as five positive "
-            f"integers with BM, BN, BK powers of two >= 16 (e.g. 128,128,64,8,3), or unset it"
+            f"integers with BM, BN, BK powers of two >= 16 and num_warps a power of two (e.g. 128,128,64,8,3), "
+            f"or unset it"
         )
     return tile
 
 
-# (BM, BN, BK, num_warps, num_stages) of the tile kernel
-TILE = _tile_from_env((128, 128, 64, 8, 3))
+# (BM, BN, BK, num_warps, num_stages) of the tile kernel unless MEGATRON_RL_HEAD_SAMPLER_TILE says otherwise
+TILE = (128, 128, 64, 8, 3)
+
+
+def current_tile() -> tuple[int, int, int, int, int]:
+    """The tile the kernel runs: ``TILE`` or the environment's (read when the fused head is used, so a bad
+    value stops the engine where it would run, not every import)."""
+    return _tile_from_env(TILE)
 
 
 def serves(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether the kernel runs for activations of ``dtype`` on ``device``: Triton importable, bf16 / fp16 on
-    CUDA with ``ON_CUDA``, or on CPU with ``RUN_ON_CPU`` (fp32 too: the interpreter's dot is exact fp32)."""
+    CUDA with ``ON_CUDA``, or on CPU with ``RUN_ON_CPU`` (fp32 too: the interpreter's dot is exact fp32). Raises
+    the tile setting's error where it would serve."""
     dev = torch.device(device).type
     half = dtype in (torch.bfloat16, torch.float16)
-    return HAVE_TRITON and (
+    ok = HAVE_TRITON and (
         (ON_CUDA and dev == "cuda" and half)
         or (RUN_ON_CPU and dev == "cpu" and (half or dtype == torch.float32))
     )
+    if ok:
+        current_tile()  # a malformed MEGATRON_RL_HEAD_SAMPLER_TILE stops here, naming the variable
+    return ok
 
 
 def usable(h: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -244,7 +259,7 @@ def draw(
     ``logits_out`` [B, >= vocab] (tests): also write the logits. ``approx``: the SFU logarithms (default:
     on the GPU)."""
     rows, hidden = h.shape
-    bm, bn, bk, warps, stages = tile or TILE
+    bm, bn, bk, warps, stages = tile or current_tile()
     n_tiles = triton.cdiv(vocab, bn)
     dev = h.device
     on_gpu = dev.type != "cpu"

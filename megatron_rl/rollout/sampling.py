@@ -296,23 +296,29 @@ def head_draw_serves(h: torch.Tensor, weight: torch.Tensor, vocab: int, params: 
     trial passed (``_head_trial``: against the sampler on the kernel's own logits)."""
     if params.top_k > 0 or params.top_p < 1.0 or not head_sampler.usable(h, weight):
         return False
-    return trial_once(_HEAD, lambda: _head_trial(h, weight, vocab), _HEAD_FALLBACK)
+    name = f"{_HEAD} ({h.device.type}, {h.dtype}, hidden {h.shape[1]}, vocab {vocab}, tile {head_sampler.current_tile()})"
+    return trial_once(name, lambda: _head_trial(h, weight, vocab), _HEAD_FALLBACK)
 
 
 def _head_trial(h: torch.Tensor, weight: torch.Tensor, vocab: int) -> None:
-    """The fused head and draw once on (up to) four rows, noisy and greedy, against ``kernels.sampler`` on
-    the logits it computed: raises when it fails or its tokens or log-probs differ (host syncs, first call)."""
-    rows = h[:4]
-    keys = torch.arange(rows.shape[0], device=h.device) * 0x5DEECE66D
-    logits = torch.empty(rows.shape[0], vocab, dtype=h.dtype, device=h.device)
+    """The fused head and draw once on this step's rows, noisy and greedy, against ``kernels.sampler`` on the
+    logits it computed (the variant that writes them), and the variant every later step runs (no logits
+    written) against that one: raises when either fails or tokens or log-probs differ (host syncs, first call)."""
+    keys = torch.arange(h.shape[0], device=h.device) * 0x5DEECE66D
+    logits = torch.empty(h.shape[0], vocab, dtype=h.dtype, device=h.device)
     for noisy in (True, False):
-        tokens, lse, lp = head_sampler.draw(rows, weight, vocab, keys, 0.7, noisy, logits_out=logits)
+        tokens, lse, lp = head_sampler.draw(h, weight, vocab, keys, 0.7, noisy, logits_out=logits)
         want, want_lse = _draw(logits, keys, _token_ids(logits), 0.7, noisy)
         if not torch.equal(tokens, want):
             raise RuntimeError(f"tokens {tokens.tolist()} != the reference's {want.tolist()} (noisy={noisy})")
         torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
         picked = logits.gather(-1, tokens[:, None])[:, 0].float() * 0.7
         torch.testing.assert_close(lp, picked - lse, rtol=0, atol=1e-6)
+        same = head_sampler.draw(h, weight, vocab, keys, 0.7, noisy)
+        if not all(torch.equal(a, b) for a, b in zip(same, (tokens, lse, lp))):
+            raise RuntimeError(
+                f"the draw without the logits output differs from the one with it (noisy={noisy})"
+            )
 
 
 def sample_from_hidden(

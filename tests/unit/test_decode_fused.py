@@ -123,9 +123,12 @@ def test_a_broken_kernel_falls_back_with_a_warning(monkeypatch):
 
 def test_pdl_launch_options_only_on_cuda_when_switched_on(monkeypatch):
     """``MEGATRON_RL_DECODE_PDL``: off by default; on, the CUDA launches get the kernels' PDL flag and
-    ``launch_pdl`` (where Triton has ``gdc_wait``), CPU launches (the interpreter) nothing."""
+    ``launch_pdl`` (where Triton has ``gdc_wait``) on compute capability 9.0+, CPU launches (the interpreter)
+    and older GPUs nothing."""
     assert fused.pdl(torch.device("cuda")) == {} or fused.PDL
     monkeypatch.setattr(fused, "PDL", True)
     assert fused.pdl(torch.device("cpu")) == {}
-    want = {"PDL": True, "launch_pdl": True} if fused.HAVE_GDC else {}
-    assert fused.pdl(torch.device("cuda")) == want
+    for major, on in ((8, False), (9, True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, m=major: (m, 0))
+        want = {"PDL": True, "launch_pdl": True} if fused.HAVE_GDC and on else {}
+        assert fused.pdl(torch.device("cuda")) == want

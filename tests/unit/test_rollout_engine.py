@@ -425,6 +425,7 @@ def test_the_lm_head_fused_with_the_draw_gives_hf_greedy_and_its_logprobs(monkey
     spec = spec_of(hf)
     params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
     monkeypatch.setattr(sampler_kernel, "RUN_ON_CPU", True)  # the unfused draw: the same keyed noise
+    monkeypatch.setattr(sampler_kernel, "splits_for", lambda rows, *a, **k: 1)  # interpreted: 1 program a row
     calls, original = [], head_sampler.draw
     monkeypatch.setattr(head_sampler, "draw", lambda *a, **k: calls.append(1) or original(*a, **k))
     prompts = random_prompts(2, seed=6)
@@ -557,6 +558,29 @@ def test_logits_into_a_shared_buffer_equal_the_plain_ones(model):
     got = decoder.logits(h, w, spec, out=buf)
     assert torch.equal(got, decoder.logits(h, w, spec))
     assert got.data_ptr() == buf.data_ptr() and torch.isnan(buf[5:]).all()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_decode_step_that_stops_at_the_final_norm_gives_the_logits_input(model, monkeypatch, fused):
+    """``decoder.decode(hidden_only=True)`` (the fused LM head's decode graphs) returns the final-normed
+    hidden states whose output layer is ``decode``'s logits, bit for bit, on the reference path and on the
+    fused decode kernels' path (interpreted), and writes the same KV cache."""
+    from megatron_rl.kernels import decode_fused
+    from megatron_rl.rollout import reshard
+
+    if fused:
+        pytest.importorskip("triton", reason="triton is in the dev extras")
+        monkeypatch.setattr(decode_fused, "RUN_ON_CPU", True)
+    _, spec, params = model
+    w = reshard.gather_weights(params, spec, reshard.build_layout(1))
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(spec.num_layers, 2, 3, spec.num_query_groups, 16, spec.head_dim, generator=g)
+    tokens, positions = torch.tensor([5, 9, 2]), torch.tensor([3, 7, 0])
+    cache2 = cache.clone()
+    want = decoder.decode(w, spec, cache, tokens, positions)
+    h = decoder.decode(w, spec, cache2, tokens, positions, hidden_only=True)
+    assert h.shape == (3, spec.hidden_size)
+    assert torch.equal(decoder.logits(h, w, spec), want) and torch.equal(cache, cache2)
 
 
 def _stop_workload(top_k: int = -1):
