@@ -38,9 +38,8 @@ if HAVE_TRITON:
         groups: tl.constexpr, rep: tl.constexpr, rows: tl.constexpr, dim: tl.constexpr, block: tl.constexpr,
         shared: tl.constexpr, rope: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
-        if (
-            PDL
-        ):  # launched before the kernel ahead of it finished (``decode_fused.PDL``): its writes from here
+        # PDL (``decode_fused.PDL``): launched before the kernel ahead of it finished; its writes from here on
+        if PDL:
             decode_fused.gdc_wait()
         pid = tl.program_id(0)
         b = pid // groups

@@ -48,8 +48,6 @@ if HAVE_TRITON:
     from megatron_rl.kernels.decode_fused import _round_to  # noqa: E402
     from megatron_rl.kernels.sampler import _hash_bits, _hash_log_noise, _row_key  # noqa: E402
 
-    _LN2 = 0.6931471805599453
-
     @triton.jit
     def _fast_ln(x, approx: tl.constexpr):
         """ln(x) from the SFU's ``lg2.approx`` (absolute error ~2^-22 in log2); ``approx`` off: ``tl.log``

@@ -766,9 +766,8 @@ class _Runner:
         )
 
     def _step(self) -> None:
-        out = self.state.decode(
-            max(self.active) + 1, self.kv_need
-        )  # [b, V] (or [b, h]), b a bucket >= max slot + 1
+        # [b, V] logits (with ``fused_head`` [b, h] hidden states), b a bucket >= max slot + 1
+        out = self.state.decode(max(self.active) + 1, self.kv_need)
         self.stats.decode_rows += out.shape[0]
         b = out.shape[0]
         rows = self.rows[:b]
