@@ -95,13 +95,12 @@ def main() -> None:
     sweep = [tuple(int(v) for v in t.split(",")) for t in a.tiles.split(";") if t] or TILES
     for hidden in map(int, a.shapes.split(",")):
         for rows in map(int, a.rows.split(",")):
-            tiles = (
-                sweep
-                if (hidden == 896 and rows == 512)
-                else sweep[:1] + [t for t in sweep if t[:2] == (64, 128)]
-            )
             if hidden != 896 and rows != 512:
                 continue
+            main_shape = (
+                hidden == 896 and rows == 512
+            )  # the full sweep; elsewhere the first and 64 x 128 tiles
+            tiles = sweep if main_shape else sweep[:1] + [t for t in sweep if t[:2] == (64, 128)]
             res["results"].append({})
 
             def dump(partial):
@@ -118,8 +117,6 @@ def main() -> None:
             best = min(timed, default=(float("nan"), "none"))
             print(hidden, rows, "today", round(r["today_us"], 1), "(mm", round(r["cublas_mm_us"], 1), "+ draw",
                   round(r["sampler_us"], 1), ") best fused", round(best[0], 1), best[1], flush=True)  # fmt: skip
-            with open(a.out, "w") as f:
-                json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))
 
 

@@ -514,12 +514,17 @@ class _Runner:
         state.lead.copy_(self.rows)  # every slot reads its own prompt copy until _admit says otherwise
         state.plen.zero_()
 
+    def _row_keys(self, rows: torch.Tensor | slice) -> torch.Tensor | None:
+        """The layout-invariant noise keys of slots ``rows`` (ids, or a slice: views) for this step, or None
+        (``layout_invariant_sampling`` off: the draw takes keys from the generator)."""
+        if not self.params.layout_invariant_sampling:
+            return None
+        return sample_row_keys(self.keys[rows], self.count[rows], self.params.seed)
+
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, V] of slots ``rows`` [B] -> tokens [B], log-probs [B]; tokens identical on every
         rank of the TP group."""
-        row_keys = None
-        if self.params.layout_invariant_sampling:
-            row_keys = sample_row_keys(self.keys[rows], self.count[rows], self.params.seed)
+        row_keys = self._row_keys(rows)
         share = None
         if self.lay.tp_g > 1:
 
@@ -775,10 +780,9 @@ class _Runner:
         w, vocab = self.w, self.state.spec.vocab_size
         if self.state.fused_head and head_draw_serves(out, w.output, vocab, self.params):
             # out: hidden states; the output layer runs inside the draw (no logits written)
-            row_keys = None
-            if self.params.layout_invariant_sampling:
-                row_keys = sample_row_keys(self.keys[:b], self.count[:b], self.params.seed)
-            drawn = sample_from_hidden(out, w.output, vocab, self.params, self.gen, row_keys)
+            drawn = sample_from_hidden(
+                out, w.output, vocab, self.params, self.gen, self._row_keys(slice(0, b))
+            )
         else:
             drawn = self._sample(self.state.logits_of(out) if self.state.fused_head else out, rows)
         self._record(rows, *drawn, live, self.state.pos[:b] + 1, prefix=True)

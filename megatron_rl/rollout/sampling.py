@@ -207,16 +207,26 @@ def _kernel_trial(logits: torch.Tensor) -> None:
     """The Triton sampler once on (up to) four rows of the real logits against eager ``_draw``, noisy and
     greedy: raises when it fails or its tokens differ (host syncs, at the first call only)."""
     rows = logits[:4]
-    keys = torch.arange(rows.shape[0], device=logits.device) * 0x5DEECE66D
+    keys = _TRIAL_KEY * torch.arange(rows.shape[0], device=logits.device)
     for noisy in (True, False):
-        tokens, lse, lp = _kernel_draw(rows, keys, _token_ids(logits), 0.7, noisy)
-        want, want_lse = _draw(rows, keys, _token_ids(logits), 0.7, noisy)
-        if not torch.equal(tokens, want):
-            raise RuntimeError(f"tokens {tokens.tolist()} != the reference's {want.tolist()} (noisy={noisy})")
-        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
-        picked = rows.gather(-1, tokens[:, None])[:, 0].float() * 0.7  # inv_temp 0.7, as drawn
-        if not torch.equal(lp, picked - lse):
-            raise RuntimeError(f"log-probs {lp.tolist()} != the eager ops' {(picked - lse).tolist()}")
+        drawn = _kernel_draw(rows, keys, _token_ids(logits), 0.7, noisy)
+        _check_draw(rows, keys, noisy, *drawn, lp_atol=0.0)
+
+
+_TRIAL_KEY = 0x5DEECE66D  # the trials' row keys: multiples of it
+
+
+def _check_draw(logits, keys, noisy: bool, tokens, lse, lp, lp_atol: float) -> None:
+    """A kernel's draw at inv_temp 0.7 (tokens, log-sum-exp, log-probs) against eager ``_draw`` on ``logits``:
+    raises unless the tokens are equal, the log-sum-exp within 1e-5 and the log-probs the eager
+    ``picked - lse`` (exactly with ``lp_atol`` 0)."""
+    want, want_lse = _draw(logits, keys, _token_ids(logits), 0.7, noisy)
+    if not torch.equal(tokens, want):
+        raise RuntimeError(f"tokens {tokens.tolist()} != the reference's {want.tolist()} (noisy={noisy})")
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    picked = logits.gather(-1, tokens[:, None])[:, 0].float() * 0.7  # inv_temp 0.7, as drawn
+    if not torch.allclose(lp, picked - lse, rtol=0, atol=lp_atol):
+        raise RuntimeError(f"log-probs {lp.tolist()} != the eager ops' {(picked - lse).tolist()}")
 
 
 def _fused_ok(logits: torch.Tensor) -> bool:
@@ -242,6 +252,16 @@ def _token_ids(logits: torch.Tensor) -> torch.Tensor:
     return _IDS[key]
 
 
+def _draw_keys(x: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+               row_keys: torch.Tensor | None) -> tuple[torch.Tensor, float]:  # fmt: skip
+    """The noise keys [B] of a one-pass draw over the B rows of ``x`` and its inverse temperature: ``row_keys``,
+    else one int64 per row from ``generator`` (zeros when greedy: no noise)."""
+    if row_keys is None and not params.greedy:
+        row_keys = torch.randint(-(2**62), 2**62, x.shape[:1], device=x.device, generator=generator)
+    keys = row_keys if row_keys is not None else torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+    return keys, 1.0 / logprob_temperature(params.temperature)
+
+
 def sample_with_logprobs(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -265,14 +285,7 @@ def sample_with_logprobs(
         if share_tokens is not None:
             tokens = share_tokens(tokens)
         return tokens, token_logprobs(logits, tokens, temperature)
-    if row_keys is None and not params.greedy:
-        row_keys = torch.randint(-(2**62), 2**62, logits.shape[:1], device=logits.device, generator=generator)
-    keys = (
-        row_keys
-        if row_keys is not None
-        else torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
-    )
-    inv_temp = 1.0 / logprob_temperature(temperature)
+    keys, inv_temp = _draw_keys(logits, params, generator, row_keys)
     drawn = draw(logits, keys, _token_ids(logits), inv_temp, not params.greedy)
     tokens, lse = drawn[0], drawn[1]
     if share_tokens is None and len(drawn) == 3:  # the Triton draw read its tokens' log-probs
@@ -304,18 +317,13 @@ def _head_trial(h: torch.Tensor, weight: torch.Tensor, vocab: int) -> None:
     """The fused head and draw once on this step's rows, noisy and greedy, against ``kernels.sampler`` on the
     logits it computed (the variant that writes them), and the variant every later step runs (no logits
     written) against that one: raises when either fails or tokens or log-probs differ (host syncs, first call)."""
-    keys = torch.arange(h.shape[0], device=h.device) * 0x5DEECE66D
+    keys = _TRIAL_KEY * torch.arange(h.shape[0], device=h.device)
     logits = torch.empty(h.shape[0], vocab, dtype=h.dtype, device=h.device)
     for noisy in (True, False):
-        tokens, lse, lp = head_sampler.draw(h, weight, vocab, keys, 0.7, noisy, logits_out=logits)
-        want, want_lse = _draw(logits, keys, _token_ids(logits), 0.7, noisy)
-        if not torch.equal(tokens, want):
-            raise RuntimeError(f"tokens {tokens.tolist()} != the reference's {want.tolist()} (noisy={noisy})")
-        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
-        picked = logits.gather(-1, tokens[:, None])[:, 0].float() * 0.7
-        torch.testing.assert_close(lp, picked - lse, rtol=0, atol=1e-6)
+        drawn = head_sampler.draw(h, weight, vocab, keys, 0.7, noisy, logits_out=logits)
+        _check_draw(logits, keys, noisy, *drawn, lp_atol=1e-6)
         same = head_sampler.draw(h, weight, vocab, keys, 0.7, noisy)
-        if not all(torch.equal(a, b) for a, b in zip(same, (tokens, lse, lp))):
+        if not all(torch.equal(a, b) for a, b in zip(same, drawn)):
             raise RuntimeError(
                 f"the draw without the logits output differs from the one with it (noisy={noisy})"
             )
@@ -333,10 +341,7 @@ def sample_from_hidden(
     and the draw in one kernel (``kernels.head_sampler``; the caller checked ``head_draw_serves``). The noise
     is ``sample_with_logprobs``'s: ``counter_log_exponential`` of ``row_keys``, or of one int64 key per row
     drawn from ``generator``."""
-    if row_keys is None and not params.greedy:
-        row_keys = torch.randint(-(2**62), 2**62, h.shape[:1], device=h.device, generator=generator)
-    keys = row_keys if row_keys is not None else torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
-    inv_temp = 1.0 / logprob_temperature(params.temperature)
+    keys, inv_temp = _draw_keys(h, params, generator, row_keys)
     tokens, _, lps = head_sampler.draw(h, weight, vocab, keys, inv_temp, not params.greedy)
     return tokens, lps
 
