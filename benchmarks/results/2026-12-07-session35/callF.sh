@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Session 35, call F: within 30 s of session 29's call1.sh (carry `.fa4a`) on the same held machine; carry
+# `.whl`, `.fa4b`'s four wheels and `cu13.part_ab` (not `cb/`). (1) where the fused LM head + draw loses
+# (diag_head.py: cuBLAS, the sampler, the fused kernel noisy and greedy); (2) quack's fused-epilogue MLP against
+# today's at update and decode rows (bench_quack_mlp.py); (3) the 0.5B fixed step profiled (the decode step's
+# kernel table at HEAD). ~7 min, guarded.
+set -u
+D=benchmarks/results/2026-12-06-session29; O=$OUT/cF; mkdir -p "$O"; T0=$SECONDS
+source $D/fa4_env.sh
+nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
+timeout 120 python3 benchmarks/results/2026-12-07-session35/diag_head.py --out "$O/diag_head.json" > "$O/diag.log" 2>&1
+echo "diag rc=$? $((SECONDS - T0))s"; grep -E "_us |Error" "$O/diag.log" | head -12
+timeout 200 python3 benchmarks/bench_quack_mlp.py --out "$O/quack_mlp.json" >> "$O/diag.log" 2>&1
+echo "quack rc=$? $((SECONDS - T0))s"; grep -E "^qwen|Error|error" "$O/diag.log" | cut -c1-400 | head -8
+K=(actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu=auto rollout.max_num_seqs=auto)
+if (( SECONDS - T0 + 200 < ${GUARD:-570} )); then
+  timeout 200 python3 benchmarks/bench_rl_step.py --steps 2 --shape qwen2.5-0.5b --out "$O/fixed_prof.json" \
+    --profile "$O/prof" "${K[@]}" > "$O/prof.log" 2>&1; echo "prof rc=$? $((SECONDS - T0))s"
+  head -45 "$O/prof/generate_ops.txt" | cut -c1-90,150-170
+  tar czf "$O/prof.tgz" -C "$O" prof && rm -rf "$O/prof"
+fi
