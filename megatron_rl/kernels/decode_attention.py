@@ -103,6 +103,103 @@ if HAVE_TRITON:
         o_ptrs = out_ptr + b * so_b + g * so_g + r[:, None] * so_r + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r[:, None] < rep)
 
+    @triton.jit
+    def _online_block(q, k, v, live, scale, m_i, l_i, acc):
+        """One key block of the online softmax: q [rows, D], k / v [block, D] (masked keys: ``live`` off) ->
+        the state (m_i, l_i, acc) updated, as ``_decode_attention_kernel``'s loop body computes it."""
+        s = tl.dot(q, tl.trans(k)) * scale  # [rows, block] fp32
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _decode_attention_window_kernel(
+        q_ptr, k_ptr, v_ptr, pos_ptr, lead_ptr, plen_ptr, out_ptr, ms_ptr, ls_ptr, accs_ptr, scale, B,
+        sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r,
+        groups: tl.constexpr, rep: tl.constexpr, rows: tl.constexpr, wide: tl.constexpr, dim: tl.constexpr,
+        block: tl.constexpr, members: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (window of ``members`` adjacent slots, KV group). Where the window's slots share one
+        # prompt copy (the same lead and prompt length), its first P keys (the prompt rounded down to whole key
+        # blocks) are read once for all of them, with their query heads as one [wide, D] tile; each slot's
+        # state goes through fp32 scratch (L2) and the slot's own loop goes on from key P. Elsewhere P = 0 and
+        # every slot runs ``_decode_attention_kernel``'s loop. The key blocks are the same either way.
+        pid = tl.program_id(0)
+        w = pid // groups
+        g = pid % groups
+        b0 = w * members
+        j = tl.arange(0, members)
+        in_batch = b0 + j < B
+        jb = tl.minimum(b0 + j, B - 1)
+        lead_j = tl.load(lead_ptr + jb)
+        plen_j = tl.load(plen_ptr + jb)
+        pos_j = tl.load(pos_ptr + jb)
+        lead0 = tl.load(lead_ptr + b0)
+        plen0 = tl.load(plen_ptr + b0)
+        P = (plen0 // block) * block
+        odd = in_batch & ((lead_j != lead0) | (plen_j != plen0) | (pos_j + 1 < P))
+        n_in = tl.sum(in_batch.to(tl.int32), 0)
+        P = tl.where((tl.sum(odd.to(tl.int32), 0) == 0) & (n_in > 1), P, 0)
+        d = tl.arange(0, dim)
+        # the window's query heads as one tile: row R is slot b0 + R // rep, head R % rep
+        R = tl.arange(0, wide)
+        rj = R // rep
+        rr = R % rep
+        r_live = (R < members * rep) & (b0 + rj < B)
+        rb = tl.minimum(b0 + rj, B - 1)
+        qw = tl.load(q_ptr + rb[:, None] * sq_b + g * sq_g + rr[:, None] * sq_r + d[None, :], mask=r_live[:, None],
+                     other=0.0)  # fmt: skip
+        m_w = tl.full([wide], float("-inf"), tl.float32)
+        l_w = tl.zeros([wide], tl.float32)
+        acc_w = tl.zeros([wide, dim], tl.float32)
+        k_lead = k_ptr + g * sk_g + lead0.to(tl.int64) * sk_b
+        v_lead = v_ptr + g * sv_g + lead0.to(tl.int64) * sv_b
+        for start in range(0, P, block):
+            t = start + tl.arange(0, block)
+            live = t < P
+            k = tl.load(k_lead + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0)
+            v = tl.load(v_lead + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0)
+            m_w, l_w, acc_w = _online_block(qw, k, v, live, scale, m_w, l_w, acc_w)
+        st = (rb * groups + g) * rep + rr  # [wide] the state's scratch row of (slot, head)
+        tl.store(ms_ptr + st, m_w, mask=r_live)
+        tl.store(ls_ptr + st, l_w, mask=r_live)
+        tl.store(accs_ptr + st[:, None] * dim + d[None, :], acc_w, mask=r_live[:, None])
+        tl.debug_barrier()  # the CTA's scratch writes are visible to all its threads
+        r = tl.arange(0, rows)
+        for jj in tl.static_range(members):
+            b = tl.minimum(b0 + jj, B - 1)
+            n_kv = tl.load(pos_ptr + b) + 1
+            lead = tl.load(lead_ptr + b).to(tl.int64)
+            plen = tl.load(plen_ptr + b)
+            row_ok = (r < rep) & (b0 + jj + r * 0 < B)  # [rows] (a scalar mask the interpreter refuses)
+            q = tl.load(
+                q_ptr + b * sq_b + g * sq_g + r[:, None] * sq_r + d[None, :], mask=row_ok[:, None], other=0.0
+            )
+            sr = (b * groups + g) * rep + r
+            m_i = tl.load(ms_ptr + sr, mask=row_ok, other=float("-inf"))
+            l_i = tl.load(ls_ptr + sr, mask=row_ok, other=0.0)
+            acc = tl.load(accs_ptr + sr[:, None] * dim + d[None, :], mask=row_ok[:, None], other=0.0)
+            k_base = k_ptr + g * sk_g
+            v_base = v_ptr + g * sv_g
+            for start in range(P, n_kv, block):
+                t = start + tl.arange(0, block)
+                live = t < n_kv
+                src = tl.where(t < plen, lead, b.to(tl.int64))[:, None]  # [block, 1] each key's slot
+                k = tl.load(
+                    k_base + src * sk_b + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0
+                )
+                v = tl.load(
+                    v_base + src * sv_b + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0
+                )
+                m_i, l_i, acc = _online_block(q, k, v, live, scale, m_i, l_i, acc)
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + b * so_b + g * so_g + r[:, None] * so_r + d[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])  # fmt: skip
+
 
 # Tests run the kernel on CPU under Triton's interpreter: TRITON_INTERPRET=1 must be set before triton
 # is first imported (tests/conftest.py) and this flag turned on.
@@ -164,6 +261,32 @@ def _launch(q, rep: int, k, v, positions, scale, block, num_warps, num_stages, p
         cos.stride(0), cos.stride(-1), groups=groups, rep=rep, rows=rows, dim=dim, block=block,
         shared=prefix is not None, rope=rope is not None, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **decode_fused.pdl(q.device),
+    )  # fmt: skip
+    return out
+
+
+def decode_attention_windows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                             prefix: tuple[torch.Tensor, torch.Tensor], members: int = 2, block: int = 64,
+                             num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:  # fmt: skip
+    """``decode_attention(q, k, v, positions, prefix=prefix)`` with the prompt read once per window of
+    ``members`` adjacent slots that share it (the same lead and prompt length, as the engine admits a prompt's
+    samples): its whole key blocks attend the window's query heads as one tile, and each slot goes on from its
+    softmax state over its own keys. The same key blocks in the same order as ``decode_attention``; windows
+    whose slots do not share a prompt run its per-slot loop. q [B, G, rep, D] -> [B, G, rep, D]."""
+    bsz, groups, rep, dim = q.shape
+    lead, plen = prefix
+    out = torch.empty(bsz, groups, rep, dim, dtype=q.dtype, device=q.device)
+    state = torch.empty(bsz * groups * rep * (dim + 2), dtype=torch.float32, device=q.device)
+    n = bsz * groups * rep
+    m_s, l_s, acc_s = state[:n], state[n : 2 * n], state[2 * n :]
+    rows = max(16, triton.next_power_of_2(rep))
+    wide = max(16, triton.next_power_of_2(members * rep))
+    _decode_attention_window_kernel[(triton.cdiv(bsz, members) * groups,)](
+        q, k, v, positions, lead, plen, out, m_s, l_s, acc_s, dim**-0.5, bsz,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        groups=groups, rep=rep, rows=rows, wide=wide, dim=dim, block=block, members=members, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     return out
 

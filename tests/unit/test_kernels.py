@@ -193,6 +193,52 @@ def test_decode_attention_reads_each_prompt_from_its_lead_slot(monkeypatch):
     assert not torch.equal(decode_attention(q, noisy[0, :b, :, :t], noisy[1, :b, :, :t], pos), unshared)
 
 
+@pytest.mark.parametrize("members", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_windows_matches_the_per_slot_kernel(monkeypatch, members, dtype):
+    """``decode_attention_windows``: a window of adjacent slots sharing one prompt reads its whole key blocks
+    once as one tile of all their query heads, then each slot goes on alone. Against ``decode_attention`` with
+    the same ``prefix`` (the same key blocks in the same order; the interpreter's fp32 matmul rounds a row
+    by its place in the tile, within 2e-7): prompts of 3 (windows that split a group), 2 and 1 slots, a prompt
+    shorter than a key block, prompt lengths on and off a block's end, a last window cut by the batch,
+    positions at the prompt's last token; the members' own prompt copies overwritten by noise (the shared part
+    is the lead's), and a window whose slots do not share a lead."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import decode_attention as kernel
+
+    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
+    g = torch.Generator().manual_seed(members)
+    groups, rep, dim, t = 2, 7, 16, 200
+    lead = torch.tensor([0, 0, 0, 3, 3, 3, 6, 6, 8, 9, 9, 9, 9, 9, 9, 9, 9])
+    plen = torch.tensor([70, 70, 70, 128, 128, 128, 30, 30, 64, 140, 140, 140, 140, 140, 140, 140, 140])
+    b = len(lead)
+    cache = torch.randn(2, b, groups, t, dim, generator=g)
+    for slot in range(b):  # each slot's own copy of its lead's prompt, then noise over the members' copies
+        cache[:, slot, :, : plen[slot]] = cache[:, lead[slot], :, : plen[slot]]
+    want_cache = cache.clone().to(dtype)
+    for slot in range(b):
+        if lead[slot] != slot:
+            cache[:, slot, :, : plen[slot]] = torch.randn(2, groups, int(plen[slot]), dim, generator=g)
+    cache = cache.to(dtype)
+    q = torch.randn(b, groups, rep, dim, generator=g).to(dtype)
+    pos = torch.tensor([69, 120, 199, 127, 150, 190, 40, 31, 64, 139, 150, 160, 170, 180, 190, 199, 145])
+    prefix = (lead, plen)
+    want = kernel.decode_attention(q, want_cache[0], want_cache[1], pos, prefix=prefix)
+    assert torch.equal(kernel.decode_attention(q, cache[0], cache[1], pos, prefix=prefix), want)
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {}
+    got = kernel.decode_attention_windows(q, cache[0], cache[1], pos, prefix, members=members)
+    torch.testing.assert_close(got, want, **tol)
+    # a slot whose lead differs from its window's: the window runs the per-slot loop
+    lead2 = lead.clone()
+    lead2[1] = 1
+    mixed = kernel.decode_attention(q, want_cache[0], want_cache[1], pos, prefix=(lead2, plen))
+    got2 = kernel.decode_attention_windows(
+        q, want_cache[0], want_cache[1], pos, (lead2, plen), members=members
+    )
+    torch.testing.assert_close(got2, mixed, **tol)
+    assert torch.equal(got2[:2], mixed[:2])  # slots 0-1 (window 0 at every width) ran the per-slot loop
+
+
 @pytest.mark.parametrize(
     "groups,rep,dim,dtype",
     [(2, 7, 64, torch.bfloat16), (1, 14, 32, torch.float32), (3, 1, 16, torch.bfloat16)],
