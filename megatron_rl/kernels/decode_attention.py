@@ -14,6 +14,8 @@ Triton's interpreter (``RUN_ON_CPU``).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from megatron_rl.kernels import decode_fused
@@ -209,6 +211,23 @@ RUN_ON_CPU = False
 ROPE_IN_ATTENTION = env_switch("MEGATRON_RL_DECODE_ROPE_IN_ATTENTION", False)
 
 
+def _window_members_from_env() -> int:
+    """``MEGATRON_RL_DECODE_WINDOWS``: 0 (default: off) or the slots of a window of ``decode_attention_windows``
+    (2, 4 or 8); anything else stops the run with the variable named, before any GPU time is spent."""
+    raw = os.environ.get("MEGATRON_RL_DECODE_WINDOWS", "0").strip() or "0"
+    if raw not in ("0", "2", "4", "8"):
+        raise ValueError(
+            f"MEGATRON_RL_DECODE_WINDOWS={raw!r}: expected 0 (off), 2, 4 or 8 (the slots of a window that read "
+            "their shared prompt once); unset it or pick one of those"
+        )
+    return int(raw)
+
+
+# MEGATRON_RL_DECODE_WINDOWS=2|4|8: with prompt KV sharing the decode step's attention reads each prompt once
+# per window of that many adjacent slots (``decode_attention_windows``; opt-in until measured on a GPU)
+WINDOW_MEMBERS = _window_members_from_env()
+
+
 def serves(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the Triton kernel runs for this device, dtype and head dim: Triton importable, bf16/fp16 on
     CUDA (or any float on CPU with ``RUN_ON_CPU``), head dim a power of two >= 16."""
@@ -326,3 +345,44 @@ def _rope_trial(device, dtype, groups: int, rows2: int, dim: int) -> None:
     gap = max(float((got.float() - want.float()).abs().max()), float((one.float() - two.float()).abs().max()))
     if not gap <= 2e-2:  # nan fails too
         raise RuntimeError(f"largest gap to rope_kv_write then decode_attention {gap:.3g}")
+
+
+def windows_usable(q: torch.Tensor, prefix) -> bool:
+    """Whether the decoder runs ``decode_attention_windows`` for q [B, G, rep, D]: ``WINDOW_MEMBERS`` set,
+    prompt KV sharing on (``prefix``), the kernel serves q, and a trial at this head layout matched
+    ``decode_attention`` (else it warns once and the per-slot kernel serves). Not tried inside a CUDA-graph
+    capture (the engine's eager warm-up step tries it first)."""
+    if not (WINDOW_MEMBERS and prefix is not None and usable(q)):
+        return False
+    key = (
+        f"decode attention in windows of {WINDOW_MEMBERS} ({q.device.type}, {q.dtype}, {tuple(q.shape[1:])})"
+    )
+    if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing() and not trial_passed(key):
+        return False
+    return trial_once(
+        key,
+        lambda: _windows_trial(q.device, q.dtype, *q.shape[1:]),
+        "Decode attention in windows of slots sharing a prompt failed its trial; the per-slot kernel serves "
+        "(same results).",
+    )
+
+
+def _windows_trial(device, dtype, groups: int, rep: int, dim: int) -> None:
+    """``decode_attention_windows`` against ``decode_attention`` on 11 slots of this head layout: prompts of 70
+    (three slots), 130 (five) and 0 tokens, windows that split a prompt's slots, a last window cut short."""
+    g = torch.Generator().manual_seed(0)  # not the device's generator: the trial runs in the engine's step
+    lead = torch.tensor([0, 0, 0, 3, 3, 3, 3, 3, 8, 9, 10])
+    plen = torch.tensor([70, 70, 70, 130, 130, 130, 130, 130, 0, 0, 0])
+    pos = torch.tensor([69, 90, 150, 129, 140, 160, 170, 190, 20, 64, 100])
+    cache = torch.randn(2, len(lead), groups, 200, dim, generator=g)
+    for slot in range(len(lead)):
+        cache[:, slot, :, : plen[slot]] = cache[:, lead[slot], :, : plen[slot]]
+    cache = cache.to(device, dtype)
+    q = torch.randn(len(lead), groups, rep, dim, generator=g).to(device, dtype)
+    prefix = (lead.to(device), plen.to(device))
+    pos = pos.to(device)
+    want = decode_attention(q, cache[0], cache[1], pos, prefix=prefix)
+    got = decode_attention_windows(q, cache[0], cache[1], pos, prefix, members=WINDOW_MEMBERS)
+    gap = float((got.float() - want.float()).abs().max())
+    if not gap <= 2e-2:  # nan fails too
+        raise RuntimeError(f"largest gap to the per-slot kernel {gap:.3g}")

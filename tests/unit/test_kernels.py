@@ -301,6 +301,36 @@ def test_rope_in_attention_that_fails_its_trial_warns_and_the_two_kernels_serve(
     assert not kernel.rope_usable(qkv)  # remembered: no second trial
 
 
+def test_decode_windows_setting_is_checked_and_a_failed_trial_falls_back(monkeypatch):
+    """``MEGATRON_RL_DECODE_WINDOWS``: a value other than 0, 2, 4 or 8 is refused at import with the variable
+    named; a windows kernel that raises in its start-up trial warns once naming what runs instead, and the
+    per-slot kernel serves (no second trial)."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import compile as kc
+    from megatron_rl.kernels import decode_attention as kernel
+
+    monkeypatch.setenv("MEGATRON_RL_DECODE_WINDOWS", "3")
+    with pytest.raises(ValueError, match="MEGATRON_RL_DECODE_WINDOWS='3'.*0 \\(off\\), 2, 4 or 8"):
+        kernel._window_members_from_env()
+    monkeypatch.setenv("MEGATRON_RL_DECODE_WINDOWS", "4")
+    assert kernel._window_members_from_env() == 4
+    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
+    monkeypatch.setattr(kernel, "WINDOW_MEMBERS", 2)
+    monkeypatch.setattr(kc, "_PROBED", set())
+    monkeypatch.setattr(kc, "_FAILED", {})
+    q = torch.randn(4, 2, 7, 64)
+    prefix = (torch.zeros(4, dtype=torch.long), torch.full((4,), 70))
+    assert not kernel.windows_usable(q, None)  # no prompt sharing: nothing to share
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(kernel, "decode_attention_windows", broken)
+    with pytest.warns(UserWarning, match="the per-slot kernel serves.*no kernel for this GPU"):
+        assert not kernel.windows_usable(q, prefix)
+    assert not kernel.windows_usable(q, prefix)  # remembered
+
+
 def test_rope_tables_are_computed_once_per_angle_tensor_and_never_served_stale(monkeypatch):
     """kernels.rope keeps the cos / sin of the last angles: q and k of every layer of a forward reuse them
     (one gather and one sin / cos per forward); other angles, another segment layout, an angle tensor that
