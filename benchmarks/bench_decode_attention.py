@@ -138,22 +138,21 @@ def sharing(cache, q, pos, prompt_len: int, samples: int, live_bytes: float) -> 
         res[layout] = {"us_own_copies": us_plain, "us_shared": us_shared, "speedup": us_plain / us_shared,
                        "equal_bits": bool(torch.equal(plain, shared)),
                        "unique_kv_tb_s_shared": unique / us_shared / 1e6}  # fmt: skip
-        for members in (2, 4, 8):  # decode_attention_windows: each window's shared prompt read once
-            for warps in (4, 8) if members == 8 else (4,):
-                name = f"windows_m{members}_w{warps}"
-                try:
-                    got = decode_attention_windows(
-                        q, c[0], c[1], pos, (lead, plen), members=members, num_warps=warps
-                    )
-                    res[layout][name + "_us"] = graphed_us(
-                        lambda c=c, lead=lead, plen=plen, m=members, w=warps: decode_attention_windows(
-                            q, c[0], c[1], pos, (lead, plen), members=m, num_warps=w)
-                    )  # fmt: skip
-                    res[layout][name + "_max_diff_vs_shared"] = float(
-                        (got.float() - shared.float()).abs().max()
-                    )
-                except Exception as exc:  # noqa: BLE001 - a setting that fails is reported
-                    res[layout][name + "_us"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        # decode_attention_windows: each window's shared prompt read once; its slots one after the other, or
+        # batched (b: one loop of batched dots over the slots' own keys)
+        for members, batched, warps in ((2, False, 4), (4, False, 4), (8, False, 4), (8, False, 8),
+                                        (2, True, 4), (4, True, 4), (4, True, 8)):  # fmt: skip
+            name = f"windows_m{members}{'b' if batched else ''}_w{warps}"
+            try:
+                got = decode_attention_windows(q, c[0], c[1], pos, (lead, plen), members, num_warps=warps,
+                                               batched=batched)  # fmt: skip
+                res[layout][name + "_us"] = graphed_us(
+                    lambda c=c, lead=lead, plen=plen, m=members, w=warps, bt=batched: decode_attention_windows(
+                        q, c[0], c[1], pos, (lead, plen), m, num_warps=w, batched=bt)
+                )  # fmt: skip
+                res[layout][name + "_max_diff_vs_shared"] = float((got.float() - shared.float()).abs().max())
+            except Exception as exc:  # noqa: BLE001 - a setting that fails is reported
+                res[layout][name + "_us"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
         del c
     return res
 

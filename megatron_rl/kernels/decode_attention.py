@@ -123,7 +123,7 @@ if HAVE_TRITON:
         q_ptr, k_ptr, v_ptr, pos_ptr, lead_ptr, plen_ptr, out_ptr, ms_ptr, ls_ptr, accs_ptr, scale, B,
         sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r,
         groups: tl.constexpr, rep: tl.constexpr, rows: tl.constexpr, wide: tl.constexpr, dim: tl.constexpr,
-        block: tl.constexpr, members: tl.constexpr,
+        block: tl.constexpr, members: tl.constexpr, batched: tl.constexpr = False,
     ):  # fmt: skip
         # One program per (window of ``members`` adjacent slots, KV group). Where the window's slots share one
         # prompt copy (the same lead and prompt length), its first P keys (the prompt rounded down to whole key
@@ -172,7 +172,41 @@ if HAVE_TRITON:
         tl.store(accs_ptr + st[:, None] * dim + d[None, :], acc_w, mask=r_live[:, None])
         tl.debug_barrier()  # the CTA's scratch writes are visible to all its threads
         r = tl.arange(0, rows)
-        for jj in tl.static_range(members):
+        if batched:  # the slots' own keys together: [members, rows] states, one batched dot a key block
+            jm = tl.arange(0, members)
+            bm = tl.minimum(b0 + jm, B - 1)  # [members]
+            n_m = tl.load(pos_ptr + bm) + 1
+            lead_m = tl.load(lead_ptr + bm).to(tl.int64)
+            plen_m = tl.load(plen_ptr + bm)
+            ok3 = (r[None, :] < rep) & (b0 + jm[:, None] < B)  # [members, rows]
+            q3 = tl.load(q_ptr + bm[:, None, None] * sq_b + g * sq_g + r[None, :, None] * sq_r + d[None, None, :],
+                         mask=ok3[:, :, None], other=0.0)  # fmt: skip
+            s3 = (bm[:, None] * groups + g) * rep + r[None, :]  # [members, rows] scratch rows
+            m3 = tl.load(ms_ptr + s3, mask=ok3, other=float("-inf"))
+            l3 = tl.load(ls_ptr + s3, mask=ok3, other=0.0)
+            acc3 = tl.load(
+                accs_ptr + s3[:, :, None] * dim + d[None, None, :], mask=ok3[:, :, None], other=0.0
+            )
+            for start in range(P, tl.max(n_m, 0), block):
+                t = start + tl.arange(0, block)
+                live = t[None, :] < n_m[:, None]  # [members, block]
+                src = tl.where(t[None, :] < plen_m[:, None], lead_m[:, None], bm[:, None].to(tl.int64))
+                kp = g * sk_g + src[:, :, None] * sk_b + t[None, :, None] * sk_t + d[None, None, :]
+                k3 = tl.load(k_ptr + kp, mask=live[:, :, None], other=0.0)  # [members, block, dim]
+                vp = g * sv_g + src[:, :, None] * sv_b + t[None, :, None] * sv_t + d[None, None, :]
+                v3 = tl.load(v_ptr + vp, mask=live[:, :, None], other=0.0)
+                sc = tl.dot(q3, tl.permute(k3, (0, 2, 1))) * scale  # [members, rows, block]
+                sc = tl.where(live[:, None, :], sc, float("-inf"))
+                m_new = tl.maximum(m3, tl.max(sc, 2))
+                p3 = tl.exp(sc - m_new[:, :, None])
+                alpha = tl.exp(m3 - m_new)
+                l3 = l3 * alpha + tl.sum(p3, 2)
+                acc3 = acc3 * alpha[:, :, None] + tl.dot(p3.to(v3.dtype), v3)
+                m3 = m_new
+            o3 = acc3 / l3[:, :, None]
+            op = out_ptr + bm[:, None, None] * so_b + g * so_g + r[None, :, None] * so_r + d[None, None, :]
+            tl.store(op, o3.to(out_ptr.dtype.element_ty), mask=ok3[:, :, None])
+        for jj in tl.static_range(0 if batched else members):
             b = tl.minimum(b0 + jj, B - 1)
             n_kv = tl.load(pos_ptr + b) + 1
             lead = tl.load(lead_ptr + b).to(tl.int64)
@@ -211,21 +245,24 @@ RUN_ON_CPU = False
 ROPE_IN_ATTENTION = env_switch("MEGATRON_RL_DECODE_ROPE_IN_ATTENTION", False)
 
 
-def _window_members_from_env() -> int:
+def _window_setting_from_env() -> tuple[int, bool]:
     """``MEGATRON_RL_DECODE_WINDOWS``: 0 (default: off) or the slots of a window of ``decode_attention_windows``
-    (2, 4 or 8); anything else stops the run with the variable named, before any GPU time is spent."""
-    raw = os.environ.get("MEGATRON_RL_DECODE_WINDOWS", "0").strip() or "0"
-    if raw not in ("0", "2", "4", "8"):
+    (2, 4 or 8), with a ``b`` after 2 or 4 for its ``batched`` loop (8 would need more shared memory than an
+    H100 block has) -> (members, batched); anything else stops the run with the variable named, before any GPU
+    time is spent."""
+    raw = os.environ.get("MEGATRON_RL_DECODE_WINDOWS", "0").strip().lower() or "0"
+    if raw not in ("0", "2", "4", "8", "2b", "4b"):
         raise ValueError(
             f"MEGATRON_RL_DECODE_WINDOWS={raw!r}: expected 0 (off), 2, 4 or 8 (the slots of a window that read "
-            "their shared prompt once); unset it or pick one of those"
+            "their shared prompt once), or 2b / 4b (their own keys in one batched loop); unset it or pick one "
+            "of those"
         )
-    return int(raw)
+    return int(raw.rstrip("b")), raw.endswith("b")
 
 
-# MEGATRON_RL_DECODE_WINDOWS=2|4|8: with prompt KV sharing the decode step's attention reads each prompt once
+# MEGATRON_RL_DECODE_WINDOWS=2|4|8|2b|4b: with prompt KV sharing the decode step's attention reads each prompt once
 # per window of that many adjacent slots (``decode_attention_windows``; opt-in until measured on a GPU)
-WINDOW_MEMBERS = _window_members_from_env()
+WINDOW_MEMBERS, WINDOW_BATCHED = _window_setting_from_env()
 
 
 def serves(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
@@ -286,12 +323,15 @@ def _launch(q, rep: int, k, v, positions, scale, block, num_warps, num_stages, p
 
 def decode_attention_windows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                              prefix: tuple[torch.Tensor, torch.Tensor], members: int = 2, block: int = 64,
-                             num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:  # fmt: skip
+                             num_warps: int = 4, num_stages: int | None = None,
+                             batched: bool = False) -> torch.Tensor:  # fmt: skip
     """``decode_attention(q, k, v, positions, prefix=prefix)`` with the prompt read once per window of
     ``members`` adjacent slots that share it (the same lead and prompt length, as the engine admits a prompt's
     samples): its whole key blocks attend the window's query heads as one tile, and each slot goes on from its
     softmax state over its own keys. The same key blocks in the same order as ``decode_attention``; windows
-    whose slots do not share a prompt run its per-slot loop. q [B, G, rep, D] -> [B, G, rep, D]."""
+    whose slots do not share a prompt run its per-slot loop. ``batched``: the slots' own keys in one loop of
+    batched dots ([members, rows] states, each step a key block of every slot) instead of one slot after the
+    other. q [B, G, rep, D] -> [B, G, rep, D]."""
     bsz, groups, rep, dim = q.shape
     lead, plen = prefix
     out = torch.empty(bsz, groups, rep, dim, dtype=q.dtype, device=q.device)
@@ -304,7 +344,8 @@ def decode_attention_windows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         q, k, v, positions, lead, plen, out, m_s, l_s, acc_s, dim**-0.5, bsz,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        groups=groups, rep=rep, rows=rows, wide=wide, dim=dim, block=block, members=members, num_warps=num_warps,
+        groups=groups, rep=rep, rows=rows, wide=wide, dim=dim, block=block, members=members, batched=batched,
+        num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     return out
@@ -354,9 +395,8 @@ def windows_usable(q: torch.Tensor, prefix) -> bool:
     capture (the engine's eager warm-up step tries it first)."""
     if not (WINDOW_MEMBERS and prefix is not None and usable(q)):
         return False
-    key = (
-        f"decode attention in windows of {WINDOW_MEMBERS} ({q.device.type}, {q.dtype}, {tuple(q.shape[1:])})"
-    )
+    kind = f"{WINDOW_MEMBERS}{' (batched)' if WINDOW_BATCHED else ''}"
+    key = f"decode attention in windows of {kind} ({q.device.type}, {q.dtype}, {tuple(q.shape[1:])})"
     if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing() and not trial_passed(key):
         return False
     return trial_once(
@@ -382,7 +422,7 @@ def _windows_trial(device, dtype, groups: int, rep: int, dim: int) -> None:
     prefix = (lead.to(device), plen.to(device))
     pos = pos.to(device)
     want = decode_attention(q, cache[0], cache[1], pos, prefix=prefix)
-    got = decode_attention_windows(q, cache[0], cache[1], pos, prefix, members=WINDOW_MEMBERS)
+    got = decode_attention_windows(q, cache[0], cache[1], pos, prefix, WINDOW_MEMBERS, batched=WINDOW_BATCHED)
     gap = float((got.float() - want.float()).abs().max())
     if not gap <= 2e-2:  # nan fails too
         raise RuntimeError(f"largest gap to the per-slot kernel {gap:.3g}")

@@ -193,9 +193,9 @@ def test_decode_attention_reads_each_prompt_from_its_lead_slot(monkeypatch):
     assert not torch.equal(decode_attention(q, noisy[0, :b, :, :t], noisy[1, :b, :, :t], pos), unshared)
 
 
-@pytest.mark.parametrize("members", [2, 4, 8])
+@pytest.mark.parametrize("members,batched", [(2, False), (4, False), (8, False), (2, True), (4, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_windows_matches_the_per_slot_kernel(monkeypatch, members, dtype):
+def test_decode_attention_windows_matches_the_per_slot_kernel(monkeypatch, members, batched, dtype):
     """``decode_attention_windows``: a window of adjacent slots sharing one prompt reads its whole key blocks
     once as one tile of all their query heads, then each slot goes on alone. Against ``decode_attention`` with
     the same ``prefix`` (the same key blocks in the same order; the interpreter's fp32 matmul rounds a row
@@ -226,14 +226,14 @@ def test_decode_attention_windows_matches_the_per_slot_kernel(monkeypatch, membe
     want = kernel.decode_attention(q, want_cache[0], want_cache[1], pos, prefix=prefix)
     assert torch.equal(kernel.decode_attention(q, cache[0], cache[1], pos, prefix=prefix), want)
     tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {}
-    got = kernel.decode_attention_windows(q, cache[0], cache[1], pos, prefix, members=members)
+    got = kernel.decode_attention_windows(q, cache[0], cache[1], pos, prefix, members, batched=batched)
     torch.testing.assert_close(got, want, **tol)
     # a slot whose lead differs from its window's: the window runs the per-slot loop
     lead2 = lead.clone()
     lead2[1] = 1
     mixed = kernel.decode_attention(q, want_cache[0], want_cache[1], pos, prefix=(lead2, plen))
     got2 = kernel.decode_attention_windows(
-        q, want_cache[0], want_cache[1], pos, (lead2, plen), members=members
+        q, want_cache[0], want_cache[1], pos, (lead2, plen), members, batched=batched
     )
     torch.testing.assert_close(got2, mixed, **tol)
     assert torch.equal(got2[:2], mixed[:2])  # slots 0-1 (window 0 at every width) ran the per-slot loop
@@ -311,9 +311,11 @@ def test_decode_windows_setting_is_checked_and_a_failed_trial_falls_back(monkeyp
 
     monkeypatch.setenv("MEGATRON_RL_DECODE_WINDOWS", "3")
     with pytest.raises(ValueError, match="MEGATRON_RL_DECODE_WINDOWS='3'.*0 \\(off\\), 2, 4 or 8"):
-        kernel._window_members_from_env()
+        kernel._window_setting_from_env()
     monkeypatch.setenv("MEGATRON_RL_DECODE_WINDOWS", "4")
-    assert kernel._window_members_from_env() == 4
+    assert kernel._window_setting_from_env() == (4, False)
+    monkeypatch.setenv("MEGATRON_RL_DECODE_WINDOWS", "2b")
+    assert kernel._window_setting_from_env() == (2, True)
     monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
     monkeypatch.setattr(kernel, "WINDOW_MEMBERS", 2)
     monkeypatch.setattr(kc, "_PROBED", set())
