@@ -262,7 +262,11 @@ def _window_setting_from_env() -> tuple[int, bool]:
 
 # MEGATRON_RL_DECODE_WINDOWS=2|4|8|2b|4b: with prompt KV sharing the decode step's attention reads each prompt once
 # per window of that many adjacent slots (``decode_attention_windows``; opt-in until measured on a GPU)
-WINDOW_MEMBERS, WINDOW_BATCHED = _window_setting_from_env()
+try:  # a bad value stops the launch in ``config.entry.checked_layout``; here it stops the first use
+    WINDOW_MEMBERS, WINDOW_BATCHED = _window_setting_from_env()
+    _WINDOW_ERROR = None
+except ValueError as _err:
+    WINDOW_MEMBERS, WINDOW_BATCHED, _WINDOW_ERROR = 0, False, str(_err)
 
 
 def serves(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
@@ -323,19 +327,24 @@ def _launch(q, rep: int, k, v, positions, scale, block, num_warps, num_stages, p
 
 def decode_attention_windows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                              prefix: tuple[torch.Tensor, torch.Tensor], members: int = 2, block: int = 64,
-                             num_warps: int = 4, num_stages: int | None = None,
-                             batched: bool = False) -> torch.Tensor:  # fmt: skip
+                             num_warps: int = 4, num_stages: int | None = None, batched: bool = False,
+                             state: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """``decode_attention(q, k, v, positions, prefix=prefix)`` with the prompt read once per window of
     ``members`` adjacent slots that share it (the same lead and prompt length, as the engine admits a prompt's
     samples): its whole key blocks attend the window's query heads as one tile, and each slot goes on from its
     softmax state over its own keys. The same key blocks in the same order as ``decode_attention``; windows
     whose slots do not share a prompt run its per-slot loop. ``batched``: the slots' own keys in one loop of
     batched dots ([members, rows] states, each step a key block of every slot) instead of one slot after the
-    other. q [B, G, rep, D] -> [B, G, rep, D]."""
+    other. q [B, G, rep, D] -> [B, G, rep, D]. ``state`` (tests): the fp32 scratch to use, B x G x rep x
+    (D + 2) elements (m, then l, then acc); after the call its first B x G x rep hold each (slot, group, head)'s
+    running max after the shared prompt blocks, -inf where the slot's window shared none."""
+    if members < 1 or members & (members - 1):
+        raise ValueError(f"decode_attention_windows: members={members} must be a power of two (2, 4 or 8)")
     bsz, groups, rep, dim = q.shape
     lead, plen = prefix
     out = torch.empty(bsz, groups, rep, dim, dtype=q.dtype, device=q.device)
-    state = torch.empty(bsz * groups * rep * (dim + 2), dtype=torch.float32, device=q.device)
+    if state is None:
+        state = torch.empty(bsz * groups * rep * (dim + 2), dtype=torch.float32, device=q.device)
     n = bsz * groups * rep
     m_s, l_s, acc_s = state[:n], state[n : 2 * n], state[2 * n :]
     rows = max(16, triton.next_power_of_2(rep))
@@ -393,6 +402,8 @@ def windows_usable(q: torch.Tensor, prefix) -> bool:
     prompt KV sharing on (``prefix``), the kernel serves q, and a trial at this head layout matched
     ``decode_attention`` (else it warns once and the per-slot kernel serves). Not tried inside a CUDA-graph
     capture (the engine's eager warm-up step tries it first)."""
+    if _WINDOW_ERROR is not None:
+        raise ValueError(_WINDOW_ERROR)
     if not (WINDOW_MEMBERS and prefix is not None and usable(q)):
         return False
     kind = f"{WINDOW_MEMBERS}{' (batched)' if WINDOW_BATCHED else ''}"
@@ -408,12 +419,13 @@ def windows_usable(q: torch.Tensor, prefix) -> bool:
 
 
 def _windows_trial(device, dtype, groups: int, rep: int, dim: int) -> None:
-    """``decode_attention_windows`` against ``decode_attention`` on 11 slots of this head layout: prompts of 70
-    (three slots), 130 (five) and 0 tokens, windows that split a prompt's slots, a last window cut short."""
+    """``decode_attention_windows`` against ``decode_attention`` on 17 slots of this head layout: prompts of 70
+    (eight slots: a shared window at every width), 130 (three) and 100 (five) tokens, windows that split a
+    prompt's slots, a last window cut short."""
     g = torch.Generator().manual_seed(0)  # not the device's generator: the trial runs in the engine's step
-    lead = torch.tensor([0, 0, 0, 3, 3, 3, 3, 3, 8, 9, 10])
-    plen = torch.tensor([70, 70, 70, 130, 130, 130, 130, 130, 0, 0, 0])
-    pos = torch.tensor([69, 90, 150, 129, 140, 160, 170, 190, 20, 64, 100])
+    lead = torch.tensor([0] * 8 + [8] * 3 + [11] * 5 + [16])
+    plen = torch.tensor([70] * 8 + [130] * 3 + [100] * 5 + [0])
+    pos = torch.tensor([69, 75, 90, 110, 130, 150, 170, 199, 129, 140, 160, 99, 120, 140, 160, 180, 20])
     cache = torch.randn(2, len(lead), groups, 200, dim, generator=g)
     for slot in range(len(lead)):
         cache[:, slot, :, : plen[slot]] = cache[:, lead[slot], :, : plen[slot]]

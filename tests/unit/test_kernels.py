@@ -199,18 +199,22 @@ def test_decode_attention_windows_matches_the_per_slot_kernel(monkeypatch, membe
     """``decode_attention_windows``: a window of adjacent slots sharing one prompt reads its whole key blocks
     once as one tile of all their query heads, then each slot goes on alone. Against ``decode_attention`` with
     the same ``prefix`` (the same key blocks in the same order; the interpreter's fp32 matmul rounds a row
-    by its place in the tile, within 2e-7): prompts of 3 (windows that split a group), 2 and 1 slots, a prompt
-    shorter than a key block, prompt lengths on and off a block's end, a last window cut by the batch,
-    positions at the prompt's last token; the members' own prompt copies overwritten by noise (the shared part
-    is the lead's), and a window whose slots do not share a lead."""
+    by its place in the tile, within 2e-7): prompts of 8 slots (a shared window at every width), 3 (windows
+    that split a group), 2 and 1 slots and one of 5 cut by the batch, a prompt shorter than a key block, prompt
+    lengths on and off a block's end, positions at the prompt's last token; the members' own prompt copies
+    overwritten by noise (the shared part is the lead's). The kernel's state shows which windows shared their
+    prompt: slots 0-7 at every width; a window whose slots do not share a lead runs the per-slot loop."""
     pytest.importorskip("triton", reason="triton is in the dev extras")
     from megatron_rl.kernels import decode_attention as kernel
 
     monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
     g = torch.Generator().manual_seed(members)
     groups, rep, dim, t = 2, 7, 16, 200
-    lead = torch.tensor([0, 0, 0, 3, 3, 3, 6, 6, 8, 9, 9, 9, 9, 9, 9, 9, 9])
-    plen = torch.tensor([70, 70, 70, 128, 128, 128, 30, 30, 64, 140, 140, 140, 140, 140, 140, 140, 140])
+    lead = torch.tensor([0] * 8 + [8, 8, 8, 11, 11, 13] + [14] * 5)
+    plen = torch.tensor([70] * 8 + [128, 128, 128, 30, 30, 64] + [140] * 5)
+    pos = torch.tensor(
+        [69, 80, 120, 199, 75, 100, 150, 190, 127, 150, 190, 40, 31, 64, 139, 150, 170, 199, 145]
+    )
     b = len(lead)
     cache = torch.randn(2, b, groups, t, dim, generator=g)
     for slot in range(b):  # each slot's own copy of its lead's prompt, then noise over the members' copies
@@ -221,22 +225,30 @@ def test_decode_attention_windows_matches_the_per_slot_kernel(monkeypatch, membe
             cache[:, slot, :, : plen[slot]] = torch.randn(2, groups, int(plen[slot]), dim, generator=g)
     cache = cache.to(dtype)
     q = torch.randn(b, groups, rep, dim, generator=g).to(dtype)
-    pos = torch.tensor([69, 120, 199, 127, 150, 190, 40, 31, 64, 139, 150, 160, 170, 180, 190, 199, 145])
     prefix = (lead, plen)
     want = kernel.decode_attention(q, want_cache[0], want_cache[1], pos, prefix=prefix)
     assert torch.equal(kernel.decode_attention(q, cache[0], cache[1], pos, prefix=prefix), want)
     tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {}
-    got = kernel.decode_attention_windows(q, cache[0], cache[1], pos, prefix, members, batched=batched)
+    state = torch.empty(b * groups * rep * (dim + 2))
+    got = kernel.decode_attention_windows(
+        q, cache[0], cache[1], pos, prefix, members, batched=batched, state=state
+    )
     torch.testing.assert_close(got, want, **tol)
+    m = state[: b * groups * rep].view(b, groups * rep)
+    assert torch.isfinite(m[:8]).all()  # slots 0-7 read their prompt's first block as one window
     # a slot whose lead differs from its window's: the window runs the per-slot loop
     lead2 = lead.clone()
     lead2[1] = 1
     mixed = kernel.decode_attention(q, want_cache[0], want_cache[1], pos, prefix=(lead2, plen))
     got2 = kernel.decode_attention_windows(
-        q, want_cache[0], want_cache[1], pos, (lead2, plen), members, batched=batched
+        q, want_cache[0], want_cache[1], pos, (lead2, plen), members, batched=batched, state=state
     )
     torch.testing.assert_close(got2, mixed, **tol)
     assert torch.equal(got2[:2], mixed[:2])  # slots 0-1 (window 0 at every width) ran the per-slot loop
+    # window 0 (slots 0 to members - 1) no longer shares; the other windows of slots 0-7 still do
+    assert torch.isneginf(m[:members]).all() and torch.isfinite(m[members:8]).all()
+    with pytest.raises(ValueError, match="members=3 must be a power of two"):
+        kernel.decode_attention_windows(q, cache[0], cache[1], pos, prefix, 3)
 
 
 @pytest.mark.parametrize(
