@@ -4,8 +4,7 @@ prompt + response = 768 positions, each row at a position drawn uniformly from t
 the middle of a GRPO rollout), timed per call replayed from a CUDA graph, with the live-KV bandwidth it
 reaches and its largest difference from SDPA. Then ``rollout.prompt_kv_sharing`` at the default config:
 groups of ``--samples`` slots holding copies of one prompt, read from each group's lead slot or each from its
-own, with the group's slots adjacent (as the engine admits them) and scattered over the batch, and
-``decode_attention_windows`` (each window of 2, 4 or 8 adjacent slots sharing a prompt reads it once).
+own, with the group's slots adjacent (as the engine admits them) and scattered over the batch.
 
     python3 benchmarks/bench_decode_attention.py --shape qwen2.5-0.5b --out $OUT/decode_attention_0.5b.json  (CUDA)
 """
@@ -20,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from _timing import graphed_us  # benchmarks/, the script's folder
 
-from megatron_rl.kernels.decode_attention import decode_attention, decode_attention_windows
+from megatron_rl.kernels.decode_attention import decode_attention
 from megatron_rl.models.shapes import SHAPES
 
 HBM_TB_S = 4.8
@@ -138,21 +137,6 @@ def sharing(cache, q, pos, prompt_len: int, samples: int, live_bytes: float) -> 
         res[layout] = {"us_own_copies": us_plain, "us_shared": us_shared, "speedup": us_plain / us_shared,
                        "equal_bits": bool(torch.equal(plain, shared)),
                        "unique_kv_tb_s_shared": unique / us_shared / 1e6}  # fmt: skip
-        # decode_attention_windows: each window's shared prompt read once; its slots one after the other, or
-        # batched (b: one loop of batched dots over the slots' own keys)
-        for members, batched, warps in ((2, False, 4), (4, False, 4), (8, False, 4), (8, False, 8),
-                                        (2, True, 4), (4, True, 4), (4, True, 8)):  # fmt: skip
-            name = f"windows_m{members}{'b' if batched else ''}_w{warps}"
-            try:
-                got = decode_attention_windows(q, c[0], c[1], pos, (lead, plen), members, num_warps=warps,
-                                               batched=batched)  # fmt: skip
-                res[layout][name + "_us"] = graphed_us(
-                    lambda c=c, lead=lead, plen=plen, m=members, w=warps, bt=batched: decode_attention_windows(
-                        q, c[0], c[1], pos, (lead, plen), m, num_warps=w, batched=bt)
-                )  # fmt: skip
-                res[layout][name + "_max_diff_vs_shared"] = float((got.float() - shared.float()).abs().max())
-            except Exception as exc:  # noqa: BLE001 - a setting that fails is reported
-                res[layout][name + "_us"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
         del c
     return res
 

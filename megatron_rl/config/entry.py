@@ -54,11 +54,10 @@ def checked_layout(cfg: JobConfig, training: bool = True) -> ParallelDims:
         dims = validate_job(cfg, world, num_layers=model_num_layers(cfg.model), training=training)
     except LayoutError as err:
         fail(str(err))
-    from megatron_rl.kernels import decode_attention, decode_gemm
+    from megatron_rl.kernels import decode_gemm
 
     try:
         decode_gemm.table()  # MEGATRON_RL_DECODE_GEMM_TABLE's file, read and checked before any GPU work
-        decode_attention._window_setting_from_env()  # MEGATRON_RL_DECODE_WINDOWS
     except ValueError as err:
         fail(str(err))
     return dims

@@ -14,8 +14,6 @@ Triton's interpreter (``RUN_ON_CPU``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from megatron_rl.kernels import decode_fused
@@ -105,137 +103,6 @@ if HAVE_TRITON:
         o_ptrs = out_ptr + b * so_b + g * so_g + r[:, None] * so_r + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r[:, None] < rep)
 
-    @triton.jit
-    def _online_block(q, k, v, live, scale, m_i, l_i, acc):
-        """One key block of the online softmax: q [rows, D], k / v [block, D] (masked keys: ``live`` off) ->
-        the state (m_i, l_i, acc) updated, as ``_decode_attention_kernel``'s loop body computes it."""
-        s = tl.dot(q, tl.trans(k)) * scale  # [rows, block] fp32
-        s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        return m_new, l_i, acc
-
-    @triton.jit
-    def _decode_attention_window_kernel(
-        q_ptr, k_ptr, v_ptr, pos_ptr, lead_ptr, plen_ptr, out_ptr, ms_ptr, ls_ptr, accs_ptr, scale, B,
-        sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r,
-        groups: tl.constexpr, rep: tl.constexpr, rows: tl.constexpr, wide: tl.constexpr, dim: tl.constexpr,
-        block: tl.constexpr, members: tl.constexpr, batched: tl.constexpr = False,
-    ):  # fmt: skip
-        # One program per (window of ``members`` adjacent slots, KV group). Where the window's slots share one
-        # prompt copy (the same lead and prompt length), its first P keys (the prompt rounded down to whole key
-        # blocks) are read once for all of them, with their query heads as one [wide, D] tile; each slot's
-        # state goes through fp32 scratch (L2) and the slot's own loop goes on from key P. Elsewhere P = 0 and
-        # every slot runs ``_decode_attention_kernel``'s loop. The key blocks are the same either way.
-        pid = tl.program_id(0)
-        w = pid // groups
-        g = pid % groups
-        b0 = w * members
-        j = tl.arange(0, members)
-        in_batch = b0 + j < B
-        jb = tl.minimum(b0 + j, B - 1)
-        lead_j = tl.load(lead_ptr + jb)
-        plen_j = tl.load(plen_ptr + jb)
-        pos_j = tl.load(pos_ptr + jb)
-        lead0 = tl.load(lead_ptr + b0)
-        plen0 = tl.load(plen_ptr + b0)
-        P = (plen0 // block) * block
-        odd = in_batch & ((lead_j != lead0) | (plen_j != plen0) | (pos_j + 1 < P))
-        n_in = tl.sum(in_batch.to(tl.int32), 0)
-        P = tl.where((tl.sum(odd.to(tl.int32), 0) == 0) & (n_in > 1), P, 0)
-        d = tl.arange(0, dim)
-        # the window's query heads as one tile: row R is slot b0 + R // rep, head R % rep
-        R = tl.arange(0, wide)
-        rj = R // rep
-        rr = R % rep
-        r_live = (R < members * rep) & (b0 + rj < B)
-        rb = tl.minimum(b0 + rj, B - 1)
-        qw = tl.load(q_ptr + rb[:, None] * sq_b + g * sq_g + rr[:, None] * sq_r + d[None, :], mask=r_live[:, None],
-                     other=0.0)  # fmt: skip
-        m_w = tl.full([wide], float("-inf"), tl.float32)
-        l_w = tl.zeros([wide], tl.float32)
-        acc_w = tl.zeros([wide, dim], tl.float32)
-        k_lead = k_ptr + g * sk_g + lead0.to(tl.int64) * sk_b
-        v_lead = v_ptr + g * sv_g + lead0.to(tl.int64) * sv_b
-        for start in range(0, P, block):
-            t = start + tl.arange(0, block)
-            live = t < P
-            k = tl.load(k_lead + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0)
-            v = tl.load(v_lead + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0)
-            m_w, l_w, acc_w = _online_block(qw, k, v, live, scale, m_w, l_w, acc_w)
-        st = (rb * groups + g) * rep + rr  # [wide] the state's scratch row of (slot, head)
-        tl.store(ms_ptr + st, m_w, mask=r_live)
-        tl.store(ls_ptr + st, l_w, mask=r_live)
-        tl.store(accs_ptr + st[:, None] * dim + d[None, :], acc_w, mask=r_live[:, None])
-        tl.debug_barrier()  # the CTA's scratch writes are visible to all its threads
-        r = tl.arange(0, rows)
-        if batched:  # the slots' own keys together: [members, rows] states, one batched dot a key block
-            jm = tl.arange(0, members)
-            bm = tl.minimum(b0 + jm, B - 1)  # [members]
-            n_m = tl.load(pos_ptr + bm) + 1
-            lead_m = tl.load(lead_ptr + bm).to(tl.int64)
-            plen_m = tl.load(plen_ptr + bm)
-            ok3 = (r[None, :] < rep) & (b0 + jm[:, None] < B)  # [members, rows]
-            q3 = tl.load(q_ptr + bm[:, None, None] * sq_b + g * sq_g + r[None, :, None] * sq_r + d[None, None, :],
-                         mask=ok3[:, :, None], other=0.0)  # fmt: skip
-            s3 = (bm[:, None] * groups + g) * rep + r[None, :]  # [members, rows] scratch rows
-            m3 = tl.load(ms_ptr + s3, mask=ok3, other=float("-inf"))
-            l3 = tl.load(ls_ptr + s3, mask=ok3, other=0.0)
-            acc3 = tl.load(
-                accs_ptr + s3[:, :, None] * dim + d[None, None, :], mask=ok3[:, :, None], other=0.0
-            )
-            for start in range(P, tl.max(n_m, 0), block):
-                t = start + tl.arange(0, block)
-                live = t[None, :] < n_m[:, None]  # [members, block]
-                src = tl.where(t[None, :] < plen_m[:, None], lead_m[:, None], bm[:, None].to(tl.int64))
-                kp = g * sk_g + src[:, :, None] * sk_b + t[None, :, None] * sk_t + d[None, None, :]
-                k3 = tl.load(k_ptr + kp, mask=live[:, :, None], other=0.0)  # [members, block, dim]
-                vp = g * sv_g + src[:, :, None] * sv_b + t[None, :, None] * sv_t + d[None, None, :]
-                v3 = tl.load(v_ptr + vp, mask=live[:, :, None], other=0.0)
-                sc = tl.dot(q3, tl.permute(k3, (0, 2, 1))) * scale  # [members, rows, block]
-                sc = tl.where(live[:, None, :], sc, float("-inf"))
-                m_new = tl.maximum(m3, tl.max(sc, 2))
-                p3 = tl.exp(sc - m_new[:, :, None])
-                alpha = tl.exp(m3 - m_new)
-                l3 = l3 * alpha + tl.sum(p3, 2)
-                acc3 = acc3 * alpha[:, :, None] + tl.dot(p3.to(v3.dtype), v3)
-                m3 = m_new
-            o3 = acc3 / l3[:, :, None]
-            op = out_ptr + bm[:, None, None] * so_b + g * so_g + r[None, :, None] * so_r + d[None, None, :]
-            tl.store(op, o3.to(out_ptr.dtype.element_ty), mask=ok3[:, :, None])
-        for jj in tl.static_range(0 if batched else members):
-            b = tl.minimum(b0 + jj, B - 1)
-            n_kv = tl.load(pos_ptr + b) + 1
-            lead = tl.load(lead_ptr + b).to(tl.int64)
-            plen = tl.load(plen_ptr + b)
-            row_ok = (r < rep) & (b0 + jj + r * 0 < B)  # [rows] (a scalar mask the interpreter refuses)
-            q = tl.load(
-                q_ptr + b * sq_b + g * sq_g + r[:, None] * sq_r + d[None, :], mask=row_ok[:, None], other=0.0
-            )
-            sr = (b * groups + g) * rep + r
-            m_i = tl.load(ms_ptr + sr, mask=row_ok, other=float("-inf"))
-            l_i = tl.load(ls_ptr + sr, mask=row_ok, other=0.0)
-            acc = tl.load(accs_ptr + sr[:, None] * dim + d[None, :], mask=row_ok[:, None], other=0.0)
-            k_base = k_ptr + g * sk_g
-            v_base = v_ptr + g * sv_g
-            for start in range(P, n_kv, block):
-                t = start + tl.arange(0, block)
-                live = t < n_kv
-                src = tl.where(t < plen, lead, b.to(tl.int64))[:, None]  # [block, 1] each key's slot
-                k = tl.load(
-                    k_base + src * sk_b + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0
-                )
-                v = tl.load(
-                    v_base + src * sv_b + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0
-                )
-                m_i, l_i, acc = _online_block(q, k, v, live, scale, m_i, l_i, acc)
-            out = acc / l_i[:, None]
-            tl.store(out_ptr + b * so_b + g * so_g + r[:, None] * so_r + d[None, :], out.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])  # fmt: skip
-
 
 # Tests run the kernel on CPU under Triton's interpreter: TRITON_INTERPRET=1 must be set before triton
 # is first imported (tests/conftest.py) and this flag turned on.
@@ -243,30 +110,6 @@ RUN_ON_CPU = False
 # MEGATRON_RL_DECODE_ROPE_IN_ATTENTION=1: the decode step's RoPE and KV-cache write run inside the attention
 # kernel (``rope_decode_attention``: one launch per layer fewer; off until measured on a GPU)
 ROPE_IN_ATTENTION = env_switch("MEGATRON_RL_DECODE_ROPE_IN_ATTENTION", False)
-
-
-def _window_setting_from_env() -> tuple[int, bool]:
-    """``MEGATRON_RL_DECODE_WINDOWS``: 0 (default: off) or the slots of a window of ``decode_attention_windows``
-    (2, 4 or 8), with a ``b`` after 2 or 4 for its ``batched`` loop (8 would need more shared memory than an
-    H100 block has) -> (members, batched); anything else stops the run with the variable named, before any GPU
-    time is spent."""
-    raw = os.environ.get("MEGATRON_RL_DECODE_WINDOWS", "0").strip().lower() or "0"
-    if raw not in ("0", "2", "4", "8", "2b", "4b"):
-        raise ValueError(
-            f"MEGATRON_RL_DECODE_WINDOWS={raw!r}: expected 0 (off), 2, 4 or 8 (the slots of a window that read "
-            "their shared prompt once), or 2b / 4b (their own keys in one batched loop); unset it or pick one "
-            "of those"
-        )
-    return int(raw.rstrip("b")), raw.endswith("b")
-
-
-# MEGATRON_RL_DECODE_WINDOWS=2|4|8|2b|4b: with prompt KV sharing the decode step's attention reads each prompt once
-# per window of that many adjacent slots (``decode_attention_windows``; opt-in until measured on a GPU)
-try:  # a bad value stops the launch in ``config.entry.checked_layout``; here it stops the first use
-    WINDOW_MEMBERS, WINDOW_BATCHED = _window_setting_from_env()
-    _WINDOW_ERROR = None
-except ValueError as _err:
-    WINDOW_MEMBERS, WINDOW_BATCHED, _WINDOW_ERROR = 0, False, str(_err)
 
 
 def serves(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
@@ -325,41 +168,6 @@ def _launch(q, rep: int, k, v, positions, scale, block, num_warps, num_stages, p
     return out
 
 
-def decode_attention_windows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                             prefix: tuple[torch.Tensor, torch.Tensor], members: int = 2, block: int = 64,
-                             num_warps: int = 4, num_stages: int | None = None, batched: bool = False,
-                             state: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """``decode_attention(q, k, v, positions, prefix=prefix)`` with the prompt read once per window of
-    ``members`` adjacent slots that share it (the same lead and prompt length, as the engine admits a prompt's
-    samples): its whole key blocks attend the window's query heads as one tile, and each slot goes on from its
-    softmax state over its own keys. The same key blocks in the same order as ``decode_attention``; windows
-    whose slots do not share a prompt run its per-slot loop. ``batched``: the slots' own keys in one loop of
-    batched dots ([members, rows] states, each step a key block of every slot) instead of one slot after the
-    other. q [B, G, rep, D] -> [B, G, rep, D]. ``state`` (tests): the fp32 scratch to use, B x G x rep x
-    (D + 2) elements (m, then l, then acc); after the call its first B x G x rep hold each (slot, group, head)'s
-    running max after the shared prompt blocks, -inf where the slot's window shared none."""
-    if members < 1 or members & (members - 1):
-        raise ValueError(f"decode_attention_windows: members={members} must be a power of two (2, 4 or 8)")
-    bsz, groups, rep, dim = q.shape
-    lead, plen = prefix
-    out = torch.empty(bsz, groups, rep, dim, dtype=q.dtype, device=q.device)
-    if state is None:
-        state = torch.empty(bsz * groups * rep * (dim + 2), dtype=torch.float32, device=q.device)
-    n = bsz * groups * rep
-    m_s, l_s, acc_s = state[:n], state[n : 2 * n], state[2 * n :]
-    rows = max(16, triton.next_power_of_2(rep))
-    wide = max(16, triton.next_power_of_2(members * rep))
-    _decode_attention_window_kernel[(triton.cdiv(bsz, members) * groups,)](
-        q, k, v, positions, lead, plen, out, m_s, l_s, acc_s, dim**-0.5, bsz,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        groups=groups, rep=rep, rows=rows, wide=wide, dim=dim, block=block, members=members, batched=batched,
-        num_warps=num_warps,
-        **({} if num_stages is None else {"num_stages": num_stages}),
-    )  # fmt: skip
-    return out
-
-
 def rope_usable(qkv: torch.Tensor) -> bool:
     """Whether the decoder runs ``rope_decode_attention`` for qkv [B, G, rep+2, D]: ``ROPE_IN_ATTENTION``,
     the kernel serves qkv's device, dtype and head dim with unit stride in D, and a trial for that head
@@ -395,46 +203,3 @@ def _rope_trial(device, dtype, groups: int, rows2: int, dim: int) -> None:
     gap = max(float((got.float() - want.float()).abs().max()), float((one.float() - two.float()).abs().max()))
     if not gap <= 2e-2:  # nan fails too
         raise RuntimeError(f"largest gap to rope_kv_write then decode_attention {gap:.3g}")
-
-
-def windows_usable(q: torch.Tensor, prefix) -> bool:
-    """Whether the decoder runs ``decode_attention_windows`` for q [B, G, rep, D]: ``WINDOW_MEMBERS`` set,
-    prompt KV sharing on (``prefix``), the kernel serves q, and a trial at this head layout matched
-    ``decode_attention`` (else it warns once and the per-slot kernel serves). Not tried inside a CUDA-graph
-    capture (the engine's eager warm-up step tries it first)."""
-    if _WINDOW_ERROR is not None:
-        raise ValueError(_WINDOW_ERROR)
-    if not (WINDOW_MEMBERS and prefix is not None and usable(q)):
-        return False
-    kind = f"{WINDOW_MEMBERS}{' (batched)' if WINDOW_BATCHED else ''}"
-    key = f"decode attention in windows of {kind} ({q.device.type}, {q.dtype}, {tuple(q.shape[1:])})"
-    if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing() and not trial_passed(key):
-        return False
-    return trial_once(
-        key,
-        lambda: _windows_trial(q.device, q.dtype, *q.shape[1:]),
-        "Decode attention in windows of slots sharing a prompt failed its trial; the per-slot kernel serves "
-        "(same results).",
-    )
-
-
-def _windows_trial(device, dtype, groups: int, rep: int, dim: int) -> None:
-    """``decode_attention_windows`` against ``decode_attention`` on 17 slots of this head layout: prompts of 70
-    (eight slots: a shared window at every width), 130 (three) and 100 (five) tokens, windows that split a
-    prompt's slots, a last window cut short."""
-    g = torch.Generator().manual_seed(0)  # not the device's generator: the trial runs in the engine's step
-    lead = torch.tensor([0] * 8 + [8] * 3 + [11] * 5 + [16])
-    plen = torch.tensor([70] * 8 + [130] * 3 + [100] * 5 + [0])
-    pos = torch.tensor([69, 75, 90, 110, 130, 150, 170, 199, 129, 140, 160, 99, 120, 140, 160, 180, 20])
-    cache = torch.randn(2, len(lead), groups, 200, dim, generator=g)
-    for slot in range(len(lead)):
-        cache[:, slot, :, : plen[slot]] = cache[:, lead[slot], :, : plen[slot]]
-    cache = cache.to(device, dtype)
-    q = torch.randn(len(lead), groups, rep, dim, generator=g).to(device, dtype)
-    prefix = (lead.to(device), plen.to(device))
-    pos = pos.to(device)
-    want = decode_attention(q, cache[0], cache[1], pos, prefix=prefix)
-    got = decode_attention_windows(q, cache[0], cache[1], pos, prefix, WINDOW_MEMBERS, batched=WINDOW_BATCHED)
-    gap = float((got.float() - want.float()).abs().max())
-    if not gap <= 2e-2:  # nan fails too
-        raise RuntimeError(f"largest gap to the per-slot kernel {gap:.3g}")

@@ -147,9 +147,6 @@ def decode_attention(q, k, v, mask, positions, prefix=None) -> torch.Tensor:
     The Triton kernel (``kernels.decode_attention``) where it runs (bf16/fp16 on CUDA); SDPA with the
     mask otherwise. ``prefix`` (lead [B], plen [B]): the kernel reads each row's prompt from its lead
     slot's copy (``rollout.prompt_kv_sharing``); SDPA reads the row's own copy, the same values."""
-    if decode_kernel.windows_usable(q, prefix):  # MEGATRON_RL_DECODE_WINDOWS: each prompt read once a window
-        members, batched = decode_kernel.WINDOW_MEMBERS, decode_kernel.WINDOW_BATCHED
-        return decode_kernel.decode_attention_windows(q, k, v, positions, prefix, members, batched=batched)
     if decode_kernel.usable(q):
         return decode_kernel.decode_attention(q, k, v, positions, prefix=prefix)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

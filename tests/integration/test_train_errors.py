@@ -98,9 +98,3 @@ def test_bad_decode_gemm_table_fails_at_launch(tmp_path, monkeypatch):
     assert (
         f"MEGATRON_RL_DECODE_GEMM_TABLE={table}" in err and "fc1 at 8 rows" in err and "powers of two" in err
     )
-
-
-def test_bad_decode_windows_setting_fails_at_launch(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEGATRON_RL_DECODE_WINDOWS", "3")
-    err = _fails(tmp_path)
-    assert "MEGATRON_RL_DECODE_WINDOWS='3'" in err and "2, 4 or 8" in err and "Traceback" not in err

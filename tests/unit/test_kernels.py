@@ -193,64 +193,6 @@ def test_decode_attention_reads_each_prompt_from_its_lead_slot(monkeypatch):
     assert not torch.equal(decode_attention(q, noisy[0, :b, :, :t], noisy[1, :b, :, :t], pos), unshared)
 
 
-@pytest.mark.parametrize("members,batched", [(2, False), (4, False), (8, False), (2, True), (4, True)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_windows_matches_the_per_slot_kernel(monkeypatch, members, batched, dtype):
-    """``decode_attention_windows``: a window of adjacent slots sharing one prompt reads its whole key blocks
-    once as one tile of all their query heads, then each slot goes on alone. Against ``decode_attention`` with
-    the same ``prefix`` (the same key blocks in the same order; the interpreter's fp32 matmul rounds a row
-    by its place in the tile, within 2e-7): prompts of 8 slots (a shared window at every width), 3 (windows
-    that split a group), 2 and 1 slots and one of 5 cut by the batch, a prompt shorter than a key block, prompt
-    lengths on and off a block's end, positions at the prompt's last token; the members' own prompt copies
-    overwritten by noise (the shared part is the lead's). The kernel's state shows which windows shared their
-    prompt: slots 0-7 at every width; a window whose slots do not share a lead runs the per-slot loop."""
-    pytest.importorskip("triton", reason="triton is in the dev extras")
-    from megatron_rl.kernels import decode_attention as kernel
-
-    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
-    g = torch.Generator().manual_seed(members)
-    groups, rep, dim, t = 2, 7, 16, 200
-    lead = torch.tensor([0] * 8 + [8, 8, 8, 11, 11, 13] + [14] * 5)
-    plen = torch.tensor([70] * 8 + [128, 128, 128, 30, 30, 64] + [140] * 5)
-    pos = torch.tensor(
-        [69, 80, 120, 199, 75, 100, 150, 190, 127, 150, 190, 40, 31, 64, 139, 150, 170, 199, 145]
-    )
-    b = len(lead)
-    cache = torch.randn(2, b, groups, t, dim, generator=g)
-    for slot in range(b):  # each slot's own copy of its lead's prompt, then noise over the members' copies
-        cache[:, slot, :, : plen[slot]] = cache[:, lead[slot], :, : plen[slot]]
-    want_cache = cache.clone().to(dtype)
-    for slot in range(b):
-        if lead[slot] != slot:
-            cache[:, slot, :, : plen[slot]] = torch.randn(2, groups, int(plen[slot]), dim, generator=g)
-    cache = cache.to(dtype)
-    q = torch.randn(b, groups, rep, dim, generator=g).to(dtype)
-    prefix = (lead, plen)
-    want = kernel.decode_attention(q, want_cache[0], want_cache[1], pos, prefix=prefix)
-    assert torch.equal(kernel.decode_attention(q, cache[0], cache[1], pos, prefix=prefix), want)
-    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {}
-    state = torch.empty(b * groups * rep * (dim + 2))
-    got = kernel.decode_attention_windows(
-        q, cache[0], cache[1], pos, prefix, members, batched=batched, state=state
-    )
-    torch.testing.assert_close(got, want, **tol)
-    m = state[: b * groups * rep].view(b, groups * rep)
-    assert torch.isfinite(m[:8]).all()  # slots 0-7 read their prompt's first block as one window
-    # a slot whose lead differs from its window's: the window runs the per-slot loop
-    lead2 = lead.clone()
-    lead2[1] = 1
-    mixed = kernel.decode_attention(q, want_cache[0], want_cache[1], pos, prefix=(lead2, plen))
-    got2 = kernel.decode_attention_windows(
-        q, want_cache[0], want_cache[1], pos, (lead2, plen), members, batched=batched, state=state
-    )
-    torch.testing.assert_close(got2, mixed, **tol)
-    assert torch.equal(got2[:2], mixed[:2])  # slots 0-1 (window 0 at every width) ran the per-slot loop
-    # window 0 (slots 0 to members - 1) no longer shares; the other windows of slots 0-7 still do
-    assert torch.isneginf(m[:members]).all() and torch.isfinite(m[members:8]).all()
-    with pytest.raises(ValueError, match="members=3 must be a power of two"):
-        kernel.decode_attention_windows(q, cache[0], cache[1], pos, prefix, 3)
-
-
 @pytest.mark.parametrize(
     "groups,rep,dim,dtype",
     [(2, 7, 64, torch.bfloat16), (1, 14, 32, torch.float32), (3, 1, 16, torch.bfloat16)],
@@ -311,38 +253,6 @@ def test_rope_in_attention_that_fails_its_trial_warns_and_the_two_kernels_serve(
     ):
         assert not kernel.rope_usable(qkv)
     assert not kernel.rope_usable(qkv)  # remembered: no second trial
-
-
-def test_decode_windows_setting_is_checked_and_a_failed_trial_falls_back(monkeypatch):
-    """``MEGATRON_RL_DECODE_WINDOWS``: a value other than 0, 2, 4 or 8 is refused at import with the variable
-    named; a windows kernel that raises in its start-up trial warns once naming what runs instead, and the
-    per-slot kernel serves (no second trial)."""
-    pytest.importorskip("triton", reason="triton is in the dev extras")
-    from megatron_rl.kernels import compile as kc
-    from megatron_rl.kernels import decode_attention as kernel
-
-    monkeypatch.setenv("MEGATRON_RL_DECODE_WINDOWS", "3")
-    with pytest.raises(ValueError, match="MEGATRON_RL_DECODE_WINDOWS='3'.*0 \\(off\\), 2, 4 or 8"):
-        kernel._window_setting_from_env()
-    monkeypatch.setenv("MEGATRON_RL_DECODE_WINDOWS", "4")
-    assert kernel._window_setting_from_env() == (4, False)
-    monkeypatch.setenv("MEGATRON_RL_DECODE_WINDOWS", "2b")
-    assert kernel._window_setting_from_env() == (2, True)
-    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
-    monkeypatch.setattr(kernel, "WINDOW_MEMBERS", 2)
-    monkeypatch.setattr(kc, "_PROBED", set())
-    monkeypatch.setattr(kc, "_FAILED", {})
-    q = torch.randn(4, 2, 7, 64)
-    prefix = (torch.zeros(4, dtype=torch.long), torch.full((4,), 70))
-    assert not kernel.windows_usable(q, None)  # no prompt sharing: nothing to share
-
-    def broken(*a, **k):
-        raise RuntimeError("no kernel for this GPU")
-
-    monkeypatch.setattr(kernel, "decode_attention_windows", broken)
-    with pytest.warns(UserWarning, match="the per-slot kernel serves.*no kernel for this GPU"):
-        assert not kernel.windows_usable(q, prefix)
-    assert not kernel.windows_usable(q, prefix)  # remembered
 
 
 def test_rope_tables_are_computed_once_per_angle_tensor_and_never_served_stale(monkeypatch):

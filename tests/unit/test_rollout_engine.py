@@ -476,45 +476,6 @@ def test_rope_inside_the_decode_attention_kernel_gives_the_engine_the_same_bits(
     assert all(a.logprobs == b.logprobs for a, b in zip(runs[True], runs[False]))
 
 
-def test_decode_attention_in_windows_gives_the_engine_the_same_tokens(monkeypatch):
-    """``MEGATRON_RL_DECODE_WINDOWS=2`` (``decode_attention_windows``, interpreted on CPU): with prompt KV
-    sharing and prompts longer than a key block, windows of two slots holding one prompt's samples read its
-    first block once; the engine's tokens are the per-slot kernel's and its log-probs within 1e-5 (the
-    interpreter's fp32 matmul rounds a row by its place in the tile)."""
-    pytest.importorskip("triton", reason="triton is in the dev extras")
-    from megatron_rl.kernels import compile as kc
-    from megatron_rl.kernels import decode_attention as kernel
-
-    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
-    monkeypatch.setattr(kc, "_PROBED", set())
-    monkeypatch.setattr(kc, "_FAILED", {})
-    hf = tiny_hf("qwen2")
-    spec = spec_of(hf)
-    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, 100, (n,), generator=g).tolist() for n in (70, 66, 90)]
-    sp = SamplingParams(temperature=1.0, n=2, max_new_tokens=5, seed=2)
-    shared, original = [], kernel.decode_attention_windows
-
-    def spy(q, k, v, positions, prefix, members=2, **kw):
-        lead, plen = prefix
-        pairs = [(2 * i, 2 * i + 1) for i in range(q.shape[0] // 2)]
-        shared.append(sum(int(lead[a] == lead[b] and plen[a] == plen[b] and plen[a] >= 64) for a, b in pairs))
-        return original(q, k, v, positions, prefix, members, **kw)
-
-    monkeypatch.setattr(kernel, "decode_attention_windows", spy)
-    runs = {}
-    for members in (0, 2):
-        monkeypatch.setattr(kernel, "WINDOW_MEMBERS", members)
-        engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=6, prompt_kv_sharing=True))
-        runs[members] = engine.generate(prompts, sp)
-        assert bool(shared) == bool(members)
-    assert max(shared) == 3  # every window of two held one prompt's two samples
-    assert [c.response_ids for c in runs[2]] == [c.response_ids for c in runs[0]]
-    for a, b in zip(runs[2], runs[0]):
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
-
-
 @pytest.mark.parametrize("slots,compact", [(7, False), (18, True)])
 def test_prompt_kv_sharing_gives_the_same_bits_through_retire_reuse_and_compaction(
     monkeypatch, slots, compact

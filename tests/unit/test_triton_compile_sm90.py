@@ -8,8 +8,6 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
 
 - ``decode_attention``: ``_decode_attention_kernel``: ``shared`` off / on (prompt KV sharing), and
   ``rope`` on (RoPE and the KV write inside, with sharing); ``PDL`` on (``gdc_wait`` first) with sharing;
-  ``_decode_attention_window_kernel``: windows of 2, 4 and 8 slots (8 also with 8 warps), one slot after
-  the other and ``batched`` (2, 4; 8 would need 272 KiB of shared memory);
 - ``rmsnorm``: ``_backward_kernel``: ``blocks_for`` 896 (with and without the residual gradient), 2048 (the
   forward's 1/rms, the residual gradient) and 3584 (7B, recomputed); ``_add_forward_kernel``: ``forward_tile``
   896, 2048, 3584;
@@ -126,15 +124,6 @@ SCRIPT = textwrap.dedent(
         {"groups": 2, "rep": 7, "rows": 16, "dim": D, "block": 64, "shared": True, "rope": True, "PDL": False},
         num_warps=4)
 
-    # decode_attention_windows: the prompt once per window of 2 / 4 / 8 slots (tiles of 16 / 32 / 64 rows)
-    win = {k: attn[k] for k in ("q_ptr", "k_ptr", "v_ptr", "pos_ptr", "lead_ptr", "plen_ptr", "out_ptr")}
-    win |= {"ms_ptr": f32, "ls_ptr": f32, "accs_ptr": f32, "scale": D**-0.5, "B": 512}
-    win |= {k: attn[k] for k in strides[:12]}
-    for members, wide, warps, batched in ((2, 16, 4, False), (4, 32, 4, False), (8, 64, 4, False),
-                                          (8, 64, 8, False), (2, 16, 4, True), (4, 32, 4, True)):
-        add(decode_attention._decode_attention_window_kernel, win,
-            {"groups": 2, "rep": 7, "rows": 16, "wide": wide, "dim": D, "block": 64, "members": members,
-             "batched": batched}, num_warps=warps)
     norm = {"x_ptr": bf, "dy_ptr": bf, "w_ptr": bf, "dx_ptr": bf, "dw_ptr": f32, "rstd_ptr": f32, "dres_ptr": bf,
             "rows": 16384, "hidden": H, "stride_x": H, "stride_dy": H, "stride_dx": H, "stride_dres": H, "eps": eps,
             "rows_per": 16}

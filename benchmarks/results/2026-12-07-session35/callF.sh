@@ -4,8 +4,7 @@
 # loses (diag_head.py: cuBLAS, the sampler, the fused kernel noisy and greedy); (2) quack's fused-epilogue MLP
 # against today's at update and decode rows (bench_quack_mlp.py); (3) on an H200 the 3B fixed step with FA4
 # (issue 16's 3B target, last measured in session 18), on an H100 the 0.5B fixed step profiled (the decode
-# step's kernel table at HEAD); before (3), decode attention with the prompt read once per window of slots
-# (bench_decode_attention.py --default-only, 0.5B and 3B). ~8-9 min, guarded (GUARD, default 570 s).
+# step's kernel table at HEAD). ~7-8 min, guarded (GUARD, default 570 s). Not run in session 35.
 set -u
 D=benchmarks/results/2026-12-06-session29; O=$OUT/cF; mkdir -p "$O"; T0=$SECONDS
 source $D/fa4_env.sh
@@ -14,20 +13,6 @@ timeout 120 python3 benchmarks/results/2026-12-07-session35/diag_head.py --out "
 echo "diag rc=$? $((SECONDS - T0))s"; grep -E "_us |Error" "$O/diag.log" | head -12
 timeout 200 python3 benchmarks/bench_quack_mlp.py --out "$O/quack_mlp.json" >> "$O/diag.log" 2>&1
 echo "quack rc=$? $((SECONDS - T0))s"; grep -E "^qwen|Error|error" "$O/diag.log" | cut -c1-400 | head -8
-for S in qwen2.5-0.5b qwen2.5-3b; do
-  timeout 60 python3 benchmarks/bench_decode_attention.py --default-only --shape $S --out "$O/attn_$S.json" >> "$O/diag.log" 2>&1
-  echo "attn $S rc=$? $((SECONDS - T0))s"
-done
-python3 - "$O" <<'PY2'
-import json, sys
-for s in ("qwen2.5-0.5b", "qwen2.5-3b"):
-    try:
-        r = json.load(open(f"{sys.argv[1]}/attn_{s}.json"))["prompt_kv_sharing"]
-        for lay in ("adjacent", "scattered"):
-            print(s, lay, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r[lay].items()})
-    except Exception as e:  # noqa: BLE001
-        print(s, "unreadable", e)
-PY2
 source $D/steps.sh
 if [[ "$GPU" == *H200* ]]; then
   run_step 250 fixed_3b 1 --steps 3 --shape qwen2.5-3b
