@@ -97,9 +97,8 @@ def main() -> None:
         for rows in map(int, a.rows.split(",")):
             if hidden != 896 and rows != 512:
                 continue
-            main_shape = (
-                hidden == 896 and rows == 512
-            )  # the full sweep; elsewhere the first and 64 x 128 tiles
+            # the 0.5B shape at 512 rows gets the whole sweep; the others its first tile and the 64 x 128 ones
+            main_shape = hidden == 896 and rows == 512
             tiles = sweep if main_shape else sweep[:1] + [t for t in sweep if t[:2] == (64, 128)]
             res["results"].append({})
 
