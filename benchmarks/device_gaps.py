@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+from collections import defaultdict
 
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 
@@ -109,6 +111,55 @@ def device_gaps(trace: dict | list, min_us: float = 20.0, top: int = 25) -> dict
             k: {"gaps": int(n), "us": us} for k, (n, us) in sorted(by.items(), key=lambda kv: -kv[1][1])
         },
         "top": sorted(found, key=lambda g: -g["us"])[:top],
+    }
+
+
+def split_steps(events: list[dict]) -> dict:
+    """A chrome trace's kernels split by launch (``decode_step_parts.py``): kernels whose correlation id is a
+    ``cudaGraphLaunch``'s are that replay's, the others eager. Each replay and the eager kernels that start
+    between its last kernel's end and the next replay's first kernel make one step -> the number of steps
+    (replays but the last), per-step medians (graph span / busy us / kernels, tail gap / busy us / kernels,
+    step us) and per-name kernel times (us a step, by replay and tail)."""
+    graph_ids = {
+        e["args"]["correlation"]
+        for e in events
+        if e.get("cat") == "cuda_runtime"
+        and e.get("name") == "cudaGraphLaunch"
+        and "correlation" in e.get("args", {})
+    }
+    kernels = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", ""),
+         e.get("args", {}).get("correlation") in graph_ids, e.get("args", {}).get("correlation"))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "kernel"
+    )  # fmt: skip
+    replays: dict[int, list] = defaultdict(list)
+    for k in kernels:
+        if k[3]:
+            replays[k[4]].append(k)
+    spans = sorted((min(k[0] for k in ks), max(k[1] for k in ks), ks) for ks in replays.values())
+    steps = []
+    graph_names: dict[str, float] = defaultdict(float)
+    tail_names: dict[str, float] = defaultdict(float)
+    for (a, b, ks), (a2, _, _) in zip(spans, spans[1:]):
+        tail = [k for k in kernels if not k[3] and b <= k[0] < a2]
+        steps.append({
+            "graph_span_us": b - a, "graph_busy_us": sum(k[1] - k[0] for k in ks), "graph_kernels": len(ks),
+            "tail_gap_us": a2 - b, "tail_busy_us": sum(k[1] - k[0] for k in tail), "tail_kernels": len(tail),
+            "step_us": a2 - a,
+        })  # fmt: skip
+        for k in ks:
+            graph_names[k[2][:90]] += k[1] - k[0]
+        for k in tail:
+            tail_names[k[2][:90]] += k[1] - k[0]
+    n = max(1, len(steps))
+    med = {key: statistics.median(s[key] for s in steps) for key in steps[0]} if steps else {}
+    per = lambda d: dict(sorted(((k, v / n) for k, v in d.items()), key=lambda kv: -kv[1]))  # noqa: E731
+    return {
+        "steps": len(steps),
+        "median": med,
+        "graph_kernels_us": per(graph_names),
+        "tail_kernels_us": per(tail_names),
     }
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from device_gaps import device_gaps  # noqa: E402
+from device_gaps import device_gaps, split_steps  # noqa: E402
 
 
 def _x(cat, name, ts, dur):
@@ -67,3 +67,29 @@ def test_an_outer_annotation_is_found_past_many_inner_spans_and_ops_come_from_it
     assert (
         gap["annotation"] == "phase.gen" and gap["host_op"] == "aten::sort" and gap["us"] == 99_000 - 50_010
     )
+
+
+def _k(name, ts, dur, corr):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+
+def _launch(name, corr):
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": 0, "dur": 1, "args": {"correlation": corr}}
+
+
+def test_split_steps_separates_graph_replays_from_the_eager_kernels_after_them():
+    events = [_launch("cudaGraphLaunch", 1), _launch("cudaGraphLaunch", 2), _launch("cudaGraphLaunch", 3)]
+    events += [_launch("cudaLaunchKernel", c) for c in (10, 11, 12)]
+    for step, t0 in enumerate((0, 200, 400)):  # a replay of two kernels (0..100), then eager kernels
+        events += [_k("gemm", t0, 60, step + 1), _k("attn", t0 + 70, 30, step + 1)]
+        if step < 2:
+            events += [_k("draw", t0 + 120, 20, 10 + step)]
+    events.append(_k("record", 250 + 120, 10, 12))  # step 1's tail has two eager kernels
+    got = split_steps(events)
+    assert got["steps"] == 2  # the last replay has no next one to close its tail
+    med = got["median"]
+    assert med["graph_span_us"] == 100 and med["graph_busy_us"] == 90 and med["graph_kernels"] == 2
+    assert med["tail_gap_us"] == 100 and med["step_us"] == 200
+    assert med["tail_kernels"] == 1.5  # 1 and 2 kernels: the median
+    assert got["graph_kernels_us"] == {"gemm": 60.0, "attn": 30.0}
+    assert got["tail_kernels_us"] == {"draw": 20.0, "record": 5.0}

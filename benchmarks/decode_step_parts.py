@@ -1,0 +1,74 @@
+"""Where one decode step's device time goes, split at the CUDA graph's edge (issue 16's decode target).
+
+The engine's decode step is a graph replay (the model up to the logits) followed by eager kernels launched
+from Python: the row keys of the layout-invariant noise, the draw, and the bookkeeping of ``_record``. This
+builds the engine at ``profile_decode_step``'s shape (Qwen2.5-0.5B, random bf16, 512 prompts x 256 tokens),
+times whole decode steps, then profiles a short generate call and splits its chrome trace by launch: kernels
+whose correlation id is a ``cudaGraphLaunch``'s are the graph's, the rest eager. Per steady-state step (medians
+over the decode steps of the profiled call) it reports the graph's span and busy time, the eager kernels
+between two replays (count, busy time, the gap they and the idle device fill) and both kernel lists by name.
+
+Run: ``python benchmarks/decode_step_parts.py --out $OUT/decode_parts.json`` (CUDA, ~1 min).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from device_gaps import split_steps  # noqa: E402
+from profile_decode_step import build_engine, engine_args  # noqa: E402
+
+from megatron_rl.rollout.sampling import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    engine_args(ap)
+    ap.add_argument("--profiled-tokens", type=int, default=48)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_parts.json"))
+    a = ap.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    engine, _, prompts, sampling = build_engine(a)
+    res = {"config": vars(a), "gpu": torch.cuda.get_device_name()}
+    for label in ("first", "second"):
+        engine.generate(prompts, sampling)
+        st = engine.last_stats
+        res[label] = {
+            "decode_s": st.decode_s,
+            "steps": st.decode_steps,
+            "ms_per_step": 1e3 * st.decode_s / st.decode_steps,
+        }
+        print(label, res[label], flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    short = SamplingParams(
+        temperature=1.0, max_new_tokens=a.profiled_tokens, stop_token_ids=sampling.stop_token_ids, seed=0
+    )
+    engine.generate(prompts, short)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, short)
+        torch.cuda.synchronize()
+    trace = a.out.replace(".json", "_trace.json")
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    res["profiled"] = split_steps(events)
+    os.remove(trace)
+    m = res["profiled"]["median"]
+    print(json.dumps(m, indent=1))
+    for part in ("graph_kernels_us", "tail_kernels_us"):
+        print(part)
+        for name, us in list(res["profiled"][part].items())[:30]:
+            print(f"  {us:9.2f}  {name}")
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
