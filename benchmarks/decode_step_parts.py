@@ -3,7 +3,8 @@
 The engine's decode step is a graph replay (the model up to the logits) followed by eager kernels launched
 from Python: the row keys of the layout-invariant noise, the draw, and the bookkeeping of ``_record``. This
 builds the engine at ``profile_decode_step``'s shape (Qwen2.5-0.5B, random bf16, 512 prompts x 256 tokens),
-times whole decode steps, then profiles a short generate call and splits its chrome trace by launch: kernels
+times whole decode steps with the per-slot bookkeeping in torch ops and in ``kernels.slot_state``'s two
+launches (A B B A in one process), then profiles a short generate call each way and splits its chrome trace by launch: kernels
 whose correlation id is a ``cudaGraphLaunch``'s are the graph's, the rest eager. Per steady-state step (medians
 over the decode steps of the profiled call) it reports the graph's span and busy time, the eager kernels
 between two replays (count, busy time, the gap they and the idle device fill) and both kernel lists by name.
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from device_gaps import split_steps  # noqa: E402
 from profile_decode_step import build_engine, engine_args  # noqa: E402
 
+from megatron_rl.kernels import slot_state  # noqa: E402
 from megatron_rl.rollout.sampling import SamplingParams  # noqa: E402
 
 
@@ -36,7 +38,10 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     engine, _, prompts, sampling = build_engine(a)
     res = {"config": vars(a), "gpu": torch.cuda.get_device_name()}
-    for label in ("first", "second"):
+    engine.generate(prompts, sampling)  # warm-up: graphs captured, kernels compiled
+    # A B B A: the decode step with the torch bookkeeping (off) and with kernels.slot_state's (on)
+    for label, on in (("off", False), ("on", True), ("on_2", True), ("off_2", False)):
+        slot_state.ON_CUDA = on
         engine.generate(prompts, sampling)
         st = engine.last_stats
         res[label] = {
@@ -50,22 +55,23 @@ def main() -> None:
     short = SamplingParams(
         temperature=1.0, max_new_tokens=a.profiled_tokens, stop_token_ids=sampling.stop_token_ids, seed=0
     )
-    engine.generate(prompts, short)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    for label, on in (("profiled_off", False), ("profiled_on", True)):
+        slot_state.ON_CUDA = on
         engine.generate(prompts, short)
-        torch.cuda.synchronize()
-    trace = a.out.replace(".json", "_trace.json")
-    prof.export_chrome_trace(trace)
-    with open(trace) as f:
-        events = json.load(f)["traceEvents"]
-    res["profiled"] = split_steps(events)
-    os.remove(trace)
-    m = res["profiled"]["median"]
-    print(json.dumps(m, indent=1))
-    for part in ("graph_kernels_us", "tail_kernels_us"):
-        print(part)
-        for name, us in list(res["profiled"][part].items())[:30]:
-            print(f"  {us:9.2f}  {name}")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, short)
+            torch.cuda.synchronize()
+        trace = a.out.replace(".json", "_trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = json.load(f)["traceEvents"]
+        os.remove(trace)
+        res[label] = split_steps(events)
+        print(label, json.dumps(res[label]["median"]), flush=True)
+        for part in ("graph_kernels_us", "tail_kernels_us"):
+            print(" ", part)
+            for name, us in list(res[label][part].items())[:25]:
+                print(f"  {us:9.2f}  {name}")
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 

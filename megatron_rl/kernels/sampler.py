@@ -67,17 +67,20 @@ if HAVE_TRITON:
         return w + w * w * (0.5 + w * 0.3333333)
 
     @triton.jit
+    def _mix64(x):
+        """``sampling.mix64`` on uint64 (splitmix64's finaliser: logical shifts, products mod 2^64)."""
+        x = x ^ (x >> 30)
+        x = x * 0xBF58476D1CE4E5B9
+        x = x ^ (x >> 27)
+        x = x * 0x94D049BB133111EB
+        return x ^ (x >> 31)
+
+    @triton.jit
     def _row_key(keys_ptr, b, mix: tl.constexpr):
-        """Row b's uint32 noise key: with ``mix`` the raw int64 key through ``sampling.mix64`` (splitmix64's
-        finaliser: logical shifts, products mod 2^64) and its low 32 bits, else the key as given."""
+        """Row b's uint32 noise key: with ``mix`` the raw int64 key through ``_mix64`` and its low 32 bits,
+        else the key as given."""
         if mix:
-            x = tl.load(keys_ptr + b).to(tl.uint64, bitcast=True)
-            x = x ^ (x >> 30)
-            x = x * 0xBF58476D1CE4E5B9
-            x = x ^ (x >> 27)
-            x = x * 0x94D049BB133111EB
-            x = x ^ (x >> 31)
-            return x.to(tl.uint32)
+            return _mix64(tl.load(keys_ptr + b).to(tl.uint64, bitcast=True)).to(tl.uint32)
         return tl.load(keys_ptr + b).to(tl.uint32)
 
     @triton.jit

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron_rl.config.rollout_rules import check_engine
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.distributed.transfer import to_device_async, to_host_async
-from megatron_rl.kernels import batch_invariant, decode_gemm, head_sampler
+from megatron_rl.kernels import batch_invariant, decode_gemm, head_sampler, slot_state
 from megatron_rl.kernels import decode_attention as decode_kernel
 from megatron_rl.kernels.compile import env_switch
 from megatron_rl.logging.timer import annotate
@@ -49,8 +49,9 @@ from megatron_rl.rollout.sampling import (
     head_draw_serves,
     logprob_temperature,
     sample_from_hidden,
-    sample_row_keys,
     sample_with_logprobs,
+    seeded_key,
+    step_row_keys,
     truncated_token_logprobs,
 )
 
@@ -510,7 +511,7 @@ class _Runner:
         self.kv_need = 0  # cache positions the next decode step attends over (bound; see _refresh_kv_need)
         stream = params.seed * 1_000_003 + _dp_rank() * lay.num_replicas + lay.replica
         self.gen = torch.Generator(device=dev).manual_seed(stream)
-        self.keys = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] sequence noise keys
+        self.keys = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] sampling.seeded_key of each sequence
         state.lead.copy_(self.rows)  # every slot reads its own prompt copy until _admit says otherwise
         state.plen.zero_()
 
@@ -519,12 +520,16 @@ class _Runner:
         (``layout_invariant_sampling`` off: the draw takes keys from the generator)."""
         if not self.params.layout_invariant_sampling:
             return None
-        return sample_row_keys(self.keys[rows], self.count[rows], self.params.seed)
+        seeded, count = self.keys[rows], self.count[rows]  # keys hold sampling.seeded_key (see _admit)
+        if isinstance(rows, slice) and slot_state.serves(seeded):  # views: one kernel
+            return slot_state.row_keys(seeded, count)
+        return step_row_keys(seeded, count)
 
-    def _sample(self, logits: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, rows: torch.Tensor, key_rows: slice | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """logits [B, V] of slots ``rows`` [B] -> tokens [B], log-probs [B]; tokens identical on every
-        rank of the TP group."""
-        row_keys = self._row_keys(rows)
+        rank of the TP group. ``key_rows``: the same slots as a slice (``_row_keys`` reads views)."""
+        row_keys = self._row_keys(rows if key_rows is None else key_rows)
         share = None
         if self.lay.tp_g > 1:
 
@@ -600,7 +605,7 @@ class _Runner:
         self.state.lead[slot_t] = lead_slots[rows]  # the samples of a prompt read the lead's copy
         self.state.plen[slot_t] = lengths[rows]
         self.count[slot_t] = 0
-        self.keys[slot_t] = torch.tensor([seq.key for seq in batch], device=dev)
+        self.keys[slot_t] = torch.tensor([seeded_key(seq.key, self.params.seed) for seq in batch], device=dev)
         live = torch.ones(len(batch), dtype=torch.bool, device=dev)
         self._record(slot_t, *self._sample(logits[rows], slot_t), live, lengths[rows])
         for slot, seq in zip(slots, batch):
@@ -776,7 +781,6 @@ class _Runner:
         self.stats.decode_rows += out.shape[0]
         b = out.shape[0]
         rows = self.rows[:b]
-        live = self.live[:b].clone()  # _record overwrites live[:b] and reads this step's values after
         w, vocab = self.w, self.state.spec.vocab_size
         if self.state.fused_head and head_draw_serves(out, w.output, vocab, self.params):
             # out: hidden states; the output layer runs inside the draw (no logits written)
@@ -784,8 +788,23 @@ class _Runner:
                 out, w.output, vocab, self.params, self.gen, self._row_keys(slice(0, b))
             )
         else:
-            drawn = self._sample(self.state.logits_of(out) if self.state.fused_head else out, rows)
-        self._record(rows, *drawn, live, self.state.pos[:b] + 1, prefix=True)
+            drawn = self._sample(
+                self.state.logits_of(out) if self.state.fused_head else out, rows, slice(0, b)
+            )
+        st = self.state
+        slots = (
+            self.live[:b],
+            self.count[:b],
+            self.out_tok,
+            self.out_lp,
+            st.tok[:b],
+            st.pos[:b],
+            self.stop_ids,
+        )
+        if slot_state.record_fits(*drawn, *slots):  # _record's updates in one kernel
+            slot_state.record(*drawn, *slots, self.params.max_new_tokens)
+        else:  # _record overwrites live[:b] and reads this step's values after: a copy
+            self._record(rows, *drawn, self.live[:b].clone(), st.pos[:b] + 1, prefix=True)
         for slot in self.left:
             self.left[slot] -= 1
         self.kv_need += 1

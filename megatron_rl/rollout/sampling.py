@@ -99,6 +99,7 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 _MASK = {30: (1 << 34) - 1, 27: (1 << 37) - 1, 31: (1 << 33) - 1}  # logical >> on int64
 _M32 = 0xFFFFFFFF
+_M64 = (1 << 64) - 1
 
 
 def mix64(x: torch.Tensor) -> torch.Tensor:
@@ -141,7 +142,28 @@ def counter_log_exponential(
 def sample_row_keys(seq_keys: torch.Tensor, steps: torch.Tensor, seed: int) -> torch.Tensor:
     """Key [B] of one sampling step: (seed, sequence key, index of the token in the response)."""
     seeded = mix64(torch.full_like(seq_keys, seed)) ^ seq_keys
-    return mix64(mix64(seeded) + steps)
+    return step_row_keys(mix64(seeded), steps)
+
+
+def step_row_keys(seeded: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """``sample_row_keys`` from the sequences' ``seeded_key`` s [B] (int64): the per-step half."""
+    return mix64(seeded + steps)
+
+
+def _mix64_int(x: int) -> int:
+    """``mix64`` of one Python int, modulo 2^64 (unsigned)."""
+    x &= _M64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _M64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def seeded_key(seq_key: int, seed: int) -> int:
+    """The per-sequence half of ``sample_row_keys``, ``mix64(mix64(seed) ^ seq_key)``, on the host (an int64)."""
+    x = _mix64_int(_mix64_int(seed) ^ (seq_key & _M64))
+    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 def sample(

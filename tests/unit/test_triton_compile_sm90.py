@@ -34,10 +34,11 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
   ``_attention_kernel``: ``shared`` off (training rows) / on (decode rows);
 - ``rope_exact``: ``_exact_rope_kernel``: ``backward`` off / on;
 - ``gather_rows``: ``_segment_sum_kernel``: 2 KV heads x 64 (0.5B) and x 128 (3B), the gathered gradients
-  contiguous and as strided views.
+  contiguous and as strided views;
+- ``slot_state``: ``_row_keys_kernel``, ``_record_kernel`` (one stop token; bool ``live`` as int8).
 
 The ``triton.jit`` helpers called from these (``sampler._hash_log_noise`` / ``_hash_bits`` /
-``_exp_noise_lower_bound`` / ``_row_key`` / ``_store_logprob`` / ``_filtered_block``, ``decode_fused._round_to``,
+``_exp_noise_lower_bound`` / ``_row_key`` / ``_mix64`` / ``_store_logprob`` / ``_filtered_block``, ``decode_fused._round_to``,
 ``batch_invariant_triton._rms_row`` / ``_row_max`` / ``_row_exp_sum``) compile inside their callers.
 
 Each variant compiles twice: generic (every integer an unspecialised int32) and as launched at that shape
@@ -70,7 +71,7 @@ SCRIPT = textwrap.dedent(
 
     from megatron_rl.kernels import batch_invariant_triton as bit
     from megatron_rl.kernels import decode_attention, decode_fused, decode_gemm, logprob, rmsnorm, rope_exact
-    from megatron_rl.kernels import gather_rows, head_sampler, sampler, swiglu
+    from megatron_rl.kernels import gather_rows, head_sampler, sampler, slot_state, swiglu
 
     VARIANTS = []  # (kernel, runtime arguments, constexprs, compile options)
 
@@ -256,6 +257,14 @@ SCRIPT = textwrap.dedent(
                "s_dk_g": dim, "s_dv_r": 2 * dim, "s_dv_g": dim}
         add(gather_rows._segment_sum_kernel, seg, {"groups": 2, "dim": dim, "tile": 4096 // (2 * dim),
                                                    "block": 2 * dim}, num_warps=4)
+
+    # slot_state: the decode step's row keys and bookkeeping over 512 slots (bool live as int8)
+    add(slot_state._row_keys_kernel, {"seeded_ptr": i64, "count_ptr": i64, "out_ptr": i64, "n": 512},
+        {"BLOCK": 512})
+    rec = {"tok_ptr": i64, "lp_ptr": "*fp32", "live_ptr": "*i8", "count_ptr": i64, "out_tok_ptr": i64,
+           "out_lp_ptr": "*fp32", "next_tok_ptr": i64, "pos_ptr": i64, "stop_ptr": i64, "n": 512, "n_stop": 1,
+           "max_new": 512, "s_tok": 513, "s_lp": 513}
+    add(slot_state._record_kernel, rec, {"BLOCK": 512})
 
     failed = []
     for fn, args, constexprs, options in VARIANTS:

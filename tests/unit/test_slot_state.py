@@ -1,0 +1,141 @@
+"""``kernels.slot_state``: the engine's per-step row keys and ``_record`` bookkeeping as one Triton launch each,
+under Triton's interpreter, against the torch ops they replace; and the engine with them against without."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed" / "workers"))
+from rollout_common import hf_to_mcore, random_prompts, spec_of, tiny_hf  # noqa: E402
+
+from megatron_rl.kernels import slot_state  # noqa: E402
+from megatron_rl.rollout.sampling import (  # noqa: E402
+    SamplingParams,
+    sample_row_keys,
+    seeded_key,
+    step_row_keys,
+)
+
+pytest.importorskip("triton", reason="triton is in the dev extras")
+
+EXTREMES = [0, 1, -1, 2**63 - 1, -(2**63), 123456789, -987654321]
+
+
+def test_seeded_keys_then_step_keys_give_the_bits_of_sample_row_keys():
+    g = torch.Generator().manual_seed(0)
+    keys = torch.cat([torch.tensor(EXTREMES), torch.randint(-(2**62), 2**62, (57,), generator=g)])
+    steps = torch.randint(0, 5000, keys.shape, generator=g)
+    for seed in (0, 7, -3, 2**62 + 5):
+        seeded = torch.tensor([seeded_key(k, seed) for k in keys.tolist()])
+        assert torch.equal(step_row_keys(seeded, steps), sample_row_keys(keys, steps, seed)), seed
+    assert not torch.equal(
+        torch.tensor([seeded_key(k, 1) for k in EXTREMES]), torch.tensor([seeded_key(k, 2) for k in EXTREMES])
+    )
+
+
+def test_row_keys_kernel_equals_the_torch_ops(monkeypatch):
+    monkeypatch.setattr(slot_state, "RUN_ON_CPU", True)
+    g = torch.Generator().manual_seed(1)
+    seeded = torch.cat([torch.tensor(EXTREMES), torch.randint(-(2**63), 2**63 - 1, (600,), generator=g)])
+    count = torch.cat(
+        [torch.tensor([0, 1, 2**40, 3, 2**63 - 1, 5, 6]), torch.randint(0, 9000, (600,), generator=g)]
+    )
+    assert slot_state.serves(seeded)
+    for n in (len(seeded), 513, 5):  # past one block, one past it, a part of one
+        got = slot_state.row_keys(seeded[:n], count[:n])
+        assert torch.equal(got, step_row_keys(seeded[:n], count[:n])), n
+
+
+def _reference_record(tokens, lps, live, count, out_tok, out_lp, next_tok, pos, stop_ids, max_new):
+    """``_Runner._record``'s prefix path (the decode step's rows 0..B-1), written out as the engine does it."""
+    b = tokens.shape[0]
+    rows, sel = torch.arange(b), slice(0, b)
+    live = live[sel].clone()
+    next_pos = pos[sel] + 1
+    n = count[sel]
+    out_tok[rows, n] = tokens
+    out_lp[rows, n] = lps
+    n = n + live
+    count[sel] = n
+    still = live & ~torch.isin(tokens, stop_ids) & (n < max_new)
+    return live, next_pos, still
+
+
+@pytest.mark.parametrize("stops", [(), (3,), (3, 11, 40)])
+def test_record_kernel_equals_the_engine_ops(monkeypatch, stops):
+    monkeypatch.setattr(slot_state, "RUN_ON_CPU", True)
+    g = torch.Generator().manual_seed(len(stops))
+    slots, b, max_new = 600, 530, 6
+    state = {
+        "live": torch.rand(slots, generator=g) < 0.7,
+        "count": torch.randint(0, max_new + 1, (slots,), generator=g),  # max_new: a finished slot's column
+        "out_tok": torch.randint(0, 50, (slots, max_new + 1), generator=g),
+        "out_lp": torch.randn(slots, max_new + 1, generator=g),
+        "next_tok": torch.randint(0, 50, (slots,), generator=g),
+        "pos": torch.randint(0, 100, (slots,), generator=g),
+    }
+    state["count"][state["live"]] = state["count"][state["live"]].clamp(max=max_new - 1)  # live: room left
+    tokens = torch.randint(0, 50, (b,), generator=g)
+    tokens[:20] = 3  # some rows draw a stop token
+    lps = torch.randn(b, generator=g)
+    stop_ids = torch.tensor(stops, dtype=torch.long)
+    want = {k: v.clone() for k, v in state.items()}
+    live0, next_pos, still = _reference_record(
+        tokens,
+        lps,
+        want["live"],
+        want["count"],
+        want["out_tok"],
+        want["out_lp"],
+        None,
+        want["pos"],
+        stop_ids,
+        max_new,
+    )
+    want["live"][:b] = still
+    want["next_tok"][:b] = tokens
+    want["pos"][:b] = torch.where(live0, next_pos, want["pos"][:b])
+    got = {k: v.clone() for k, v in state.items()}
+    args = (tokens, lps, got["live"][:b], got["count"][:b], got["out_tok"], got["out_lp"], got["next_tok"][:b],
+            got["pos"][:b], stop_ids)  # fmt: skip
+    assert slot_state.record_fits(*args)
+    slot_state.record(*args, max_new)
+    for k in state:
+        assert torch.equal(got[k], want[k]), k
+    assert not torch.equal(got["live"], state["live"]) and not torch.equal(got["count"], state["count"])
+    if stops:
+        assert not bool(got["live"][:20].any())  # every stop token ended its row
+    assert not slot_state.record_fits(tokens, lps.double(), *args[2:])  # another dtype: the torch ops serve
+
+
+def test_engine_with_the_slot_kernels_gives_the_same_completions(monkeypatch):
+    """Sampled, layout-invariant, with stop tokens, max-length finishes and compaction (slots moved with their
+    keys): the engine with the kernels under the interpreter equals the engine with the torch ops."""
+    from megatron_rl.rollout import engine as engine_mod
+    from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
+
+    monkeypatch.setattr(engine_mod, "_SYNC_EVERY", 2)
+    hf = tiny_hf("qwen2")
+    spec = spec_of(hf)
+    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
+    prompts = random_prompts(7, seed=5)
+    common = dict(temperature=1.0, n=3, max_new_tokens=14, seed=9, layout_invariant_sampling=True)
+    probe = RolloutEngine(params, spec, EngineConfig(max_num_seqs=21)).generate(
+        prompts, SamplingParams(**common)
+    )
+    stops = tuple({c.response_ids[2] for c in probe[:4]})  # tokens that do get drawn: some rows stop early
+    sp = SamplingParams(**common, stop_token_ids=stops)
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(slot_state, "RUN_ON_CPU", on)
+        engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=21))
+        runs[on] = (engine.generate(prompts, sp), engine.last_stats)
+    (a, stats), (b, _) = runs[False], runs[True]
+    assert [c.response_ids for c in a] == [c.response_ids for c in b]
+    assert [c.finish_reason for c in a] == [c.finish_reason for c in b]
+    assert {c.finish_reason for c in a} == {"stop", "length"}
+    assert stats.compactions > 0
+    for x, y in zip(a, b):
+        assert torch.equal(torch.tensor(x.logprobs), torch.tensor(y.logprobs))
