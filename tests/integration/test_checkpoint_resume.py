@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,6 +92,24 @@ def _run_and_kill_after_checkpoint(out: Path, step: int, *overrides: str) -> Non
     _kill_tree(proc.pid)
     _, err = proc.communicate(timeout=60)
     assert (_pointer(out) or 0) >= step, f"the run never wrote checkpoint {step}:\n{err[-4000:]}"
+
+
+def cut_back(src: Path, dst: Path, step: int) -> None:
+    """Copy the finished run ``src`` to ``dst`` as a run stopped right after publishing checkpoint ``step``
+    leaves it: the later checkpoints gone, the pointer at ``step``, the metrics up to ``step``. One run that
+    saves at ``step`` and after it then serves as the uninterrupted reference and the interrupted run."""
+    shutil.copytree(src, dst)
+    ckpts = dst / "checkpoints"
+    later = [d for d in ckpts.glob("global_step_*") if int(d.name.rsplit("_", 1)[1]) > step]
+    assert later and (ckpts / f"global_step_{step}").is_dir(), sorted(p.name for p in ckpts.iterdir())
+    for d in later:
+        shutil.rmtree(d)
+    (ckpts / "latest_checkpointed_iteration.txt").write_text(f"{step}\n")
+    for name in ("metrics.jsonl", "generations.jsonl"):
+        if (dst / name).is_file():
+            lines = (dst / name).read_text().splitlines()
+            (dst / name).write_text("".join(f"{x}\n" for x in lines if json.loads(x)["step"] <= step))
+    assert sorted(r["step"] for r in metrics(dst)) == list(range(1, step + 1))
 
 
 def _check(proc: subprocess.CompletedProcess) -> None:

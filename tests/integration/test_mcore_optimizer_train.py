@@ -1,15 +1,14 @@
 """The trainer with ``optim.backend=megatron`` + the distributed optimizer (PPO: actor and critic, CPU, world 2):
-a run checkpointed at step 2 and restarted with the same command reproduces the uninterrupted run's metrics
+a run stopped after its checkpoint at step 2 (a copy of the uninterrupted run's directory, cut back to
+that checkpoint) and restarted with the same command reproduces the uninterrupted run's metrics
 bit for bit; restarted at TP=2 it reshards the distributed optimizer's state and continues (that the
 resharded state is exact is tests/distributed/test_mcore_optim_dist.py); restarted with the local backend it
 stops before reading any tensor, naming the keys."""
 
 from __future__ import annotations
 
-import shutil
-
 from tests.integration.cli import metrics
-from tests.integration.test_checkpoint_resume import SMALL, _check, _comparable, train
+from tests.integration.test_checkpoint_resume import SMALL, _check, _comparable, cut_back, train
 
 MEGATRON = [
     "algorithm=ppo", "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=2",
@@ -21,9 +20,9 @@ MEGATRON = [
 
 def test_megatron_distributed_optimizer_resume_reshard_and_backend_switch(tmp_path):
     ref_out, out, tp2_out = tmp_path / "ref", tmp_path / "run", tmp_path / "tp2"
-    _check(train(ref_out, *SMALL, *MEGATRON, "trainer.total_training_steps=4", nproc=2))
-    _check(train(out, *SMALL, *MEGATRON, "trainer.total_training_steps=2", nproc=2))
-    shutil.copytree(out, tp2_out)
+    _check(train(ref_out, *SMALL, *MEGATRON, "trainer.total_training_steps=4", nproc=2))  # saves at 2 and 4
+    cut_back(ref_out, out, 2)  # the uninterrupted run as it stood after checkpoint 2, twice
+    cut_back(ref_out, tp2_out, 2)
     ckpt = out / "checkpoints" / "global_step_2"
 
     switched = train(out, *SMALL, *MEGATRON, "trainer.total_training_steps=4", "actor.optim.backend=local",
