@@ -44,31 +44,40 @@ def test_same_seed_same_metrics(tmp_path):
     assert len(a) == 5
 
 
+TP2_PP2 = ("parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2")
+# validation score at step 30 (CPU, session 17): ppo 0.75, grpo 0.53
+LEARNS_AT_TP2_PP2 = (*TP2_PP2, "trainer.total_training_steps=30", "trainer.test_freq=30")
+
+
+@pytest.fixture(scope="module")
+def ppo_tp2_pp2(tmp_path_factory):
+    """The PPO run of test_tp2_pp2_learns (fixed micro-batches). Its steps 1 and 2 are also the reference of the
+    dynamic batch size test: the same metrics, bit for bit, as a 2-step run without validation (constant LR;
+    checked when the two tests started sharing this run, which saves a 4-rank launch)."""
+    return _run_ok(tmp_path_factory.mktemp("tp2_pp2"), "ppo", "algorithm=ppo", *LEARNS_AT_TP2_PP2, nproc=4)
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_tp2_pp2_learns(tmp_path, algorithm):
-    rows = _run_ok(
-        tmp_path,
-        algorithm,
-        f"algorithm={algorithm}",
-        "parallel.tensor_model_parallel_size=2",
-        "parallel.pipeline_model_parallel_size=2",
-        "trainer.total_training_steps=30",  # validation score at step 30 (CPU, session 17): ppo 0.75, grpo 0.53
-        "trainer.test_freq=30",
-        nproc=4,
-    )
+def test_tp2_pp2_learns(tmp_path, algorithm, request):
+    if algorithm == "ppo":
+        rows = request.getfixturevalue("ppo_tp2_pp2")
+    else:
+        rows = _run_ok(tmp_path, algorithm, f"algorithm={algorithm}", *LEARNS_AT_TP2_PP2, nproc=4)
     _assert_learns(rows, 0.2, 0.4)
 
 
-def test_dynamic_batch_size_matches_fixed_micro_batches_at_tp2_pp2(tmp_path):
+def test_dynamic_batch_size_matches_fixed_micro_batches_at_tp2_pp2(tmp_path, ppo_tp2_pp2):
     """PPO (actor and critic) with micro-batches by token budget: different micro-batch shapes through the
-    PP=2 schedule, same metrics as fixed micro-batches (same seed; only summation order differs)."""
-    common = ("algorithm=ppo", "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
-              "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false")  # fmt: skip
-    fixed = _run_ok(tmp_path, "fixed", *common, nproc=4)
+    PP=2 schedule, same metrics as fixed micro-batches (same seed; only summation order differs). The fixed
+    micro-batches' steps 1 and 2 are those of the PPO run of test_tp2_pp2_learns (``ppo_tp2_pp2``)."""
+    common = ("algorithm=ppo", *TP2_PP2, "trainer.total_training_steps=2", "trainer.test_freq=-1",
+              "trainer.val_before_train=false")  # fmt: skip
+    fixed = [r for r in ppo_tp2_pp2 if r["step"] in (1, 2)]
     dyn = ("use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=200")
     dynamic = _run_ok(
         tmp_path, "dynamic", *common, *(f"{r}.{o}" for r in ("actor", "critic") for o in dyn), nproc=4
     )
+    assert [r["step"] for r in fixed] == [r["step"] for r in dynamic] == [1, 2]
     keys = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
     for a, b in zip(fixed, dynamic, strict=True):
         for k in keys:
