@@ -11,15 +11,16 @@ small kernels). Each small kernel costs the device a launch (~2 us) for almost n
 - ``record``: ``_record``'s updates for slots 0..B-1 (the decode step's rows) in one pass, with the bits and
   the writes of the torch ops (finished and idle slots write into their count's column as there).
 
-Runs on CUDA where Triton is installed (``MEGATRON_RL_SLOT_KERNELS=0`` turns it off: the torch ops serve);
-tests run it on CPU under Triton's interpreter (``RUN_ON_CPU``).
+Runs on CUDA where Triton is installed, after a one-time trial against the torch ops on the device
+(``usable``; a failure warns and the torch ops serve; ``MEGATRON_RL_SLOT_KERNELS=0`` turns it off); tests run
+it on CPU under Triton's interpreter (``RUN_ON_CPU``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron_rl.kernels.compile import env_switch
+from megatron_rl.kernels.compile import env_switch, trial_once
 
 try:
     import triton
@@ -79,6 +80,63 @@ def serves(t: torch.Tensor) -> bool:
     return HAVE_TRITON and ((ON_CUDA and dev == "cuda") or (RUN_ON_CPU and dev == "cpu"))
 
 
+def usable(t: torch.Tensor) -> bool:
+    """``serves`` and both kernels passed their one-time trial on ``t``'s device type (``_trial``: the torch ops'
+    results on a small random state, bit for bit), else a warning once and False."""
+    return serves(t) and trial_once(
+        f"the decode step's slot kernels ({t.device.type})",
+        lambda: _trial(t.device),
+        "The decode step's slot kernels (kernels.slot_state) failed their trial; the torch ops keep the "
+        "row keys and the bookkeeping (the same results, ~50 small kernels a step more).",
+    )
+
+
+def record_reference(
+    tokens, lps, live, count, out_tok, out_lp, next_tok, pos, stop_ids, max_new: int
+) -> None:
+    """``record`` in torch ops: those of the engine's ``_Runner._record`` for the decode step's rows."""
+    b = tokens.shape[0]
+    rows = torch.arange(b, device=tokens.device)
+    was = live.clone()
+    n = count.clone()
+    out_tok[rows, n] = tokens
+    out_lp[rows, n] = lps
+    count.copy_(n + was)
+    live.copy_(was & ~torch.isin(tokens, stop_ids) & (count < max_new))
+    next_tok.copy_(tokens)
+    pos.copy_(torch.where(was, pos + 1, pos))
+
+
+def _trial(device: torch.device) -> None:
+    """Both kernels against the torch ops on 37 of 40 slots (some finished, some drawing a stop token);
+    raises on any difference."""
+    from megatron_rl.rollout.sampling import step_row_keys  # not at import: sampling imports the kernels
+
+    g = torch.Generator().manual_seed(0)
+    slots, b, max_new = 40, 37, 5
+    seeded = torch.randint(-(2**63), 2**63 - 1, (slots,), generator=g).to(device)
+    count = torch.randint(0, max_new, (slots,), generator=g).to(device)
+    if not torch.equal(row_keys(seeded[:b], count[:b]), step_row_keys(seeded[:b], count[:b])):
+        raise RuntimeError("row_keys differs from sampling.step_row_keys")
+    state = [
+        torch.rand(slots, generator=g) < 0.8,  # live
+        count.cpu(),
+        torch.randint(0, 9, (slots, max_new + 1), generator=g),  # out_tok
+        torch.randn(slots, max_new + 1, generator=g),  # out_lp
+        torch.randint(0, 9, (slots,), generator=g),  # next_tok
+        torch.randint(0, 99, (slots,), generator=g),  # pos
+    ]
+    tokens, lps = torch.randint(0, 9, (b,), generator=g).to(device), torch.randn(b, generator=g).to(device)
+    stops = torch.tensor([3, 7], device=device)
+    got, want = ([t.to(device).clone() for t in state] for _ in range(2))
+    for side, fn in ((got, record), (want, record_reference)):
+        live, cnt, out_tok, out_lp, next_tok, pos = side
+        fn(tokens, lps, live[:b], cnt[:b], out_tok, out_lp, next_tok[:b], pos[:b], stops, max_new)
+    for name, x, y in zip(("live", "count", "out_tok", "out_lp", "next_tok", "pos"), got, want):
+        if not torch.equal(x, y):
+            raise RuntimeError(f"record differs from the torch ops in {name}")
+
+
 def row_keys(seeded: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """``mix64(seeded + count)`` for int64 [B] views with unit stride -> [B] int64 (``sampling.step_row_keys``)."""
     n = seeded.shape[0]
@@ -99,13 +157,13 @@ def record(tokens, lps, live, count, out_tok, out_lp, next_tok, pos, stop_ids, m
 
 
 def record_fits(tokens, lps, live, count, out_tok, out_lp, next_tok, pos, stop_ids) -> bool:
-    """Whether ``record`` takes these: ``serves``, the dtypes it writes (int64 tokens, counts, positions;
+    """Whether ``record`` takes these: ``usable``, the dtypes it writes (int64 tokens, counts, positions;
     fp32 log-probs; bool live) and unit strides over slots and columns."""
     longs = (tokens, count, out_tok, next_tok, pos, stop_ids)
     return (
-        serves(tokens)
-        and all(t.dtype == torch.long for t in longs)
+        all(t.dtype == torch.long for t in longs)
         and lps.dtype == out_lp.dtype == torch.float32
         and live.dtype == torch.bool
         and all(t.stride(-1) == 1 for t in (tokens, lps, live, count, out_tok, out_lp, next_tok, pos))
+        and usable(tokens)
     )

@@ -521,7 +521,7 @@ class _Runner:
         if not self.params.layout_invariant_sampling:
             return None
         seeded, count = self.keys[rows], self.count[rows]  # keys hold sampling.seeded_key (see _admit)
-        if isinstance(rows, slice) and slot_state.serves(seeded):  # views: one kernel
+        if isinstance(rows, slice) and slot_state.usable(seeded):  # views: one kernel
             return slot_state.row_keys(seeded, count)
         return step_row_keys(seeded, count)
 

@@ -48,23 +48,9 @@ def test_row_keys_kernel_equals_the_torch_ops(monkeypatch):
         assert torch.equal(got, step_row_keys(seeded[:n], count[:n])), n
 
 
-def _reference_record(tokens, lps, live, count, out_tok, out_lp, next_tok, pos, stop_ids, max_new):
-    """``_Runner._record``'s prefix path (the decode step's rows 0..B-1), written out as the engine does it."""
-    b = tokens.shape[0]
-    rows, sel = torch.arange(b), slice(0, b)
-    live = live[sel].clone()
-    next_pos = pos[sel] + 1
-    n = count[sel]
-    out_tok[rows, n] = tokens
-    out_lp[rows, n] = lps
-    n = n + live
-    count[sel] = n
-    still = live & ~torch.isin(tokens, stop_ids) & (n < max_new)
-    return live, next_pos, still
-
-
 @pytest.mark.parametrize("stops", [(), (3,), (3, 11, 40)])
 def test_record_kernel_equals_the_engine_ops(monkeypatch, stops):
+    """``record`` against ``record_reference`` (the engine's ``_record`` ops for the decode step's rows)."""
     monkeypatch.setattr(slot_state, "RUN_ON_CPU", True)
     g = torch.Generator().manual_seed(len(stops))
     slots, b, max_new = 600, 530, 6
@@ -82,21 +68,8 @@ def test_record_kernel_equals_the_engine_ops(monkeypatch, stops):
     lps = torch.randn(b, generator=g)
     stop_ids = torch.tensor(stops, dtype=torch.long)
     want = {k: v.clone() for k, v in state.items()}
-    live0, next_pos, still = _reference_record(
-        tokens,
-        lps,
-        want["live"],
-        want["count"],
-        want["out_tok"],
-        want["out_lp"],
-        None,
-        want["pos"],
-        stop_ids,
-        max_new,
-    )
-    want["live"][:b] = still
-    want["next_tok"][:b] = tokens
-    want["pos"][:b] = torch.where(live0, next_pos, want["pos"][:b])
+    slot_state.record_reference(tokens, lps, want["live"][:b], want["count"][:b], want["out_tok"], want["out_lp"],
+                                want["next_tok"][:b], want["pos"][:b], stop_ids, max_new)  # fmt: skip
     got = {k: v.clone() for k, v in state.items()}
     args = (tokens, lps, got["live"][:b], got["count"][:b], got["out_tok"], got["out_lp"], got["next_tok"][:b],
             got["pos"][:b], stop_ids)  # fmt: skip
@@ -113,6 +86,7 @@ def test_record_kernel_equals_the_engine_ops(monkeypatch, stops):
 def test_engine_with_the_slot_kernels_gives_the_same_completions(monkeypatch):
     """Sampled, layout-invariant, with stop tokens, max-length finishes and compaction (slots moved with their
     keys): the engine with the kernels under the interpreter equals the engine with the torch ops."""
+    from megatron_rl.kernels import compile as compile_trials
     from megatron_rl.rollout import engine as engine_mod
     from megatron_rl.rollout.engine import EngineConfig, RolloutEngine
 
@@ -133,9 +107,53 @@ def test_engine_with_the_slot_kernels_gives_the_same_completions(monkeypatch):
         engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=21))
         runs[on] = (engine.generate(prompts, sp), engine.last_stats)
     (a, stats), (b, _) = runs[False], runs[True]
+    assert compile_trials.trial_passed("the decode step's slot kernels (cpu)")  # the kernels did serve
     assert [c.response_ids for c in a] == [c.response_ids for c in b]
     assert [c.finish_reason for c in a] == [c.finish_reason for c in b]
     assert {c.finish_reason for c in a} == {"stop", "length"}
     assert stats.compactions > 0
     for x, y in zip(a, b):
         assert torch.equal(torch.tensor(x.logprobs), torch.tensor(y.logprobs))
+
+
+def test_record_reference_is_the_engine_record(monkeypatch):
+    """``record_reference`` (the kernel's trial reference) does what ``_Runner._record`` does on rows 0..B-1."""
+    from megatron_rl.rollout.engine import _Runner
+
+    g = torch.Generator().manual_seed(3)
+    slots, b, max_new = 12, 10, 4
+    live = torch.rand(slots, generator=g) < 0.7
+    count = torch.randint(0, max_new, (slots,), generator=g)
+    runner = _Runner.__new__(_Runner)  # only the attributes _record reads
+    runner.count, runner.live, runner.stop_ids = count.clone(), live.clone(), torch.tensor([2])
+    runner.out_tok, runner.out_lp = (
+        torch.zeros(slots, max_new + 1, dtype=torch.long),
+        torch.zeros(slots, max_new + 1),
+    )
+    runner.params = SamplingParams(max_new_tokens=max_new)
+    runner.state = type("S", (), {"tok": torch.zeros(slots, dtype=torch.long), "pos": torch.arange(slots)})()
+    tokens, lps = torch.randint(0, 4, (b,), generator=g), torch.randn(b, generator=g)
+    runner._record(
+        torch.arange(b), tokens, lps, runner.live[:b].clone(), runner.state.pos[:b] + 1, prefix=True
+    )
+    mine = [live.clone(), count.clone(), torch.zeros(slots, max_new + 1, dtype=torch.long),
+            torch.zeros(slots, max_new + 1), torch.zeros(slots, dtype=torch.long), torch.arange(slots)]  # fmt: skip
+    slot_state.record_reference(tokens, lps, mine[0][:b], mine[1][:b], mine[2], mine[3], mine[4][:b], mine[5][:b],
+                                runner.stop_ids, max_new)  # fmt: skip
+    theirs = [runner.live, runner.count, runner.out_tok, runner.out_lp, runner.state.tok, runner.state.pos]
+    for x, y in zip(mine, theirs):
+        assert torch.equal(x, y)
+
+
+def test_a_failing_trial_warns_once_and_the_torch_ops_serve(monkeypatch):
+    from megatron_rl.kernels import compile as compile_trials
+
+    monkeypatch.setattr(slot_state, "RUN_ON_CPU", True)
+    monkeypatch.setattr(compile_trials, "_PROBED", set())
+    monkeypatch.setattr(compile_trials, "_FAILED", {})
+    assert slot_state.usable(torch.zeros(3, dtype=torch.long))  # the real kernels pass
+    monkeypatch.setattr(compile_trials, "_PROBED", set())
+    monkeypatch.setattr(slot_state, "record", lambda *a: None)  # a kernel that writes nothing
+    with pytest.warns(UserWarning, match=r"slot kernels \(kernels.slot_state\) failed their trial.*differs"):
+        assert not slot_state.usable(torch.zeros(3, dtype=torch.long))
+    assert not slot_state.usable(torch.zeros(3, dtype=torch.long))  # remembered: no second trial or warning
