@@ -511,7 +511,7 @@ class _Runner:
         self.kv_need = 0  # cache positions the next decode step attends over (bound; see _refresh_kv_need)
         stream = params.seed * 1_000_003 + _dp_rank() * lay.num_replicas + lay.replica
         self.gen = torch.Generator(device=dev).manual_seed(stream)
-        self.keys = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] sampling.seeded_key of each sequence
+        self.keys = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] sampling.seeded_key s
         state.lead.copy_(self.rows)  # every slot reads its own prompt copy until _admit says otherwise
         state.plen.zero_()
 
