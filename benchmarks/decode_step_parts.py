@@ -4,7 +4,8 @@ The engine's decode step is a graph replay (the model up to the logits) followed
 from Python: the row keys of the layout-invariant noise, the draw, and the bookkeeping of ``_record``. This
 builds the engine at ``profile_decode_step``'s shape (Qwen2.5-0.5B, random bf16, 512 prompts x 256 tokens),
 times whole decode steps with the per-slot bookkeeping in torch ops and in ``kernels.slot_state``'s two
-launches (A B B A in one process), then profiles a short generate call each way and splits its chrome trace by launch: kernels
+launches (A B B A in one process, with the generator's noise keys and with ``layout_invariant_sampling``'s),
+then profiles (layout-invariant) a short generate call each way and splits its chrome trace by launch: kernels
 whose correlation id is a ``cudaGraphLaunch``'s are the graph's, the rest eager. Per steady-state step (medians
 over the decode steps of the profiled call) it reports the graph's span and busy time, the eager kernels
 between two replays (count, busy time, the gap they and the idle device fill) and both kernel lists by name.
@@ -15,6 +16,7 @@ Run: ``python benchmarks/decode_step_parts.py --out $OUT/decode_parts.json`` (CU
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -26,7 +28,7 @@ from device_gaps import split_steps  # noqa: E402
 from profile_decode_step import build_engine, engine_args  # noqa: E402
 
 from megatron_rl.kernels import slot_state  # noqa: E402
-from megatron_rl.rollout.sampling import SamplingParams  # noqa: E402
+from megatron_rl.kernels.compile import trial_passed  # noqa: E402
 
 
 def main() -> None:
@@ -38,23 +40,26 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     engine, _, prompts, sampling = build_engine(a)
     res = {"config": vars(a), "gpu": torch.cuda.get_device_name()}
-    engine.generate(prompts, sampling)  # warm-up: graphs captured, kernels compiled
-    # A B B A: the decode step with the torch bookkeeping (off) and with kernels.slot_state's (on)
-    for label, on in (("off", False), ("on", True), ("on_2", True), ("off_2", False)):
-        slot_state.ON_CUDA = on
-        engine.generate(prompts, sampling)
-        st = engine.last_stats
-        res[label] = {
-            "decode_s": st.decode_s,
-            "steps": st.decode_steps,
-            "ms_per_step": 1e3 * st.decode_s / st.decode_steps,
-        }
-        print(label, res[label], flush=True)
+    invariant = dataclasses.replace(sampling, layout_invariant_sampling=True)
+    # A B B A: the decode step with the torch bookkeeping (off) and with kernels.slot_state's (on), with the
+    # generator's noise keys (the benchmarks' default) and with rollout.layout_invariant_sampling's
+    for mode, sp in (("default", sampling), ("invariant", invariant)):
+        engine.generate(prompts, sp)  # warm-up: graphs captured, kernels compiled and their trial run
+        for label, on in (("off", False), ("on", True), ("on_2", True), ("off_2", False)):
+            slot_state.ON_CUDA = on
+            engine.generate(prompts, sp)
+            st = engine.last_stats
+            res[f"{mode}_{label}"] = {
+                "decode_s": st.decode_s,
+                "steps": st.decode_steps,
+                "ms_per_step": 1e3 * st.decode_s / st.decode_steps,
+            }
+            print(f"{mode}_{label}", res[f"{mode}_{label}"], flush=True)
+    res["slot_kernels_trial_passed"] = trial_passed("the decode step's slot kernels (cuda)")
+    print("slot kernels' trial passed:", res["slot_kernels_trial_passed"], flush=True)
     from torch.profiler import ProfilerActivity, profile
 
-    short = SamplingParams(
-        temperature=1.0, max_new_tokens=a.profiled_tokens, stop_token_ids=sampling.stop_token_ids, seed=0
-    )
+    short = dataclasses.replace(invariant, max_new_tokens=a.profiled_tokens)  # both tails: keys, bookkeeping
     for label, on in (("profiled_off", False), ("profiled_on", True)):
         slot_state.ON_CUDA = on
         engine.generate(prompts, short)

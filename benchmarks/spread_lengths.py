@@ -80,14 +80,14 @@ def install_engine_hook(table: torch.Tensor, n: int, eos: int) -> None:
     sample = runner._sample
     runner._forced_lengths = table
 
-    def forced_sample(self, logits, rows):
-        keys = self.keys[rows]
+    def forced_sample(self, logits, rows, *extra):
+        keys = self.seq_keys[rows]  # the sequences' own keys (``keys`` holds them mixed with the seed)
         tab = runner._forced_on.get(keys.device)
         if tab is None:
             tab = runner._forced_on[keys.device] = runner._forced_lengths.to(keys.device)
         index = ((keys // KEY_STRIDE) * n + keys % KEY_STRIDE).clamp(0, len(tab) - 1)  # idle rows: any
         force_eos_column(logits, self.count[rows], tab[index], eos)
-        return sample(self, logits, rows)
+        return sample(self, logits, rows, *extra)
 
     runner._sample = forced_sample
 

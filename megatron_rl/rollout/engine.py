@@ -512,6 +512,8 @@ class _Runner:
         stream = params.seed * 1_000_003 + _dp_rank() * lay.num_replicas + lay.replica
         self.gen = torch.Generator(device=dev).manual_seed(stream)
         self.keys = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] sampling.seeded_key s
+        self.seq_keys = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] the sequences' own keys
+        self.slot_kernels: bool | None = None  # kernels.slot_state keeps the step's bookkeeping (first step)
         state.lead.copy_(self.rows)  # every slot reads its own prompt copy until _admit says otherwise
         state.plen.zero_()
 
@@ -605,6 +607,7 @@ class _Runner:
         self.state.lead[slot_t] = lead_slots[rows]  # the samples of a prompt read the lead's copy
         self.state.plen[slot_t] = lengths[rows]
         self.count[slot_t] = 0
+        self.seq_keys[slot_t] = torch.tensor([seq.key for seq in batch], device=dev)
         self.keys[slot_t] = torch.tensor([seeded_key(seq.key, self.params.seed) for seq in batch], device=dev)
         live = torch.ones(len(batch), dtype=torch.bool, device=dev)
         self._record(slot_t, *self._sample(logits[rows], slot_t), live, lengths[rows])
@@ -801,7 +804,9 @@ class _Runner:
             st.pos[:b],
             self.stop_ids,
         )
-        if slot_state.record_fits(*drawn, *slots):  # _record's updates in one kernel
+        if self.slot_kernels is None:  # the same dtypes and strides every step: decided once
+            self.slot_kernels = slot_state.record_fits(*drawn, *slots)
+        if self.slot_kernels:  # _record's updates in one kernel
             slot_state.record(*drawn, *slots, self.params.max_new_tokens)
         else:  # _record overwrites live[:b] and reads this step's values after: a copy
             self._record(rows, *drawn, self.live[:b].clone(), st.pos[:b] + 1, prefix=True)
@@ -833,6 +838,7 @@ class _Runner:
             self.live,
             self.count,
             self.keys,
+            self.seq_keys,
             self.out_tok,
             self.out_lp,
         ]

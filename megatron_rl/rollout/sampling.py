@@ -161,7 +161,12 @@ def _mix64_int(x: int) -> int:
 
 
 def seeded_key(seq_key: int, seed: int) -> int:
-    """The per-sequence half of ``sample_row_keys``, ``mix64(mix64(seed) ^ seq_key)``, on the host (an int64)."""
+    """The per-sequence half of ``sample_row_keys``, ``mix64(mix64(seed) ^ seq_key)``, on the host (an int64);
+    ``seq_key`` and ``seed`` are int64 values (as the tensors ``sample_row_keys`` takes hold)."""
+    seq_key, seed = int(seq_key), int(seed)
+    for name, v in (("sequence key", seq_key), ("seed", seed)):
+        if not -(1 << 63) <= v < 1 << 63:
+            raise ValueError(f"sampling {name} {v} is not an int64")
     x = _mix64_int(_mix64_int(seed) ^ (seq_key & _M64))
     return x - (1 << 64) if x >= 1 << 63 else x
 

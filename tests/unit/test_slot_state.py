@@ -33,6 +33,10 @@ def test_seeded_keys_then_step_keys_give_the_bits_of_sample_row_keys():
     assert not torch.equal(
         torch.tensor([seeded_key(k, 1) for k in EXTREMES]), torch.tensor([seeded_key(k, 2) for k in EXTREMES])
     )
+    with pytest.raises(ValueError, match=r"sampling seed 9223372036854775808 is not an int64"):
+        seeded_key(1, 2**63)
+    with pytest.raises(ValueError, match=r"sampling sequence key -9223372036854775809 is not an int64"):
+        seeded_key(-(2**63) - 1, 0)
 
 
 def test_row_keys_kernel_equals_the_torch_ops(monkeypatch):
@@ -101,13 +105,28 @@ def test_engine_with_the_slot_kernels_gives_the_same_completions(monkeypatch):
     )
     stops = tuple({c.response_ids[2] for c in probe[:4]})  # tokens that do get drawn: some rows stop early
     sp = SamplingParams(**common, stop_token_ids=stops)
+    monkeypatch.setattr(compile_trials, "_PROBED", set())  # the trial runs here, before the counting starts
+    monkeypatch.setattr(compile_trials, "_FAILED", {})
+    monkeypatch.setattr(slot_state, "RUN_ON_CPU", True)
+    assert slot_state.usable(torch.zeros(1, dtype=torch.long))
+    calls = {"record": 0, "row_keys": 0}
+    for name in calls:  # count the kernels' calls: they must serve every decode step with the switch on
+        real = getattr(slot_state, name)
+
+        def spy(*a, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*a)
+
+        monkeypatch.setattr(slot_state, name, spy)
     runs = {}
     for on in (False, True):
         monkeypatch.setattr(slot_state, "RUN_ON_CPU", on)
         engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=21))
         runs[on] = (engine.generate(prompts, sp), engine.last_stats)
-    (a, stats), (b, _) = runs[False], runs[True]
-    assert compile_trials.trial_passed("the decode step's slot kernels (cpu)")  # the kernels did serve
+        if not on:
+            assert calls == {"record": 0, "row_keys": 0}
+    (a, stats), (b, stats_on) = runs[False], runs[True]
+    assert calls["record"] == stats_on.decode_steps and calls["row_keys"] == stats_on.decode_steps > 0
     assert [c.response_ids for c in a] == [c.response_ids for c in b]
     assert [c.finish_reason for c in a] == [c.finish_reason for c in b]
     assert {c.finish_reason for c in a} == {"stop", "length"}

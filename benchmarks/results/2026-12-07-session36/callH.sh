@@ -8,8 +8,8 @@ D=benchmarks/results/2026-12-06-session29; O=$OUT/cH; mkdir -p "$O"; T0=$SECONDS
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$GPU"
-timeout 170 python3 benchmarks/decode_step_parts.py --out "$O/a_decode_parts.json" > "$O/a_parts.log" 2>&1
-echo "parts rc=$? $((SECONDS - T0))s"; grep -v "^  " "$O/a_parts.log" | grep -v Warning | tail -8 | cut -c1-400
+timeout 200 python3 benchmarks/decode_step_parts.py --out "$O/a_decode_parts.json" > "$O/a_parts.log" 2>&1
+echo "parts rc=$? $((SECONDS - T0))s"; grep -v "^  " "$O/a_parts.log" | grep -v Warning | tail -14 | cut -c1-400
 grep -A22 "^profiled_off" "$O/a_parts.log" | cut -c1-120; grep -A30 "^profiled_on" "$O/a_parts.log" | grep -A12 tail_kernels | cut -c1-120
 source $D/steps.sh
 if [[ "$GPU" == *H200* ]]; then
