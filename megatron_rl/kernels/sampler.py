@@ -61,12 +61,8 @@ if HAVE_TRITON:
         is 1 - u exactly (multiples of 2^-24 in (0, 1)), and -log(1 - w) = w + w^2/2 + w^3/3 + ... >=
         w + w^2/2 + w^3/3 (up to fp32 rounding, inside the filter's margin). Tight where the noise is large
         (u near 1: the draws that win), loose where it is small; never below 2^-24."""
-        return _bound_of_bits(_hash_bits(key, ids) >> 9)
-
-    @triton.jit
-    def _bound_of_bits(bits):
-        """``_exp_noise_lower_bound`` of u's 23 hashed bits (uint32 or int32); falls as the bits rise."""
-        f = (bits | 0x3F800000).to(tl.float32, bitcast=True)
+        x = _hash_bits(key, ids)
+        f = ((x >> 9) | 0x3F800000).to(tl.float32, bitcast=True)
         w = (2.0 - f) - 5.9604644775390625e-08
         return w + w * w * (0.5 + w * 0.3333333)
 
@@ -110,17 +106,12 @@ if HAVE_TRITON:
         also keeps an underflowed exp safe."""
         maybe = _exp_noise_lower_bound(key, ids) <= tl.exp(z - top + _margin(top))
         if tl.max(maybe.to(tl.int32), 0) > 0:
-            best, best_id, top = _exact_block(key, ids, z, live, best, best_id, libdevice_log)
+            score = z - _hash_log_noise(key, ids, libdevice_log)
+            take = live & (score > best)  # strict: a lane's earlier (lower) id keeps a tie
+            best = tl.where(take, score, best)
+            best_id = tl.where(take, ids, best_id)
+            top = tl.max(best, 0)
         return best, best_id, top
-
-    @triton.jit
-    def _exact_block(key, ids, z, live, best, best_id, libdevice_log: tl.constexpr):
-        """A block's exact noisy scores into (best, best_id) -> (best, best_id, top), top their maximum."""
-        score = z - _hash_log_noise(key, ids, libdevice_log)
-        take = live & (score > best)  # strict: a lane's earlier (lower) id keeps a tie
-        best = tl.where(take, score, best)
-        best_id = tl.where(take, ids, best_id)
-        return best, best_id, tl.max(best, 0)
 
     @triton.jit
     def _coarse_block(key, ids, z, zmax, live, best, best_id, top, libdevice_log: tl.constexpr):
@@ -130,8 +121,14 @@ if HAVE_TRITON:
         element's exp(z - top + margin). Only a block that fails it pays for the exact logarithms, as there
         (a superset of the per-element filter's blocks: the same tokens)."""
         hi = tl.max(tl.where(live, (_hash_bits(key, ids) >> 9).to(tl.int32), 0), 0)
-        if _bound_of_bits(hi) <= tl.exp(zmax - top + _margin(top)):
-            best, best_id, top = _exact_block(key, ids, z, live, best, best_id, libdevice_log)
+        f = (hi | 0x3F800000).to(tl.float32, bitcast=True)  # _exp_noise_lower_bound's steps on the maximum
+        w = (2.0 - f) - 5.9604644775390625e-08
+        if w + w * w * (0.5 + w * 0.3333333) <= tl.exp(zmax - top + _margin(top)):
+            score = z - _hash_log_noise(key, ids, libdevice_log)
+            take = live & (score > best)  # strict: a lane's earlier (lower) id keeps a tie
+            best = tl.where(take, score, best)
+            best_id = tl.where(take, ids, best_id)
+            top = tl.max(best, 0)
         return best, best_id, top
 
     @triton.jit

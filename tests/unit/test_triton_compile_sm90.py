@@ -38,7 +38,7 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
 - ``slot_state``: ``_row_keys_kernel``, ``_record_kernel`` (one stop token; bool ``live`` as int8).
 
 The ``triton.jit`` helpers called from these (``sampler._hash_log_noise`` / ``_hash_bits`` /
-``_exp_noise_lower_bound`` / ``_row_key`` / ``_mix64`` / ``_coarse_block`` / ``_bound_of_bits`` / ``_exact_block`` / ``_store_logprob`` / ``_filtered_block``, ``decode_fused._round_to``,
+``_exp_noise_lower_bound`` / ``_row_key`` / ``_mix64`` / ``_coarse_block`` / ``_store_logprob`` / ``_filtered_block``, ``decode_fused._round_to``,
 ``batch_invariant_triton._rms_row`` / ``_row_max`` / ``_row_exp_sum``) compile inside their callers.
 
 Each variant compiles twice: generic (every integer an unspecialised int32) and as launched at that shape
