@@ -114,29 +114,10 @@ if HAVE_TRITON:
         return best, best_id, top
 
     @triton.jit
-    def _coarse_block(key, ids, z, zmax, live, best, best_id, top, libdevice_log: tl.constexpr):
-        """``_filtered_block`` with one test for the whole block: the smallest noise lower bound of the block
-        (the bound falls as u's 23 bits rise, so it is the bound of their maximum: one integer reduction, no
-        per-element bound or exp) against the block's largest logit: exp(zmax - top + margin) bounds every
-        element's exp(z - top + margin). Only a block that fails it pays for the exact logarithms, as there
-        (a superset of the per-element filter's blocks: the same tokens)."""
-        hi = tl.max(tl.where(live, (_hash_bits(key, ids) >> 9).to(tl.int32), 0), 0)
-        f = (hi | 0x3F800000).to(tl.float32, bitcast=True)  # _exp_noise_lower_bound's steps on the maximum
-        w = (2.0 - f) - 5.9604644775390625e-08
-        if w + w * w * (0.5 + w * 0.3333333) <= tl.exp(zmax - top + _margin(top)):
-            score = z - _hash_log_noise(key, ids, libdevice_log)
-            take = live & (score > best)  # strict: a lane's earlier (lower) id keeps a tie
-            best = tl.where(take, score, best)
-            best_id = tl.where(take, ids, best_id)
-            top = tl.max(best, 0)
-        return best, best_id, top
-
-    @triton.jit
     def _draw_partial_kernel(
         logits_ptr, keys_ptr, m_ptr, l_ptr, best_ptr, idx_ptr, tok_ptr, lse_ptr, lp_ptr, inv_temp, stride_b,
         vocab, chunk, splits: tl.constexpr, noisy: tl.constexpr, block: tl.constexpr, libdevice_log: tl.constexpr,
         filtered: tl.constexpr, mix: tl.constexpr, logprobs: tl.constexpr, block_skip: tl.constexpr,
-        coarse: tl.constexpr = False,
     ):  # fmt: skip
         b = tl.program_id(0)
         s = tl.program_id(1)
@@ -175,14 +156,7 @@ if HAVE_TRITON:
             if noisy and filtered:
                 # block_skip: the noise is at most 16.6355 (u <= 1 - 2^-24), so no hash where zmax + that < top
                 if not block_skip or zmax + (16.64 + _margin(top)) >= top:
-                    if coarse:  # with block_skip (its zmax): one bound for the block
-                        best, best_id, top = _coarse_block(
-                            key, ids, z, zmax, live, best, best_id, top, libdevice_log
-                        )
-                    else:
-                        best, best_id, top = _filtered_block(
-                            key, ids, z, live, best, best_id, top, libdevice_log
-                        )
+                    best, best_id, top = _filtered_block(key, ids, z, live, best, best_id, top, libdevice_log)
             else:  # no cross-lane reduction (and barrier) inside the loop
                 if noisy:
                     score = z - _hash_log_noise(key, ids, libdevice_log)
@@ -263,10 +237,6 @@ FILTERED = env_switch("MEGATRON_RL_SAMPLER_FILTER", True)
 # peaked 275.7 against 278.7, peaked +40 284.3 against 344.5. On by default (with the filter);
 # MEGATRON_RL_SAMPLER_BLOCK_SKIP=0 turns it off.
 BLOCK_SKIP = env_switch("MEGATRON_RL_SAMPLER_BLOCK_SKIP", True)
-# Coarse filter (with the block skip): one noise bound per block (the bound of the block's largest hashed bits
-# against its largest logit) instead of a bound and an exp per element; a block that fails it takes the exact
-# logarithms for all its elements (the same tokens). MEGATRON_RL_SAMPLER_COARSE=1 (opt-in until measured).
-COARSE = env_switch("MEGATRON_RL_SAMPLER_COARSE", False)
 
 
 def usable(logits: torch.Tensor, any_rows: bool = False) -> bool:
@@ -308,21 +278,19 @@ def draw(
     logits: torch.Tensor, row_keys32: torch.Tensor, inv_temp: float, noisy: bool,
     splits: int | None = None, block: int | None = None, num_warps: int | None = None, filtered: bool | None = None,
     mix: bool = False, logprobs: bool = False, block_skip: bool | None = None, num_stages: int | None = None,
-    coarse: bool | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """logits [B, V], row_keys32 [B] int64 (``mix64(row_keys) & 0xFFFFFFFF``; with ``mix`` the raw row keys,
     mixed in the kernel) -> tokens [B] int64 (the argmax of ``logits * inv_temp`` minus the counter noise,
     or without it when not ``noisy``) and the log-sum-exp [B] (fp32) of ``logits * inv_temp``; with
     ``logprobs`` also the tokens' log-probs [B] (fp32, ``logits[b, token] * inv_temp - lse``, the eager
-    ops). ``filtered`` / ``block_skip`` / ``coarse``: ``FILTERED`` / ``BLOCK_SKIP`` / ``COARSE`` when None (the
-    skip only with the filter, the coarse bound only with the skip). ``block`` / ``num_warps``: ``tile_for(rows)`` when both are None (one given: the other 2048 / 8).
+    ops). ``filtered`` / ``block_skip``: ``FILTERED`` / ``BLOCK_SKIP`` when None (the skip only with the
+    filter). ``block`` / ``num_warps``: ``tile_for(rows)`` when both are None (one given: the other 2048 / 8).
     ``num_stages``: Triton's launch option (None: its default), swept by ``benchmarks/bench_sampler.py``. Mixing
     the keys and reading the log-probs here saves the decode step ~16 small kernels (``mix64``'s eleven, the
     gather, the cast, the scale, the difference)."""
     rows, vocab = logits.shape
     filtered = FILTERED if filtered is None else filtered
     block_skip = filtered and (BLOCK_SKIP if block_skip is None else block_skip)  # the skip needs the filter
-    coarse = block_skip and (COARSE if coarse is None else coarse)  # the coarse bound needs the skip's zmax
     splits = splits_for(rows) if splits is None else splits
     if block is None and num_warps is None:
         block, num_warps = tile_for(rows)
@@ -341,8 +309,7 @@ def draw(
     _draw_partial_kernel[(rows, splits)](
         logits, row_keys32, part[0], part[1], part[2], part_idx, tokens, lse, lp, float(inv_temp),
         logits.stride(0), vocab, chunk, splits=splits, noisy=noisy, block=block, libdevice_log=on_gpu,
-        filtered=filtered, mix=mix, logprobs=logprobs, block_skip=block_skip, coarse=coarse, num_warps=num_warps,
-        **opts,
+        filtered=filtered, mix=mix, logprobs=logprobs, block_skip=block_skip, num_warps=num_warps, **opts,
     )  # fmt: skip
     if splits > 1:
         _draw_combine_kernel[(rows,)](

@@ -62,11 +62,11 @@ def test_tokens_and_lse_equal_the_eager_draw(rows, vocab, splits, block, monkeyp
     for inv_temp, noisy in [(1 / 0.7, True), (1.0, True), (1.0, False)]:
         keys = torch.randint(-(2**62), 2**62, (rows,))
         want, want_lse = _reference(logits, keys, inv_temp, noisy)
-        for filtered, skip, coarse in ((True, False, False), (False, False, False), (True, True, False),
-                                       (True, True, True)):  # fmt: skip
-            tokens, lse = _kernel(logits, keys, inv_temp, noisy, splits=splits, block=block, filtered=filtered,
-                                  block_skip=skip, coarse=coarse)  # fmt: skip
-            assert torch.equal(tokens, want), (filtered, skip, coarse)
+        for filtered, skip in ((True, False), (False, False), (True, True)):
+            tokens, lse = _kernel(
+                logits, keys, inv_temp, noisy, splits=splits, block=block, filtered=filtered, block_skip=skip
+            )
+            assert torch.equal(tokens, want), (filtered, skip)
             torch.testing.assert_close(lse, torch.logsumexp(logits * inv_temp, -1), rtol=1e-6, atol=1e-5)
             torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-5)
     if block is None:
@@ -113,12 +113,9 @@ def test_the_filtered_draw_gives_the_eager_tokens_on_hard_rows(kind):
         logits[:, ::7] = torch.nextafter(logits[:, ::7], torch.tensor(float("inf")))
     keys = torch.randint(-(2**62), 2**62, (rows,))
     want, want_lse = _reference(logits, keys, 1.0, True)
-    # block skip (default on): whole blocks whose max logit cannot reach the best; coarse: one bound a block
-    for skip, coarse in ((False, False), (True, False), (True, True)):
-        tokens, lse = _kernel(
-            logits, keys, 1.0, True, splits=2, block=256, filtered=True, block_skip=skip, coarse=coarse
-        )
-        assert torch.equal(tokens, want), (skip, coarse)
+    for skip in (False, True):  # block skip (default on): whole blocks whose max logit cannot reach the best
+        tokens, lse = _kernel(logits, keys, 1.0, True, splits=2, block=256, filtered=True, block_skip=skip)
+        assert torch.equal(tokens, want), skip
         torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-4 if kind == "huge" else 1e-5)
 
 
@@ -164,12 +161,12 @@ def test_the_noise_is_finite_so_every_token_follows_its_logit():
         logits[0, 5] = 0.0
         logits[0, 2209] = float("-inf")
         assert _reference(logits, key, 1.0, True)[0].item() == 5
-        for filtered, skip, coarse in ((True, False, False), (False, False, False), (True, True, False),
-                                       (True, True, True)):  # fmt: skip
+        for filtered, skip in ((True, False), (False, False), (True, True)):
             for splits in (1, 2):
-                tok, _ = _kernel(logits, key, 1.0, True, splits=splits, block=256, filtered=filtered,
-                                 block_skip=skip, coarse=coarse)  # fmt: skip
-                assert tok.item() == 5, (rest, filtered, skip, coarse, splits)
+                tok, _ = _kernel(
+                    logits, key, 1.0, True, splits=splits, block=256, filtered=filtered, block_skip=skip
+                )
+                assert tok.item() == 5, (rest, filtered, skip, splits)
 
 
 def test_many_keys_on_one_row_give_the_reference_tokens():

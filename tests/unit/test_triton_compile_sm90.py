@@ -18,7 +18,7 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
 - ``sampler``: ``_draw_partial_kernel`` (``libdevice.log``, no FMA contraction): ``splits`` 2 (512 rows)
   and 1 (the ``splits == 1`` store branch), ``noisy`` on / off, ``filtered`` on / off (the noise filter's
   data-dependent branch inside the loop), ``mix`` / ``logprobs`` (the engine's call) on / off, ``block_skip``
-  on (the default: the block-max skip, noisy and greedy), ``coarse`` on (one noise bound a block);
+  on (the default: the block-max skip, noisy and greedy);
   ``_draw_combine_kernel``: ``splits`` 2, 64, ``logprobs`` on / off;
 - ``decode_fused``: ``_rope_kv_kernel``: ``exact`` off / on, and on in fp16 (``_round_to``'s cast branch);
   ``_swiglu_kernel``; ``_add_rms_norm_kernel`` (one bf16 summand, and 8 fp32 split-K partials); each with
@@ -38,7 +38,7 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
 - ``slot_state``: ``_row_keys_kernel``, ``_record_kernel`` (one stop token; bool ``live`` as int8).
 
 The ``triton.jit`` helpers called from these (``sampler._hash_log_noise`` / ``_hash_bits`` /
-``_exp_noise_lower_bound`` / ``_row_key`` / ``_mix64`` / ``_coarse_block`` / ``_store_logprob`` / ``_filtered_block``, ``decode_fused._round_to``,
+``_exp_noise_lower_bound`` / ``_row_key`` / ``_mix64`` / ``_store_logprob`` / ``_filtered_block``, ``decode_fused._round_to``,
 ``batch_invariant_triton._rms_row`` / ``_row_max`` / ``_row_exp_sum``) compile inside their callers.
 
 Each variant compiles twice: generic (every integer an unspecialised int32) and as launched at that shape
@@ -154,18 +154,16 @@ SCRIPT = textwrap.dedent(
     for scaled in (False, True):
         add(logprob._grad_kernel, grad, {"block": 2048, "scaled": scaled}, num_warps=8)
 
-    for splits, noisy, chunk, filtered, fused, skip, coarse in (
-            (2, True, 38 * 2048, True, True, False, False), (1, True, 75 * 2048, True, True, False, False),
-            (2, False, 38 * 2048, True, True, False, False), (2, True, 38 * 2048, False, False, False, False),
-            (2, True, 38 * 2048, True, True, True, False), (2, False, 38 * 2048, True, True, True, False),
-            (2, True, 38 * 2048, True, True, True, True)):
+    for splits, noisy, chunk, filtered, fused, skip in (
+            (2, True, 38 * 2048, True, True, False), (1, True, 75 * 2048, True, True, False),
+            (2, False, 38 * 2048, True, True, False), (2, True, 38 * 2048, False, False, False),
+            (2, True, 38 * 2048, True, True, True), (2, False, 38 * 2048, True, True, True)):
         draw = {"logits_ptr": bf, "keys_ptr": i64, "m_ptr": f32, "l_ptr": f32, "best_ptr": f32,
                 "idx_ptr": "*i32", "tok_ptr": i64, "lse_ptr": f32, "lp_ptr": f32, "inv_temp": 1 / 0.7,
                 "stride_b": V, "vocab": V, "chunk": chunk}
         add(sampler._draw_partial_kernel, draw,
             {"splits": splits, "noisy": noisy, "block": 2048, "libdevice_log": True, "filtered": filtered,
-             "mix": fused, "logprobs": fused, "block_skip": skip, "coarse": coarse}, num_warps=8,
-            enable_fp_fusion=False)
+             "mix": fused, "logprobs": fused, "block_skip": skip}, num_warps=8, enable_fp_fusion=False)
     comb = {"m_ptr": f32, "l_ptr": f32, "best_ptr": f32, "idx_ptr": "*i32", "tok_ptr": i64, "lse_ptr": f32,
             "logits_ptr": bf, "lp_ptr": f32, "inv_temp": 1 / 0.7, "stride_b": V}
     for splits, fused in ((2, True), (64, True), (2, False)):
