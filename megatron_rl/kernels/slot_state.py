@@ -58,9 +58,8 @@ if HAVE_TRITON:
         lp = tl.load(lp_ptr + i, mask=m, other=0.0)
         live = tl.load(live_ptr + i, mask=m, other=0) != 0
         cnt = tl.load(count_ptr + i, mask=m, other=0)
-        row = i.to(
-            tl.int64
-        )  # cnt <= max_new: the engine retires a slot before its count passes the last column
+        # cnt <= max_new: the engine retires a slot before its count passes the last column
+        row = i.to(tl.int64)
         tl.store(out_tok_ptr + row * s_tok + cnt, tok, mask=m)
         tl.store(out_lp_ptr + row * s_lp + cnt, lp, mask=m)
         cnt = cnt + live.to(tl.int64)
