@@ -411,6 +411,32 @@ def test_engine_with_the_fused_decode_kernels_equals_hf(model, monkeypatch):
         ).abs().max() < 1e-5
 
 
+def test_the_fused_decode_step_with_the_attention_kernel_builds_no_mask(monkeypatch):
+    """With the Triton decode attention serving (interpreted here) the fused decode step passes no additive
+    mask (the kernel reads the positions); greedy still equals HF. With SDPA the mask is built once a step."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import decode_attention as kernel
+    from megatron_rl.kernels import decode_fused
+
+    hf = tiny_hf("qwen2")
+    spec = spec_of(hf)
+    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
+    monkeypatch.setattr(decode_fused, "RUN_ON_CPU", True)
+    masks = []
+    original = decoder._decode_mask
+    monkeypatch.setattr(decoder, "_decode_mask", lambda *a: masks.append(a) or original(*a))
+    prompts = random_prompts(3, seed=8)
+    want = [hf_greedy(hf, p, 4) for p in prompts]
+    for on in (False, True):
+        monkeypatch.setattr(kernel, "RUN_ON_CPU", on)
+        masks.clear()
+        out = RolloutEngine(params, spec, EngineConfig(max_num_seqs=3)).generate(
+            prompts, SamplingParams(temperature=0, max_new_tokens=4)
+        )
+        assert [c.response_ids for c in out] == want, on
+        assert (len(masks) == 0) == on, (on, len(masks))  # SDPA: one mask a decode step
+
+
 def test_the_lm_head_fused_with_the_draw_gives_hf_greedy_and_its_logprobs(monkeypatch):
     """``kernels.head_sampler`` (interpreted on CPU): the decode step ends at the final norm and the output
     layer runs inside the draw. It ran; greedy equals HF token for token; sampled log-probs equal the HF
