@@ -10,6 +10,10 @@ whose correlation id is a ``cudaGraphLaunch``'s are the graph's, the rest eager.
 over the decode steps of the profiled call) it reports the graph's span and busy time, the eager kernels
 between two replays (count, busy time, the gap they and the idle device fill) and both kernel lists by name.
 
+``--old-sampler FILE`` (another ``kernels/sampler.py``, e.g. the per-token draw before session 37): the A B B A
+and the profiles compare the engine's draw by that file's kernel ("off") and by this tree's ("on"), the slot
+kernels on in both, instead of the slot kernels off and on.
+
 Run: ``python benchmarks/decode_step_parts.py --out $OUT/decode_parts.json`` (CUDA, ~1 min).
 """
 
@@ -29,24 +33,46 @@ from profile_decode_step import build_engine, engine_args  # noqa: E402
 
 from megatron_rl.kernels import slot_state  # noqa: E402
 from megatron_rl.kernels.compile import trial_passed  # noqa: E402
+from megatron_rl.rollout import sampling as rollout_sampling  # noqa: E402
+
+
+def _switch(old_sampler: str | None):
+    """on(flag): with ``old_sampler`` the engine's draw by that file's kernel (off) or this tree's (on), else
+    ``kernels.slot_state`` off / on."""
+    if old_sampler is None:
+        return lambda on: setattr(slot_state, "ON_CUDA", on)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("old_sampler", old_sampler)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    new_draw = rollout_sampling._kernel_draw
+
+    def old_draw(logits, keys, ids, inv_temp, noisy):  # the engine's call, that file's kernel and rule
+        return old.draw(logits, keys, inv_temp, noisy, mix=True, logprobs=True)
+
+    return lambda on: setattr(rollout_sampling, "_kernel_draw", new_draw if on else old_draw)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     engine_args(ap)
     ap.add_argument("--profiled-tokens", type=int, default=48)
+    ap.add_argument("--old-sampler", default=None, help="A/B the draw against this kernels/sampler.py")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_parts.json"))
     a = ap.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     engine, _, prompts, sampling = build_engine(a)
     res = {"config": vars(a), "gpu": torch.cuda.get_device_name()}
     invariant = dataclasses.replace(sampling, layout_invariant_sampling=True)
+    switch = _switch(a.old_sampler)
+    res["ab"] = "sampler (off: --old-sampler)" if a.old_sampler else "slot kernels"
     # A B B A: the decode step with the torch bookkeeping (off) and with kernels.slot_state's (on), with the
     # generator's noise keys (the benchmarks' default) and with rollout.layout_invariant_sampling's
     for mode, sp in (("default", sampling), ("invariant", invariant)):
         engine.generate(prompts, sp)  # warm-up: graphs captured, kernels compiled and their trial run
         for label, on in (("off", False), ("on", True), ("on_2", True), ("off_2", False)):
-            slot_state.ON_CUDA = on
+            switch(on)
             engine.generate(prompts, sp)
             st = engine.last_stats
             res[f"{mode}_{label}"] = {
@@ -61,7 +87,7 @@ def main() -> None:
 
     short = dataclasses.replace(invariant, max_new_tokens=a.profiled_tokens)  # both tails: keys, bookkeeping
     for label, on in (("profiled_off", False), ("profiled_on", True)):
-        slot_state.ON_CUDA = on
+        switch(on)
         engine.generate(prompts, short)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             engine.generate(prompts, short)

@@ -63,12 +63,9 @@ def force_eos_column(logits: torch.Tensor, generated: torch.Tensor, lengths: tor
 
 def install_engine_hook(table: torch.Tensor, n: int, eos: int) -> None:
     """Force our engine's responses to ``table`` (``length_table``): every sampling step of every
-    ``RolloutEngine`` reads each slot's length from its sequence key (prompt key, sample index). The EOS is
-    forced in the logits, so the decode steps draw from logits: the fused LM head + draw
-    (``MEGATRON_RL_HEAD_SAMPLER=1``, which writes none) does not serve the forced-length workloads."""
+    ``RolloutEngine`` reads each slot's length from its sequence key (prompt key, sample index)."""
     from megatron_rl.rollout import engine
 
-    engine.head_draw_serves = lambda *a, **k: False
     runner = engine._Runner
     # device -> the table there, copied once: a copy from pageable host memory in every step would make the
     # host wait for the GPU each step (session 12 had one: 3.13 ms a decode step at 0.5B spread, 254 rows on

@@ -232,7 +232,6 @@ def decode(
     exact: bool = False,
     prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
     logits_out: torch.Tensor | None = None,
-    hidden_only: bool = False,
 ) -> torch.Tensor:
     """One decode step for slots 0..B-1 (static shapes, CUDA-graph capturable).
 
@@ -240,13 +239,12 @@ def decode(
     Writes each slot's new key/value at its position and attends to keys 0..position, reading only the
     first ``kv_len`` cache positions (default all; every position must be < kv_len).
     ``prefix`` (lead [B], plen [B]): ``decode_attention``'s; ``logits_out``: ``logits``' ``out``. Returns
-    logits [B, V] (weights' dtype); ``hidden_only``: the final-normed hidden states [B, h] the output layer
-    would read (``kernels.head_sampler`` draws from them without writing logits).
+    logits [B, V] (weights' dtype).
     """
     B = tokens.shape[0]
     Tmax = cache.shape[4] if kv_len is None else kv_len
     if not exact and decode_fused.enabled(w.embed):
-        return _decode_fused(w, spec, cache, tokens, positions, Tmax, prefix, logits_out, hidden_only)
+        return _decode_fused(w, spec, cache, tokens, positions, Tmax, prefix, logits_out)
     rep = spec.num_attention_heads // spec.num_query_groups
     batch = torch.arange(B, device=tokens.device)
     cos, sin = rope_cos_sin(positions[:, None], spec.head_dim, spec.rope_theta, w.embed.dtype)
@@ -279,8 +277,6 @@ def decode(
             x, _all_reduce(_linear(a, layer["proj"], exact=exact), w, exact), layer["ln2"], spec, exact
         )
         x, h = _add_norm(x, _mlp(h, layer, w, exact), nxt, spec, exact)
-    if hidden_only:
-        return h[:, 0]
     return logits(h[:, 0], w, spec, exact, logits_out)
 
 
@@ -298,8 +294,7 @@ def _add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, spec: Mode
 
 
 def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: torch.Tensor,
-                  positions: torch.Tensor, Tmax: int, prefix=None, logits_out=None,
-                  hidden_only: bool = False) -> torch.Tensor:  # fmt: skip
+                  positions: torch.Tensor, Tmax: int, prefix=None, logits_out=None) -> torch.Tensor:  # fmt: skip
     """``decode`` with the fused Triton kernels (``kernels.decode_fused``, on by default on CUDA, ``MEGATRON_RL_FUSED_DECODE=0`` off),
     each where its trial passed (else that step's reference ops): RoPE + the KV-cache write in one kernel,
     each residual add with the RMSNorm after it, SwiGLU on one fc1 GEMM's output; and ``decode_gemm``'s GEMMs
@@ -334,8 +329,6 @@ def _decode_fused(w: GenWeights, spec: ModelArgs, cache: torch.Tensor, tokens: t
         x, h = _linear_add_norm(x, act, layer["fc2"], nxt, w, spec, "fc2")
     if not w.layers:
         h = rms_norm(x, w.final_norm, eps)
-    if hidden_only:
-        return h
     return logits(h, w, spec, out=logits_out)
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron_rl.config.rollout_rules import check_engine
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.distributed.transfer import to_device_async, to_host_async
-from megatron_rl.kernels import batch_invariant, decode_gemm, head_sampler, slot_state
+from megatron_rl.kernels import batch_invariant, decode_gemm, slot_state
 from megatron_rl.kernels import decode_attention as decode_kernel
 from megatron_rl.kernels.compile import env_switch
 from megatron_rl.logging.timer import annotate
@@ -46,9 +46,7 @@ from megatron_rl.rollout.kv_cache import (
 from megatron_rl.rollout.multi_turn import Session
 from megatron_rl.rollout.sampling import (
     SamplingParams,
-    head_draw_serves,
     logprob_temperature,
-    sample_from_hidden,
     sample_with_logprobs,
     seeded_key,
     step_row_keys,
@@ -350,9 +348,6 @@ class _DecodeState:
         # merged TP shards, weights moved to the host and back), and the graphs share one logits buffer
         # (else each graph's own logits [bucket, V] stay in the pool: ~4x the powers of two's at 512 slots)
         self.fine_buckets = fine_buckets and self.one_logits_buffer
-        # the decode graphs end at the final norm and the output layer runs inside the draw
-        # (``kernels.head_sampler``: no logits written), where the sampling settings allow (``_Runner._step``)
-        self.fused_head = self.one_logits_buffer and head_sampler.serves(device, dtype)
         self.stable = False
         # the Triton decode kernel stops at each sequence's own position: no length buckets needed
         self.reads_live_only = decode_kernel.serves(device, dtype, spec.head_dim)
@@ -394,14 +389,13 @@ class _DecodeState:
     def _eager(self, b: int, kv: int, logits_out: torch.Tensor | None = None) -> torch.Tensor:
         prefix = (self.lead[:b], self.plen[:b]) if self.shares_prompts else None
         return decoder.decode(self.w, self.spec, self.cache.data, self.tok[:b], self.pos[:b], kv, self.exact,
-                              prefix, logits_out, hidden_only=self.fused_head)  # fmt: skip
+                              prefix, logits_out)  # fmt: skip
 
-    def _logits_out(self, for_head: bool = False) -> torch.Tensor | None:
+    def _logits_out(self) -> torch.Tensor | None:
         """The shared logits buffer [slots, Vp] where the decoder writes into it (``one_logits_buffer``),
-        allocated at the first capture (outside the graphs' pool), else None; with ``fused_head`` the graphs
-        write no logits, and ``logits_of`` (``for_head``) allocates it at its first call."""
+        allocated at the first capture (outside the graphs' pool), else None."""
         w = self.w
-        if not self.one_logits_buffer or (self.fused_head and not for_head):
+        if not self.one_logits_buffer:
             return None
         if self.logits_buf is None:
             self.logits_buf = w.output.new_empty(self.cache.plan.slots, w.output.shape[0])
@@ -450,11 +444,6 @@ class _DecodeState:
             return b
         return batch_bucket(b, self.cache.plan.slots, self.fine_buckets and self.stable)
 
-    def logits_of(self, h: torch.Tensor) -> torch.Tensor:
-        """The logits [B, V] of a ``fused_head`` decode step's hidden states h [B, hidden] (the draw cannot
-        run in the output layer: top-k / top-p, or its trial failed), into the shared logits buffer."""
-        return decoder.logits(h, self.w, self.spec, out=self._logits_out(for_head=True))
-
     def decode(self, b: int, kv_need: int) -> torch.Tensor:
         """logits [b', V] for slots 0..b'-1, b' >= b (``batch_bucket``'s on GPU), attending over the
         first kv' >= ``kv_need`` cache positions (``kv_need`` rounded up to ``_KV_BUCKET``): decode
@@ -462,7 +451,7 @@ class _DecodeState:
         positions are read whole: there attention is a small part of the step and each extra length bucket
         costs a graph capture (~20 ms) in every generate call. With the Triton decode kernel, which reads
         each sequence's keys only up to its position, the whole cache is passed (one graph per batch
-        bucket). With ``fused_head``: the final-normed hidden states [b', hidden] instead (``logits_of``)."""
+        bucket)."""
         full = self.cache.plan.max_len
         whole = full <= _KV_BUCKET_FROM or self.reads_live_only
         kv = full if whole else min(-(-kv_need // _KV_BUCKET) * _KV_BUCKET, full)
@@ -779,21 +768,11 @@ class _Runner:
         )
 
     def _step(self) -> None:
-        # [b, V] logits (with ``fused_head`` [b, h] hidden states), b a bucket >= max slot + 1
-        out = self.state.decode(max(self.active) + 1, self.kv_need)
-        self.stats.decode_rows += out.shape[0]
-        b = out.shape[0]
+        logits = self.state.decode(max(self.active) + 1, self.kv_need)  # [b, V], b a bucket >= max slot + 1
+        self.stats.decode_rows += logits.shape[0]
+        b = logits.shape[0]
         rows = self.rows[:b]
-        w, vocab = self.w, self.state.spec.vocab_size
-        if self.state.fused_head and head_draw_serves(out, w.output, vocab, self.params):
-            # out: hidden states; the output layer runs inside the draw (no logits written)
-            drawn = sample_from_hidden(
-                out, w.output, vocab, self.params, self.gen, self._row_keys(slice(0, b))
-            )
-        else:
-            drawn = self._sample(
-                self.state.logits_of(out) if self.state.fused_head else out, rows, slice(0, b)
-            )
+        drawn = self._sample(logits, rows, slice(0, b))
         st = self.state
         slots = (
             self.live[:b],

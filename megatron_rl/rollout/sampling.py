@@ -15,7 +15,7 @@ import torch
 
 from megatron_rl.config.rollout_rules import check_sampling
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.kernels import batch_invariant, head_sampler
+from megatron_rl.kernels import batch_invariant
 from megatron_rl.kernels import sampler as sampler_kernel
 from megatron_rl.kernels.compile import compile_enabled, compile_rows_dynamic, probe, trial_once
 
@@ -139,6 +139,36 @@ def counter_log_exponential(
     return torch.log(-torch.log(u))
 
 
+# The noisy draw in two levels (``block_race``): blocks of SAMPLE_BLOCK token ids, each block's noise counted
+# at 2^31 + its index (token ids stay below 2^31, so the two counters never meet)
+SAMPLE_BLOCK = 1024
+_BLOCK_COUNTER = 1 << 31
+
+
+def block_race(
+    z: torch.Tensor, row_keys: torch.Tensor, block: int = SAMPLE_BLOCK, ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Tokens [B] drawn from ``softmax(z)`` (z [B, V] fp32, -inf allowed) with the counter noise of ``row_keys``
+    [B] in two levels: the block k of ``block`` token ids with the largest ``logsumexp(z[k-th block]) - log E_k``
+    (E_k ~ Exp(1): ``counter_log_exponential`` at counter 2^31 + k), then inside it the id with the largest
+    ``z - log E`` (the token's own noise, counter = its id). Exact: block k wins with probability mass_k / mass
+    (an exponential race over the blocks' masses), and inside it the race picks i with probability
+    exp(z_i) / mass_k. A draw hashes about V / block + block counters instead of V, so the Triton sampler's
+    pass over the logits is a log-sum-exp pass. Ties go to the lowest block, then the lowest id (``argmax``);
+    all -inf: token 0. ``ids`` ([1, n] int64 0..n-1, n >= block and >= the block count; ``_token_ids``): as in
+    ``counter_log_exponential``, loaded values for compiled code instead of ``arange`` s."""
+    rows, vocab = z.shape
+    nb = -(-vocab // block)
+    if ids is None:
+        ids = torch.arange(max(block, nb), device=z.device)[None]
+    zb = torch.nn.functional.pad(z, (0, nb * block - vocab), value=float("-inf")).view(rows, nb, block)
+    counters = _BLOCK_COUNTER + ids[:, :nb]  # [1, nb]
+    k = (torch.logsumexp(zb, dim=-1) - counter_log_exponential(row_keys, nb, counters)).argmax(dim=-1)  # [B]
+    ids = k[:, None] * block + ids[:, :block]  # [B, block] the block's token ids
+    inside = zb.gather(1, k[:, None, None].expand(rows, 1, block))[:, 0]  # [B, block]
+    return k * block + (inside - counter_log_exponential(row_keys, block, ids)).argmax(dim=-1)
+
+
 def sample_row_keys(seq_keys: torch.Tensor, steps: torch.Tensor, seed: int) -> torch.Tensor:
     """Key [B] of one sampling step: (seed, sequence key, index of the token in the response)."""
     seeded = mix64(torch.full_like(seq_keys, seed)) ^ seq_keys
@@ -189,7 +219,7 @@ def sample(
         return logits.argmax(dim=-1)
     kept = truncate_logits(_scaled(logits, params.temperature), params.top_k, params.top_p)
     if row_keys is not None:
-        return (kept - counter_log_exponential(row_keys, kept.shape[-1])).argmax(dim=-1)
+        return block_race(kept, row_keys)
     log_noise = torch.empty_like(kept).exponential_(generator=generator).log_()  # [B, V]
     return torch.sub(kept, log_noise, out=log_noise).argmax(dim=-1)
 
@@ -199,9 +229,7 @@ def _draw(logits: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor, inv_temp:
     logits (fp32). Compiled: fused reductions over the logits with the noise computed in registers."""
     z = logits.float() * inv_temp
     lse = torch.logsumexp(z, dim=-1)
-    if noisy:
-        z = z - counter_log_exponential(keys, z.shape[-1], ids)
-    return z.argmax(dim=-1), lse
+    return (block_race(z, keys, ids=ids) if noisy else z.argmax(dim=-1)), lse
 
 
 _FUSED_DRAW = compile_rows_dynamic(_draw)
@@ -210,7 +238,7 @@ _FUSED_DRAW = compile_rows_dynamic(_draw)
 def _kernel_draw(logits: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor, inv_temp: float, noisy: bool):
     """``_draw`` by the Triton sampler (``kernels.sampler``; ``ids`` unused), the row keys mixed in the
     kernel -> tokens, log-sum-exp and the tokens' log-probs (the eager ops' bits)."""
-    return sampler_kernel.draw(logits, keys, inv_temp, noisy, mix=True, logprobs=True)
+    return sampler_kernel.draw(logits, keys, inv_temp, noisy, block=SAMPLE_BLOCK, mix=True, logprobs=True)
 
 
 _KERNEL = "the Triton sampler"
@@ -272,10 +300,11 @@ _IDS: dict = {}
 
 
 def _token_ids(logits: torch.Tensor) -> torch.Tensor:
-    """[1, V] int64 token ids on the logits' device (kept: one per vocab size and device)."""
+    """[1, max(V, SAMPLE_BLOCK)] int64 ids 0, 1, ... on the logits' device (kept: one per vocab size and
+    device): ``block_race``'s ``ids``."""
     key = (logits.shape[-1], logits.device)
     if key not in _IDS:
-        _IDS[key] = torch.arange(logits.shape[-1], device=logits.device)[None]
+        _IDS[key] = torch.arange(max(logits.shape[-1], SAMPLE_BLOCK), device=logits.device)[None]
     return _IDS[key]
 
 
@@ -321,56 +350,6 @@ def sample_with_logprobs(
         tokens = share_tokens(tokens)
     picked = logits.gather(-1, tokens[:, None])[:, 0].float() * inv_temp
     return tokens, picked - lse
-
-
-_HEAD = "the fused LM head and sampler"
-_HEAD_FALLBACK = (
-    "The fused LM head and sampler (kernels.head_sampler) failed its trial; the decode step computes its "
-    "logits and draws from them instead."
-)
-
-
-def head_draw_serves(h: torch.Tensor, weight: torch.Tensor, vocab: int, params: SamplingParams) -> bool:
-    """Whether ``sample_from_hidden`` draws with ``kernels.head_sampler`` for these decode-step hidden states
-    [B, hidden] and output weight [Vp, hidden]: no top-k / top-p, the kernel usable, and its first call's
-    trial passed (``_head_trial``: against the sampler on the kernel's own logits)."""
-    if params.top_k > 0 or params.top_p < 1.0 or not head_sampler.usable(h, weight):
-        return False
-    name = f"{_HEAD} ({h.device.type}, {h.dtype}, hidden {h.shape[1]}, vocab {vocab}, tile {head_sampler.current_tile()})"
-    return trial_once(name, lambda: _head_trial(h, weight, vocab), _HEAD_FALLBACK)
-
-
-def _head_trial(h: torch.Tensor, weight: torch.Tensor, vocab: int) -> None:
-    """The fused head and draw once on this step's rows, noisy and greedy, against ``kernels.sampler`` on the
-    logits it computed (the variant that writes them), and the variant every later step runs (no logits
-    written) against that one: raises when either fails or tokens or log-probs differ (host syncs, first call)."""
-    keys = _TRIAL_KEY * torch.arange(h.shape[0], device=h.device)
-    logits = torch.empty(h.shape[0], vocab, dtype=h.dtype, device=h.device)
-    for noisy in (True, False):
-        drawn = head_sampler.draw(h, weight, vocab, keys, 0.7, noisy, logits_out=logits)
-        _check_draw(logits, keys, noisy, *drawn, lp_atol=1e-6)
-        same = head_sampler.draw(h, weight, vocab, keys, 0.7, noisy)
-        if not all(torch.equal(a, b) for a, b in zip(same, drawn)):
-            raise RuntimeError(
-                f"the draw without the logits output differs from the one with it (noisy={noisy})"
-            )
-
-
-def sample_from_hidden(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    vocab: int,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    row_keys: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sample_with_logprobs`` on the logits ``h @ weight[:vocab].T`` without writing them: the output layer
-    and the draw in one kernel (``kernels.head_sampler``; the caller checked ``head_draw_serves``). The noise
-    is ``sample_with_logprobs``'s: ``counter_log_exponential`` of ``row_keys``, or of one int64 key per row
-    drawn from ``generator``."""
-    keys, inv_temp = _draw_keys(h, params, generator, row_keys)
-    tokens, _, lps = head_sampler.draw(h, weight, vocab, keys, inv_temp, not params.greedy)
-    return tokens, lps
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:

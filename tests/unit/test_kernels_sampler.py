@@ -1,6 +1,6 @@
 """kernels/sampler.py (run by Triton's interpreter on CPU, fp32 logits) against the eager draw: the same
-tokens as ``argmax(z - counter_log_exponential)`` (ties to the lowest id), the log-sum-exp, greedy, and
-``sample_with_logprobs`` choosing it or falling back when it fails."""
+tokens as ``block_race`` (the block by its log-sum-exp and noise, then the id inside it; ties to the lowest),
+the log-sum-exp, greedy, and ``sample_with_logprobs`` choosing it or falling back when it fails."""
 
 import warnings
 
@@ -14,7 +14,7 @@ from megatron_rl.kernels import sampler as kernel  # noqa: E402
 from megatron_rl.rollout import sampling  # noqa: E402
 from megatron_rl.rollout.sampling import (  # noqa: E402
     SamplingParams,
-    _draw,
+    block_race,
     counter_log_exponential,
     mix64,
     sample_with_logprobs,
@@ -28,49 +28,68 @@ def _on_cpu(monkeypatch):
     monkeypatch.setattr(kc, "_FAILED", {})
 
 
-def _reference(logits, keys, inv_temp, noisy):
-    return _draw(logits, keys, torch.arange(logits.shape[-1])[None], inv_temp, noisy)
+def _reference(logits, keys, inv_temp, noisy, block=1024):
+    """The eager draw (``_draw``'s ops) with blocks of ``block`` ids: tokens, log-sum-exp."""
+    z = logits.float() * inv_temp
+    return (block_race(z, keys, block) if noisy else z.argmax(-1)), torch.logsumexp(z, -1)
 
 
 def _kernel(logits, keys, inv_temp, noisy, **kw):
     return kernel.draw(logits, mix64(keys) & 0xFFFFFFFF, inv_temp, noisy, **kw)
 
 
+def test_the_reference_is_the_samplers_eager_draw():
+    """``_reference`` at the default block is ``sampling._draw`` (what the engine's fallback and the kernel's
+    trial compare against), noisy and greedy."""
+    logits = 3 * torch.randn(6, 2500)
+    keys = torch.randint(-(2**62), 2**62, (6,))
+    for noisy in (True, False):
+        want = sampling._draw(logits, keys, sampling._token_ids(logits), 0.8, noisy)
+        got = _reference(logits, keys, 0.8, noisy)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize(
     "rows,vocab,splits,block",
     [
-        (37, 3001, None, 2048),
+        (37, 3001, None, 1024),
         (1, 3001, None, 256),
         (8, 1000, 1, 256),
         (6, 5000, 4, 512),
-        (9, 3001, 4, None),
+        (9, 3001, 4, 128),
     ],
 )
-def test_tokens_and_lse_equal_the_eager_draw(rows, vocab, splits, block, monkeypatch):
+def test_tokens_and_lse_equal_the_eager_draw(rows, vocab, splits, block):
     """B = 37 and 1 with the splits chosen from B (many empty ones for B = 1), one split, several; V not a
-    multiple of the block; masked (-inf) columns as in a padded vocab; the tile chosen from B (``tile_for``:
-    1024 / 4 from 256 rows, here from 9 to keep the interpreter quick)."""
-    if block is None:
-        assert kernel.tile_for(256) == (1024, 4) and kernel.tile_for(255) == (2048, 8)
-        monkeypatch.setattr(kernel, "SMALL_TILE_FROM_ROWS", rows)
-        asked, tile_for = [], kernel.tile_for
-        monkeypatch.setattr(kernel, "tile_for", lambda b: asked.append(b) or tile_for(b))
-        assert tile_for(rows) == (1024, 4)
+    multiple of the block; masked (-inf) columns as in a padded vocab."""
     torch.manual_seed(rows)
     logits = 4 * torch.randn(rows, vocab)
     logits[:, -7:] = float("-inf")
     for inv_temp, noisy in [(1 / 0.7, True), (1.0, True), (1.0, False)]:
         keys = torch.randint(-(2**62), 2**62, (rows,))
-        want, want_lse = _reference(logits, keys, inv_temp, noisy)
-        for filtered, skip in ((True, False), (False, False), (True, True)):
-            tokens, lse = _kernel(
-                logits, keys, inv_temp, noisy, splits=splits, block=block, filtered=filtered, block_skip=skip
-            )
-            assert torch.equal(tokens, want), (filtered, skip)
-            torch.testing.assert_close(lse, torch.logsumexp(logits * inv_temp, -1), rtol=1e-6, atol=1e-5)
-            torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-5)
-    if block is None:
-        assert asked and set(asked) == {rows}  # the draw took its tile from the rows
+        want, want_lse = _reference(logits, keys, inv_temp, noisy, block)
+        tokens, lse = _kernel(logits, keys, inv_temp, noisy, splits=splits, block=block)
+        assert torch.equal(tokens, want), (inv_temp, noisy)
+        torch.testing.assert_close(lse, torch.logsumexp(logits * inv_temp, -1), rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-5)
+
+
+def test_a_rows_token_does_not_depend_on_its_batch():
+    """Layout invariance: a row's token and log-sum-exp are the same drawn alone, in a batch of 12 (other
+    splits) or in a batch of 1024 + 3 rows (one split a row: the partial kernel draws), with its key."""
+    torch.manual_seed(9)
+    logits = 3 * torch.randn(12, 2000)
+    keys = torch.randint(-(2**62), 2**62, (12,))
+    full = _kernel(logits, keys, 1.0, True, block=256)
+    big = torch.randn(1027, 2000)
+    big[-12:] = logits
+    big_keys = torch.cat([torch.randint(-(2**62), 2**62, (1015,)), keys])
+    assert kernel.splits_for(12) == 64 and kernel.splits_for(1027) == 1
+    in_big = _kernel(big, big_keys, 1.0, True, block=256)
+    for i in range(0, 12, 5):
+        alone = _kernel(logits[i : i + 1], keys[i : i + 1], 1.0, True, block=256)
+        assert alone[0].item() == full[0][i].item() == in_big[0][1015 + i].item()
+        assert alone[1].item() == full[1][i].item() == in_big[1][1015 + i].item()
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -89,16 +108,15 @@ def test_keys_mixed_and_log_probs_read_in_the_kernel_are_the_eager_bits(splits, 
             logits, keys, 1 / 0.7, noisy, splits=splits, block=256, mix=True, logprobs=True
         )
         assert torch.equal(tok, want_tok) and torch.equal(lse, want_lse)
-        assert torch.equal(tok, _reference(logits.float(), keys, 1 / 0.7, noisy)[0])
+        assert torch.equal(tok, _reference(logits.float(), keys, 1 / 0.7, noisy, 256)[0])
         assert torch.equal(lp, logits.gather(-1, tok[:, None])[:, 0].float() * (1 / 0.7) - lse)
 
 
 @pytest.mark.parametrize("kind", ["peaked", "huge", "flat", "near_ties"])
-def test_the_filtered_draw_gives_the_eager_tokens_on_hard_rows(kind):
-    """The noise filter skips only blocks that provably cannot beat the best score so far. Rows where it
-    skips most (one peaked token, as trained models give), logits in the thousands (the margin's relative
-    part), all-equal logits (every block may win: the noise alone decides) and pairs of logits a rounding
-    apart across blocks, over many keys."""
+def test_the_two_level_draw_gives_the_eager_tokens_on_hard_rows(kind):
+    """Rows with one peaked token (as trained models give), logits in the thousands (block sums far from
+    their max), all-equal logits (every block has the same mass: the block noise alone decides) and many
+    exact ties of z, over many keys: the kernel's tokens are ``block_race``'s."""
     torch.manual_seed(3)
     rows, vocab = 48, 4000
     if kind == "peaked":
@@ -112,45 +130,17 @@ def test_the_filtered_draw_gives_the_eager_tokens_on_hard_rows(kind):
         logits = torch.randn(rows, vocab).round()  # many exact ties of z; scores differ by the noise only
         logits[:, ::7] = torch.nextafter(logits[:, ::7], torch.tensor(float("inf")))
     keys = torch.randint(-(2**62), 2**62, (rows,))
-    want, want_lse = _reference(logits, keys, 1.0, True)
-    for skip in (False, True):  # block skip (default on): whole blocks whose max logit cannot reach the best
-        tokens, lse = _kernel(logits, keys, 1.0, True, splits=2, block=256, filtered=True, block_skip=skip)
-        assert torch.equal(tokens, want), skip
-        torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-4 if kind == "huge" else 1e-5)
-
-
-def test_the_noise_lower_bound_never_exceeds_the_noise():
-    """``_exp_noise_lower_bound`` <= -log(u) for every id (u from the same 24 hashed bits, in float64), and
-    close to it where u is near 1 (the large noise that wins)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def bound_kernel(key, out_ptr, n, block: tl.constexpr):
-        ids = tl.program_id(0) * block + tl.arange(0, block)
-        tl.store(out_ptr + ids, kernel._exp_noise_lower_bound(key.to(tl.uint32), ids), mask=ids < n)
-
-    n = 1 << 16
-    for key in (0, 12345, 0xFFFFFFFF):
-        out = torch.empty(n)
-        bound_kernel[(n // 1024,)](key, out, n, block=1024)
-        x = (key + torch.arange(n, dtype=torch.int64) * 0x9E3779B9) & 0xFFFFFFFF
-        for mul, shift in ((0x7FEB352D, 16), (0x846CA68B, 15), (None, 16)):
-            x = x ^ (x >> shift)
-            x = (x * mul) & 0xFFFFFFFF if mul else x
-        u = ((x >> 9).double() + 0.5) / 2**23
-        e = -torch.log(u)
-        assert bool((out.double() <= e * (1 + 2**-20)).all())  # fp32 rounding of the series: the margin's
-        assert bool((out >= 2**-24).all())
-        near = u > 0.999
-        assert bool((out.double()[near] >= e[near] * 0.999).all())
+    want, want_lse = _reference(logits, keys, 1.0, True, 256)
+    tokens, lse = _kernel(logits, keys, 1.0, True, splits=2, block=256)
+    assert torch.equal(tokens, want)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-4 if kind == "huge" else 1e-5)
 
 
 def test_the_noise_is_finite_so_every_token_follows_its_logit():
     """The uniform u must stay below 1: with 24 noise bits, (2^24 - 1 + 0.5) rounded to 2^24 in fp32, u = 1,
     the noise was -inf and that token won whatever its logit (~0.9% of rows at Qwen's vocab; raw key 2078 at
     id 2209 of 4096). Now u has 23 bits, exact. A row whose best logit is 150 above the rest draws it, in the
-    eager draw and the kernel, filtered or not, with the other ids at -1e4 or the hit id at -inf."""
+    eager draw and the kernel, with the other ids at -1e4 or the hit id at -inf."""
     key = torch.tensor([2078])
     assert bool(torch.isfinite(counter_log_exponential(key, 4096)).all())
     keys = torch.randint(-(2**62), 2**62, (512,))
@@ -161,12 +151,9 @@ def test_the_noise_is_finite_so_every_token_follows_its_logit():
         logits[0, 5] = 0.0
         logits[0, 2209] = float("-inf")
         assert _reference(logits, key, 1.0, True)[0].item() == 5
-        for filtered, skip in ((True, False), (False, False), (True, True)):
-            for splits in (1, 2):
-                tok, _ = _kernel(
-                    logits, key, 1.0, True, splits=splits, block=256, filtered=filtered, block_skip=skip
-                )
-                assert tok.item() == 5, (rest, filtered, skip, splits)
+        for splits in (1, 2):
+            tok, _ = _kernel(logits, key, 1.0, True, splits=splits, block=256)
+            assert tok.item() == 5, (rest, splits)
 
 
 def test_many_keys_on_one_row_give_the_reference_tokens():
@@ -175,7 +162,7 @@ def test_many_keys_on_one_row_give_the_reference_tokens():
     logits = torch.randn(1, 700).repeat(64, 1)
     keys = mix64(torch.arange(64)) + 12345
     tokens, _ = _kernel(logits, keys, 1.0, True, splits=4, block=128)
-    assert torch.equal(tokens, _reference(logits, keys, 1.0, True)[0])
+    assert torch.equal(tokens, _reference(logits, keys, 1.0, True, 128)[0])
     assert len(set(tokens.tolist())) > 16
 
 
@@ -191,20 +178,40 @@ def test_greedy_ties_go_to_the_lowest_id_across_splits():
 
 
 def test_noisy_ties_go_to_the_lowest_id():
-    """Two ids whose 24 noise bits collide get the same (top) logit: their scores tie exactly, and the
-    lower id wins, as in torch.argmax, with the pair in different splits."""
-    vocab = 20000
-    key = torch.tensor([7])
-    noise = counter_log_exponential(key, vocab)[0]
-    values, order = noise.sort()
-    same = (values[1:] == values[:-1]).nonzero()[:, 0]
-    pairs = sorted((order[i].item(), order[i + 1].item()) for i in same)
-    lo, hi = min(pairs, key=lambda p: -abs(p[0] - p[1]))  # the pair farthest apart
-    lo, hi = min(lo, hi), max(lo, hi)
-    logits = torch.full((1, vocab), -20.0)
+    """Two ids of one block whose 23 noise bits collide get the same (top) logit and the rest -inf: their
+    scores tie exactly and the lower id wins, as in torch.argmax; likewise two blocks whose noise collides,
+    holding the same logits: the lower block wins."""
+    block, vocab = 512, 4096
+    for k in range(1000):  # a key with a collision among the first block's ids (~3% of keys)
+        key = torch.tensor([k])
+        noise = counter_log_exponential(key, block)[0]
+        values, order = noise.sort()
+        same = (values[1:] == values[:-1]).nonzero()[:, 0]
+        if len(same):
+            lo, hi = sorted((order[same[0]].item(), order[same[0] + 1].item()))
+            break
+    else:
+        raise AssertionError("no key with colliding noise in the first block")
+    logits = torch.full((1, vocab), float("-inf"))
     logits[0, [lo, hi]] = 20.0
-    tokens, _ = _kernel(logits, key, 1.0, True, splits=8, block=512)
-    assert tokens.item() == lo == _reference(logits, key, 1.0, True)[0].item()
+    tokens, _ = _kernel(logits, key, 1.0, True, splits=8, block=block)
+    assert tokens.item() == lo == _reference(logits, key, 1.0, True, block)[0].item()
+    blocks = 64  # block counters 2^31 + k: collisions among 64 blocks of 8 ids, same logits in each block
+    for k in range(20000):
+        key = torch.tensor([k])
+        noise = counter_log_exponential(key, blocks, (1 << 31) + torch.arange(blocks)[None])[0]
+        values, order = noise.sort()
+        same = (values[1:] == values[:-1]).nonzero()[:, 0]
+        if len(same):
+            lo, hi = sorted((order[same[0]].item(), order[same[0] + 1].item()))
+            break
+    else:
+        raise AssertionError("no key with colliding block noise")
+    logits = torch.full((1, blocks * 8), float("-inf"))
+    logits[0, lo * 8 : lo * 8 + 8] = logits[0, hi * 8 : hi * 8 + 8] = torch.arange(8.0)
+    want = _reference(logits, key, 1.0, True, 8)[0].item()
+    assert want // 8 == lo
+    assert _kernel(logits, key, 1.0, True, splits=4, block=8)[0].item() == want
 
 
 def test_splits_depend_on_the_batch_only():

@@ -437,46 +437,6 @@ def test_the_fused_decode_step_with_the_attention_kernel_builds_no_mask(monkeypa
         assert (len(masks) == 0) == on, (on, len(masks))  # SDPA: one mask a decode step
 
 
-def test_the_lm_head_fused_with_the_draw_gives_hf_greedy_and_its_logprobs(monkeypatch):
-    """``kernels.head_sampler`` (interpreted on CPU): the decode step ends at the final norm and the output
-    layer runs inside the draw. It ran; greedy equals HF token for token; sampled log-probs equal the HF
-    forward; sampled tokens equal the unfused engine's with keys from the generator and with layout-invariant
-    keys (the same noise: the logits differ only in the GEMM's summation order; the unfused draw is the
-    Triton sampler's, interpreted); top-p falls back to logits from the hidden states."""
-    pytest.importorskip("triton", reason="triton is in the dev extras")
-    from megatron_rl.kernels import head_sampler
-    from megatron_rl.kernels import sampler as sampler_kernel
-
-    hf = tiny_hf("qwen2")
-    spec = spec_of(hf)
-    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
-    monkeypatch.setattr(sampler_kernel, "RUN_ON_CPU", True)  # the unfused draw: the same keyed noise
-    monkeypatch.setattr(sampler_kernel, "splits_for", lambda rows, *a, **k: 1)  # interpreted: 1 program a row
-    calls, original = [], head_sampler.draw
-    monkeypatch.setattr(head_sampler, "draw", lambda *a, **k: calls.append(1) or original(*a, **k))
-    prompts = random_prompts(2, seed=6)
-    engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=4))
-    for invariant in (False, True):
-        sp = SamplingParams(
-            temperature=0.9, n=2, max_new_tokens=5, seed=1, layout_invariant_sampling=invariant
-        )
-        runs = {}
-        for on in (False, True):
-            monkeypatch.setattr(head_sampler, "RUN_ON_CPU", on)  # read when a generate call builds its state
-            del calls[:]
-            runs[on] = engine.generate(prompts, sp, [11, 12])
-            assert bool(calls) == on
-        assert [c.response_ids for c in runs[True]] == [c.response_ids for c in runs[False]]
-        for c in runs[True]:
-            want = hf_logprobs(hf, c.prompt_ids, c.response_ids, 0.9)
-            assert (torch.tensor(c.logprobs) - want).abs().max() < 1e-5
-    greedy = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=5))
-    assert [c.response_ids for c in greedy] == [hf_greedy(hf, p, 5) for p in prompts]
-    n = len(calls)
-    top_p = engine.generate(prompts, SamplingParams(temperature=0.9, top_p=0.8, max_new_tokens=4, seed=1))
-    assert len(calls) == n and all(len(c.response_ids) for c in top_p)  # logits computed, not the fused draw
-
-
 def test_rope_inside_the_decode_attention_kernel_gives_the_engine_the_same_bits(model, monkeypatch):
     """``MEGATRON_RL_DECODE_ROPE_IN_ATTENTION`` (one kernel for RoPE, the KV write and attention; the fused
     kernels and the Triton decode kernel interpreted on CPU): it runs, passed its trial, and the engine's
@@ -584,29 +544,6 @@ def test_logits_into_a_shared_buffer_equal_the_plain_ones(model):
     got = decoder.logits(h, w, spec, out=buf)
     assert torch.equal(got, decoder.logits(h, w, spec))
     assert got.data_ptr() == buf.data_ptr() and torch.isnan(buf[5:]).all()
-
-
-@pytest.mark.parametrize("fused", [False, True])
-def test_a_decode_step_that_stops_at_the_final_norm_gives_the_logits_input(model, monkeypatch, fused):
-    """``decoder.decode(hidden_only=True)`` (the fused LM head's decode graphs) returns the final-normed
-    hidden states whose output layer is ``decode``'s logits, bit for bit, on the reference path and on the
-    fused decode kernels' path (interpreted), and writes the same KV cache."""
-    from megatron_rl.kernels import decode_fused
-    from megatron_rl.rollout import reshard
-
-    if fused:
-        pytest.importorskip("triton", reason="triton is in the dev extras")
-        monkeypatch.setattr(decode_fused, "RUN_ON_CPU", True)
-    _, spec, params = model
-    w = reshard.gather_weights(params, spec, reshard.build_layout(1))
-    g = torch.Generator().manual_seed(3)
-    cache = torch.randn(spec.num_layers, 2, 3, spec.num_query_groups, 16, spec.head_dim, generator=g)
-    tokens, positions = torch.tensor([5, 9, 2]), torch.tensor([3, 7, 0])
-    cache2 = cache.clone()
-    want = decoder.decode(w, spec, cache, tokens, positions)
-    h = decoder.decode(w, spec, cache2, tokens, positions, hidden_only=True)
-    assert h.shape == (3, spec.hidden_size)
-    assert torch.equal(decoder.logits(h, w, spec), want) and torch.equal(cache, cache2)
 
 
 def _stop_workload(top_k: int = -1):

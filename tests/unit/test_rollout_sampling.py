@@ -128,6 +128,26 @@ def test_fused_sampler_follows_the_distribution_and_its_seed(fused):
     assert set(draw_fused(SamplingParams(temperature=1.0, top_p=0.7)).tolist()) == {0, 1}
 
 
+@pytest.mark.parametrize("vocab,block", [(40, 8), (37, 8), (37, 64)])
+def test_the_block_race_follows_the_distribution(vocab, block):
+    """``block_race`` draws token i with probability softmax(z)_i: 40,000 keys over one row of logits spread
+    over 8 orders of magnitude, blocks full, the last one partial, or one block for the whole row. With one
+    block it is the per-token race (same keys, same tokens); with several the block noise decides first."""
+    from megatron_rl.rollout.sampling import block_race, counter_log_exponential
+
+    torch.manual_seed(0)
+    z = (2 * torch.randn(vocab)).expand(40000, vocab)
+    keys = torch.arange(40000) * 7919 - 123456789
+    freq = torch.bincount(block_race(z, keys, block), minlength=vocab).double() / 40000
+    p = torch.softmax(z[0].double(), -1)
+    assert (freq - p).abs().max() < 4 * (p * (1 - p) / 40000).sqrt().max() + 1e-4
+    chi2 = ((freq - p) ** 2 / p).sum() * 40000  # vocab - 1 degrees of freedom: mean 36-39, sd ~9
+    assert chi2 < vocab + 40
+    per_token = (z - counter_log_exponential(keys, vocab)).argmax(-1)
+    differ = (block_race(z, keys, block) != per_token).float().mean()
+    assert differ == 0 if vocab <= block else differ > 0.3
+
+
 def test_counter_noise_is_exponential():
     from megatron_rl.rollout.sampling import counter_log_exponential
 

@@ -15,16 +15,13 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
 - ``logprob``: ``_stats_kernel``: ``splits`` 1 (a training micro-batch) and 32 (a few rows), each with one
   exp an element at temperature 1 and another (``scaled``) and with two exps; ``_grad_kernel`` at
   temperature 1 and another;
-- ``sampler``: ``_draw_partial_kernel`` (``libdevice.log``, no FMA contraction): ``splits`` 2 (512 rows)
-  and 1 (the ``splits == 1`` store branch), ``noisy`` on / off, ``filtered`` on / off (the noise filter's
-  data-dependent branch inside the loop), ``mix`` / ``logprobs`` (the engine's call) on / off, ``block_skip``
-  on (the default: the block-max skip, noisy and greedy);
-  ``_draw_combine_kernel``: ``splits`` 2, 64, ``logprobs`` on / off;
+- ``sampler``: ``_draw_partial_kernel`` (``libdevice.log``, no FMA contraction, 1,024-id blocks, 4 warps):
+  ``splits`` 2 (512 rows) and 1 (the ``splits == 1`` branch, which draws inside the block), ``noisy`` on / off,
+  ``mix`` / ``logprobs`` (the engine's call) on / off; ``_draw_combine_kernel``: ``splits`` 2, 64, ``noisy``
+  on / off, ``mix`` / ``logprobs`` on / off;
 - ``decode_fused``: ``_rope_kv_kernel``: ``exact`` off / on, and on in fp16 (``_round_to``'s cast branch);
   ``_swiglu_kernel``; ``_add_rms_norm_kernel`` (one bf16 summand, and 8 fp32 split-K partials); each with
   ``PDL`` on once;
-- ``head_sampler``: ``_head_draw_tile_kernel`` at ``TILE`` (noisy with ``lg2.approx`` inline assembly,
-  greedy, and with the tests' logits output), ``_head_draw_combine_kernel`` noisy and greedy;
 - ``decode_gemm``: ``_swiglu_gemm_kernel``, ``_splitk_kernel`` and ``_qkv_rope_kernel`` (bias on; a quarter head
   / a whole head a program) at row tile 16 with the narrowest tiles and at row tile 64 with the widest (the
   most shared memory: each variant's must fit an H100/H200 block's 227 KiB);
@@ -38,7 +35,7 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
 - ``slot_state``: ``_row_keys_kernel``, ``_record_kernel`` (one stop token; bool ``live`` as int8).
 
 The ``triton.jit`` helpers called from these (``sampler._hash_log_noise`` / ``_hash_bits`` /
-``_exp_noise_lower_bound`` / ``_row_key`` / ``_mix64`` / ``_store_logprob`` / ``_filtered_block``, ``decode_fused._round_to``,
+``_row_key`` / ``_mix64`` / ``_store_logprob`` / ``_inside_block``, ``decode_fused._round_to``,
 ``batch_invariant_triton._rms_row`` / ``_row_max`` / ``_row_exp_sum``) compile inside their callers.
 
 Each variant compiles twice: generic (every integer an unspecialised int32) and as launched at that shape
@@ -71,7 +68,7 @@ SCRIPT = textwrap.dedent(
 
     from megatron_rl.kernels import batch_invariant_triton as bit
     from megatron_rl.kernels import decode_attention, decode_fused, decode_gemm, logprob, rmsnorm, rope_exact
-    from megatron_rl.kernels import gather_rows, head_sampler, sampler, slot_state, swiglu
+    from megatron_rl.kernels import gather_rows, sampler, slot_state, swiglu
 
     VARIANTS = []  # (kernel, runtime arguments, constexprs, compile options)
 
@@ -154,20 +151,21 @@ SCRIPT = textwrap.dedent(
     for scaled in (False, True):
         add(logprob._grad_kernel, grad, {"block": 2048, "scaled": scaled}, num_warps=8)
 
-    for splits, noisy, chunk, filtered, fused, skip in (
-            (2, True, 38 * 2048, True, True, False), (1, True, 75 * 2048, True, True, False),
-            (2, False, 38 * 2048, True, True, False), (2, True, 38 * 2048, False, False, False),
-            (2, True, 38 * 2048, True, True, True), (2, False, 38 * 2048, True, True, True)):
+    for splits, noisy, chunk, fused in (
+            (2, True, 75 * 1024, True), (1, True, 149 * 1024, True), (2, False, 75 * 1024, True),
+            (2, True, 75 * 1024, False)):
         draw = {"logits_ptr": bf, "keys_ptr": i64, "m_ptr": f32, "l_ptr": f32, "best_ptr": f32,
                 "idx_ptr": "*i32", "tok_ptr": i64, "lse_ptr": f32, "lp_ptr": f32, "inv_temp": 1 / 0.7,
                 "stride_b": V, "vocab": V, "chunk": chunk}
         add(sampler._draw_partial_kernel, draw,
-            {"splits": splits, "noisy": noisy, "block": 2048, "libdevice_log": True, "filtered": filtered,
-             "mix": fused, "logprobs": fused, "block_skip": skip}, num_warps=8, enable_fp_fusion=False)
+            {"splits": splits, "noisy": noisy, "block": 1024, "libdevice_log": True, "mix": fused,
+             "logprobs": fused}, num_warps=4, enable_fp_fusion=False)
     comb = {"m_ptr": f32, "l_ptr": f32, "best_ptr": f32, "idx_ptr": "*i32", "tok_ptr": i64, "lse_ptr": f32,
-            "logits_ptr": bf, "lp_ptr": f32, "inv_temp": 1 / 0.7, "stride_b": V}
-    for splits, fused in ((2, True), (64, True), (2, False)):
-        add(sampler._draw_combine_kernel, comb, {"splits": splits, "logprobs": fused}, enable_fp_fusion=False)
+            "logits_ptr": bf, "lp_ptr": f32, "keys_ptr": i64, "inv_temp": 1 / 0.7, "stride_b": V, "vocab": V}
+    for splits, noisy, fused in ((2, True, True), (64, True, True), (2, False, True), (2, True, False)):
+        add(sampler._draw_combine_kernel, comb,
+            {"splits": splits, "noisy": noisy, "block": 1024, "libdevice_log": True, "mix": fused,
+             "logprobs": fused}, num_warps=4, enable_fp_fusion=False)
 
     for dt, exact, pdl in ((bf, False, False), (bf, True, False), ("*fp16", True, False), (bf, False, True)):
         rope = {"qkv_ptr": dt, "cos_ptr": dt, "sin_ptr": dt, "pos_ptr": i64, "q_ptr": dt, "k_ptr": dt,
@@ -184,23 +182,6 @@ SCRIPT = textwrap.dedent(
         add_norm = {"x_ptr": bf, "y_ptr": y, "w_ptr": bf, "x_out_ptr": bf, "h_ptr": bf, "S": summands,
                     "s_ys": 512 * H, "s_x": H, "s_y": H, "s_xo": H, "s_h": H, "hidden": H, "eps": eps}
         add(decode_fused._add_rms_norm_kernel, add_norm, {"block": 1024, "PDL": pdl}, num_warps=4)
-
-    # head_sampler: the LM head with the draw in its epilogue at the default tile (noisy with the SFU logs,
-    # greedy; the tests' logits output once), and the combine (libdevice logs, no FMA contraction)
-    n_tiles = -(-V // head_sampler.TILE[1])
-    bm, bn, bk, warps, stages = head_sampler.TILE
-    tile = {"x_ptr": bf, "w_ptr": bf, "keys_ptr": i64, "m_ptr": f32, "l_ptr": f32, "z_ptr": f32, "id_ptr": "*i32",
-            "logits_ptr": bf, "inv_temp": 1 / 0.7, "M": 512, "V": V, "K": H, "n_tiles": n_tiles, "sxm": H, "swn": H,
-            "sp": 512 * n_tiles, "spb": n_tiles, "s_lg": V}
-    for noisy, write in ((True, False), (False, False), (True, True)):
-        add(head_sampler._head_draw_tile_kernel, tile,
-            {"BM": bm, "BN": bn, "BK": bk, "noisy": noisy, "mix": True, "approx": True, "write_logits": write,
-             "EVEN_K": True}, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
-    comb = {"keys_ptr": i64, "m_ptr": f32, "l_ptr": f32, "z_ptr": f32, "id_ptr": "*i32", "tok_ptr": i64,
-            "lse_ptr": f32, "lp_ptr": f32, "n_tiles": n_tiles, "sp": 512 * n_tiles, "spb": n_tiles}
-    for noisy in (True, False):
-        add(head_sampler._head_draw_combine_kernel, comb,
-            {"CHUNK": 256, "noisy": noisy, "mix": True, "libdevice_log": True}, num_warps=4, enable_fp_fusion=False)
 
     # decode_gemm at 8 rows (row tile 16, the narrowest tiles) and 64+ rows (row tile 64, the widest tiles of
     # bench_decode_gemm's sweep: the most shared memory)
