@@ -215,8 +215,8 @@ def test_noisy_ties_go_to_the_lowest_id():
 
 
 def test_splits_depend_on_the_batch_only():
-    assert kernel.splits_for(1) == 64 and kernel.splits_for(64) == 16 and kernel.splits_for(512) == 2
-    assert kernel.splits_for(1024) == 1 and kernel.splits_for(37) == 32
+    assert kernel.splits_for(1) == 64 and kernel.splits_for(64) == 32 and kernel.splits_for(512) == 4
+    assert kernel.splits_for(2048) == 1 and kernel.splits_for(37) == 64 and kernel.splits_for(1024) == 2
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
