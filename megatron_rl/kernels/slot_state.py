@@ -95,7 +95,8 @@ def usable(t: torch.Tensor) -> bool:
 def record_reference(
     tokens, lps, live, count, out_tok, out_lp, next_tok, pos, stop_ids, max_new: int
 ) -> None:
-    """``record`` in torch ops: those of the engine's ``_Runner._record`` for the decode step's rows."""
+    """``record`` in torch ops (the decode step's bookkeeping where the kernel does not serve, and its trial's
+    reference): ``_Runner._record``'s updates for rows 0..B-1, read and written as views."""
     b = tokens.shape[0]
     rows = torch.arange(b, device=tokens.device)
     was = live.clone()

@@ -540,23 +540,21 @@ class _Runner:
             self.out_tlp[rows, self.count[rows]] = tlp
         return tokens, lps
 
-    def _record(self, rows, tokens, lps, live, next_pos, prefix: bool = False) -> None:
+    def _record(self, rows, tokens, lps, live, next_pos) -> None:
         """On the device: append one sampled token to each live row. rows [R] slot ids; tokens, lps,
-        live, next_pos [R] (next_pos: the position the new token is fed at). ``prefix``: rows are slots
-        0..R-1 (the decode step), read and written as views (a copy each instead of a gather or scatter)."""
-        sel = slice(0, rows.shape[0]) if prefix else rows
-        n = self.count[sel]
+        live, next_pos [R] (next_pos: the position the new token is fed at). The decode step's rows (slots
+        0..R-1) go through ``kernels.slot_state`` (``record`` or its torch ops, ``record_reference``)."""
+        n = self.count[rows]
         self.out_tok[rows, n] = tokens
         self.out_lp[rows, n] = lps
         n = n + live
-        self.count[sel] = n
-        still = live & ~torch.isin(tokens, self.stop_ids) & (n < self.params.max_new_tokens)
-        self.live[sel] = still
-        self.state.tok[sel] = tokens
+        self.count[rows] = n
+        self.live[rows] = live & ~torch.isin(tokens, self.stop_ids) & (n < self.params.max_new_tokens)
+        self.state.tok[rows] = tokens
         # a sequence that just finished keeps feeding its last token at that token's own position (the
         # key written there is the right one, and a multi-turn episode continues from that slot's cache);
         # idle rows stay where they are (a released slot is parked at 0, see _retire)
-        self.state.pos[sel] = torch.where(live, next_pos, self.state.pos[sel])
+        self.state.pos[rows] = torch.where(live, next_pos, self.state.pos[rows])
 
     def _admit(self, waiting: deque) -> None:
         """Prefill as many waiting sequences as free slots and the prefill token cap allow. Sequences of
@@ -787,8 +785,8 @@ class _Runner:
             self.slot_kernels = slot_state.record_fits(*drawn, *slots)
         if self.slot_kernels:  # _record's updates in one kernel
             slot_state.record(*drawn, *slots, self.params.max_new_tokens)
-        else:  # _record overwrites live[:b] and reads this step's values after: a copy
-            self._record(rows, *drawn, self.live[:b].clone(), st.pos[:b] + 1, prefix=True)
+        else:  # the same updates in torch ops, on rows 0..b-1 as views (a copy each, no gather or scatter)
+            slot_state.record_reference(*drawn, *slots, self.params.max_new_tokens)
         for slot in self.left:
             self.left[slot] -= 1
         self.kv_need += 1

@@ -136,7 +136,8 @@ def test_engine_with_the_slot_kernels_gives_the_same_completions(monkeypatch):
 
 
 def test_record_reference_is_the_engine_record(monkeypatch):
-    """``record_reference`` (the kernel's trial reference) does what ``_Runner._record`` does on rows 0..B-1."""
+    """``record_reference`` (the kernel's trial reference and the decode step's torch path) does what
+    ``_Runner._record`` (prefill and multi-turn rows: a gather and a scatter) does on rows 0..B-1."""
     from megatron_rl.rollout.engine import _Runner
 
     g = torch.Generator().manual_seed(3)
@@ -152,9 +153,7 @@ def test_record_reference_is_the_engine_record(monkeypatch):
     runner.params = SamplingParams(max_new_tokens=max_new)
     runner.state = type("S", (), {"tok": torch.zeros(slots, dtype=torch.long), "pos": torch.arange(slots)})()
     tokens, lps = torch.randint(0, 4, (b,), generator=g), torch.randn(b, generator=g)
-    runner._record(
-        torch.arange(b), tokens, lps, runner.live[:b].clone(), runner.state.pos[:b] + 1, prefix=True
-    )
+    runner._record(torch.arange(b), tokens, lps, runner.live[:b].clone(), runner.state.pos[:b] + 1)
     mine = [live.clone(), count.clone(), torch.zeros(slots, max_new + 1, dtype=torch.long),
             torch.zeros(slots, max_new + 1), torch.zeros(slots, dtype=torch.long), torch.arange(slots)]  # fmt: skip
     slot_state.record_reference(tokens, lps, mine[0][:b], mine[1][:b], mine[2], mine[3], mine[4][:b], mine[5][:b],
