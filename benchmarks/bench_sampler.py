@@ -60,6 +60,9 @@ def bench(rows: int, vocab: int, key_sets: int, old=None) -> dict:
     for splits in sorted({max(1, d // 2), 2 * d}):
         ways[f"triton_s{splits}"] = lambda x, k, s=splits: engine(x, k, splits=s)
     ways["triton_w8"] = lambda x, k: engine(x, k, num_warps=8)
+    for unroll in (2, 4):  # blocks a loop step
+        ways[f"triton_u{unroll}"] = lambda x, k, u=unroll: engine(x, k, unroll=u)
+        ways[f"triton_u{unroll}_w8"] = lambda x, k, u=unroll: engine(x, k, unroll=u, num_warps=8)
     order = list(ways)
     if old is not None:  # A B B A: the new engine call and the old one's
         ways["old_triton"] = lambda x, k: engine(x, k, mod=old)
@@ -74,7 +77,7 @@ def bench(rows: int, vocab: int, key_sets: int, old=None) -> dict:
                 out[f"{tag}{name}_us_runs"] = t
         key_batches = [torch.randint(-(2**62), 2**62, (rows,), device="cuda") for _ in range(key_sets)]
         want = [_draw(x, k, ids, inv_temp, True) for k in key_batches]
-        for name in ("triton", "compiled", *(n for n in ways if n.startswith("triton_s"))):
+        for name in ("triton", "compiled", *(n for n in ways if n.startswith(("triton_s", "triton_u")))):
             got = [ways[name](x, k) for k in key_batches]
             out[f"{tag}{name}_token_mismatches"] = sum(int((g[0] != w[0]).sum()) for g, w in zip(got, want))
             out[f"{tag}{name}_lse_max_abs_diff"] = max(

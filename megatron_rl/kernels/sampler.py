@@ -97,44 +97,51 @@ if HAVE_TRITON:
     def _draw_partial_kernel(
         logits_ptr, keys_ptr, m_ptr, l_ptr, best_ptr, idx_ptr, tok_ptr, lse_ptr, lp_ptr, inv_temp, stride_b,
         vocab, chunk, splits: tl.constexpr, noisy: tl.constexpr, block: tl.constexpr, libdevice_log: tl.constexpr,
-        mix: tl.constexpr, logprobs: tl.constexpr,
+        mix: tl.constexpr, logprobs: tl.constexpr, unroll: tl.constexpr = 1,
     ):  # fmt: skip
         b = tl.program_id(0)
         s = tl.program_id(1)
         row = logits_ptr + b.to(tl.int64) * stride_b
         key = _row_key(keys_ptr, b, mix)
-        lane = tl.arange(0, block)
+        lane = tl.arange(0, unroll * block)  # ``unroll`` blocks a loop step: more loads in flight a program
         big = float("-inf")  # the program's running max of z
         run = 0.0  # sum of exp(z - big) over the program's ids so far
         best = float("-inf")  # noisy: the best block score and its block (greedy: per lane, below)
         best_id = 0
-        lane_best = tl.full([block], float("-inf"), tl.float32)
-        lane_id = tl.zeros([block], tl.int32)
+        lane_best = tl.full([unroll * block], float("-inf"), tl.float32)
+        lane_id = tl.zeros([unroll * block], tl.int32)
         start = s * chunk
         end = tl.minimum(start + chunk, vocab)
-        for off in range(start, end, block):  # chunk is a multiple of block: off / block is the block's index
+        # chunk is a multiple of block: off / block is a block's index; a step's blocks past ``end`` are all
+        # masked (-inf: no mass, never the best block)
+        for off in range(start, end, unroll * block):
             ids = off + lane
             z = tl.load(row + ids, mask=ids < end, other=float("-inf")).to(tl.float32) * inv_temp
-            zmax = tl.max(z, 0)
+            zb = tl.reshape(z, (unroll, block))
+            zmax = tl.max(zb, 1)  # [unroll] each block's max
             z_safe = tl.where(zmax == float("-inf"), 0.0, zmax)  # no -inf - -inf
-            bsum = tl.sum(tl.exp(z - z_safe), 0)  # the block's sum of exp(z - its max)
-            big_new = tl.maximum(big, zmax)
+            bsum = tl.sum(tl.exp(zb - z_safe[:, None]), 1)  # [unroll] each block's sum of exp(z - its max)
+            big_new = tl.maximum(big, tl.max(zmax, 0))
             big_safe = tl.where(big_new == float("-inf"), 0.0, big_new)
-            run = run * tl.exp(big - big_safe) + bsum * tl.exp(zmax - big_safe)
+            run = run * tl.exp(big - big_safe) + tl.sum(bsum * tl.exp(zmax - big_safe), 0)
             big = big_new
-            if noisy:  # the block's log-sum-exp minus its log-noise (counter 2^31 + block: key ^ 2^31, block)
-                blk = off // block
+            if (
+                noisy
+            ):  # each block's log-sum-exp minus its log-noise (counter 2^31 + block: key ^ 2^31, block)
+                blk = off // block + tl.arange(0, unroll)
                 score = z_safe + tl.log(bsum) - _hash_log_noise(key ^ 0x80000000, blk, libdevice_log)
-                take = score > best  # strict: an earlier block keeps a tie
-                best = tl.where(take, score, best)
-                best_id = tl.where(take, blk, best_id)
+                top = tl.max(score, 0)
+                first = tl.min(tl.where(score == top, blk, 2147483647), 0)  # the step's earliest tied block
+                take = top > best  # strict: an earlier block keeps a tie
+                best = tl.where(take, top, best)
+                best_id = tl.where(take, first, best_id)
             else:  # per lane, no cross-lane reduction for the argmax
                 take = (ids < end) & (z > lane_best)  # strict: a lane's earlier (lower) id keeps a tie
                 lane_best = tl.where(take, z, lane_best)
                 lane_id = tl.where(take, ids, lane_id)
         if (
             not noisy
-        ):  # lowest id among tied lanes; all -inf: 0, as torch.argmax (lanes that never took hold 0)
+        ):  # the lowest id among tied lanes; all -inf: 0, as torch.argmax (lanes never taken hold 0)
             best = tl.max(lane_best, 0)
             best_id = tl.min(tl.where(lane_best == best, lane_id, vocab), 0)
         if splits == 1:
@@ -218,6 +225,8 @@ def usable(logits: torch.Tensor, any_rows: bool = False) -> bool:
 # alike below (launch bound, ~80-90 us). The block is ``rollout.sampling.SAMPLE_BLOCK``, the two-level draw's:
 # one setting at every row count also keeps each block's log-sum-exp rounded alike whatever the batch.
 NUM_WARPS = 4
+# Blocks a program reads per loop step (1 until measured otherwise; ``draw``'s ``unroll``).
+UNROLL = 1
 
 
 def splits_for(rows: int, target_programs: int = 2048, most: int = 64) -> int:
@@ -231,13 +240,14 @@ def splits_for(rows: int, target_programs: int = 2048, most: int = 64) -> int:
 def draw(
     logits: torch.Tensor, row_keys32: torch.Tensor, inv_temp: float, noisy: bool, splits: int | None = None,
     block: int = 1024, num_warps: int = NUM_WARPS, mix: bool = False, logprobs: bool = False,
-    num_stages: int | None = None,
+    num_stages: int | None = None, unroll: int = UNROLL,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """logits [B, V], row_keys32 [B] int64 (``mix64(row_keys) & 0xFFFFFFFF``; with ``mix`` the raw row keys,
     mixed in the kernel) -> tokens [B] int64 (``rollout.sampling.block_race`` of ``logits * inv_temp`` with
     blocks of ``block`` ids, or its argmax when not ``noisy``) and the log-sum-exp [B] (fp32) of ``logits *
     inv_temp``; with ``logprobs`` also the tokens' log-probs [B] (fp32, ``logits[b, token] * inv_temp - lse``,
-    the eager ops). ``block``: a power of two, ``SAMPLE_BLOCK`` (1024) for the sampler's tokens. ``num_stages``:
+    the eager ops). ``block``: a power of two, ``SAMPLE_BLOCK`` (1024) for the sampler's tokens; ``unroll``: blocks a
+    loop step (a power of two; the same tokens). ``num_stages``:
     Triton's launch option (None: its default), swept by ``benchmarks/bench_sampler.py``. Mixing the keys and
     reading the log-probs here saves the decode step ~16 small kernels (``mix64``'s eleven, the gather, the
     cast, the scale, the difference)."""
@@ -257,7 +267,7 @@ def draw(
     _draw_partial_kernel[(rows, splits)](
         logits, row_keys32, part[0], part[1], part[2], part_idx, tokens, lse, lp, float(inv_temp),
         logits.stride(0), vocab, chunk, splits=splits, noisy=noisy, block=block, libdevice_log=on_gpu, mix=mix,
-        logprobs=logprobs, num_warps=num_warps, **opts,
+        logprobs=logprobs, unroll=unroll, num_warps=num_warps, **opts,
     )  # fmt: skip
     if splits > 1:
         _draw_combine_kernel[(rows,)](

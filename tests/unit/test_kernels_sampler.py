@@ -50,25 +50,27 @@ def test_the_reference_is_the_samplers_eager_draw():
 
 
 @pytest.mark.parametrize(
-    "rows,vocab,splits,block",
+    "rows,vocab,splits,block,unroll",
     [
-        (37, 3001, None, 1024),
-        (1, 3001, None, 256),
-        (8, 1000, 1, 256),
-        (6, 5000, 4, 512),
-        (9, 3001, 4, 128),
+        (37, 3001, None, 1024, 1),
+        (1, 3001, None, 256, 2),
+        (8, 1000, 1, 256, 1),
+        (6, 5000, 4, 512, 2),
+        (9, 3001, 4, 128, 4),
+        (5, 2000, 1, 128, 4),
     ],
 )
-def test_tokens_and_lse_equal_the_eager_draw(rows, vocab, splits, block):
+def test_tokens_and_lse_equal_the_eager_draw(rows, vocab, splits, block, unroll):
     """B = 37 and 1 with the splits chosen from B (many empty ones for B = 1), one split, several; V not a
-    multiple of the block; masked (-inf) columns as in a padded vocab."""
+    multiple of the block; masked (-inf) columns as in a padded vocab; 1, 2 or 4 blocks a loop step (a
+    split's last step reaching past its end, or past the vocab)."""
     torch.manual_seed(rows)
     logits = 4 * torch.randn(rows, vocab)
     logits[:, -7:] = float("-inf")
     for inv_temp, noisy in [(1 / 0.7, True), (1.0, True), (1.0, False)]:
         keys = torch.randint(-(2**62), 2**62, (rows,))
         want, want_lse = _reference(logits, keys, inv_temp, noisy, block)
-        tokens, lse = _kernel(logits, keys, inv_temp, noisy, splits=splits, block=block)
+        tokens, lse = _kernel(logits, keys, inv_temp, noisy, splits=splits, block=block, unroll=unroll)
         assert torch.equal(tokens, want), (inv_temp, noisy)
         torch.testing.assert_close(lse, torch.logsumexp(logits * inv_temp, -1), rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-5)

@@ -16,8 +16,8 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
   exp an element at temperature 1 and another (``scaled``) and with two exps; ``_grad_kernel`` at
   temperature 1 and another;
 - ``sampler``: ``_draw_partial_kernel`` (``libdevice.log``, no FMA contraction, 1,024-id blocks, 4 warps):
-  ``splits`` 2 (512 rows) and 1 (the ``splits == 1`` branch, which draws inside the block), ``noisy`` on / off,
-  ``mix`` / ``logprobs`` (the engine's call) on / off; ``_draw_combine_kernel``: ``splits`` 2, 64, ``noisy``
+  ``splits`` 4 (512 rows) and 1 (the ``splits == 1`` branch, which draws inside the block), ``noisy`` on / off,
+  ``mix`` / ``logprobs`` (the engine's call) on / off, ``unroll`` 1, 2, 4 (noisy) and 4 (greedy); ``_draw_combine_kernel``: ``splits`` 2, 64, ``noisy``
   on / off, ``mix`` / ``logprobs`` on / off;
 - ``decode_fused``: ``_rope_kv_kernel``: ``exact`` off / on, and on in fp16 (``_round_to``'s cast branch);
   ``_swiglu_kernel``; ``_add_rms_norm_kernel`` (one bf16 summand, and 8 fp32 split-K partials); each with
@@ -151,15 +151,16 @@ SCRIPT = textwrap.dedent(
     for scaled in (False, True):
         add(logprob._grad_kernel, grad, {"block": 2048, "scaled": scaled}, num_warps=8)
 
-    for splits, noisy, chunk, fused in (
-            (2, True, 75 * 1024, True), (1, True, 149 * 1024, True), (2, False, 75 * 1024, True),
-            (2, True, 75 * 1024, False)):
+    for splits, noisy, chunk, fused, unroll in (
+            (4, True, 38 * 1024, True, 1), (1, True, 149 * 1024, True, 1), (4, False, 38 * 1024, True, 1),
+            (4, True, 38 * 1024, False, 1), (4, True, 38 * 1024, True, 2), (4, True, 38 * 1024, True, 4),
+            (4, False, 38 * 1024, True, 4)):
         draw = {"logits_ptr": bf, "keys_ptr": i64, "m_ptr": f32, "l_ptr": f32, "best_ptr": f32,
                 "idx_ptr": "*i32", "tok_ptr": i64, "lse_ptr": f32, "lp_ptr": f32, "inv_temp": 1 / 0.7,
                 "stride_b": V, "vocab": V, "chunk": chunk}
         add(sampler._draw_partial_kernel, draw,
             {"splits": splits, "noisy": noisy, "block": 1024, "libdevice_log": True, "mix": fused,
-             "logprobs": fused}, num_warps=4, enable_fp_fusion=False)
+             "logprobs": fused, "unroll": unroll}, num_warps=4, enable_fp_fusion=False)
     comb = {"m_ptr": f32, "l_ptr": f32, "best_ptr": f32, "idx_ptr": "*i32", "tok_ptr": i64, "lse_ptr": f32,
             "logits_ptr": bf, "lp_ptr": f32, "keys_ptr": i64, "inv_temp": 1 / 0.7, "stride_b": V, "vocab": V}
     for splits, noisy, fused in ((2, True, True), (64, True, True), (2, False, True), (2, True, False)):
