@@ -70,7 +70,9 @@ def main() -> None:
     # A B B A: the decode step with the torch bookkeeping (off) and with kernels.slot_state's (on), with the
     # generator's noise keys (the benchmarks' default) and with rollout.layout_invariant_sampling's
     for mode, sp in (("default", sampling), ("invariant", invariant)):
-        engine.generate(prompts, sp)  # warm-up: graphs captured, kernels compiled and their trial run
+        for on in (False, True):  # warm-up, each way: graphs captured, kernels compiled and their trials run
+            switch(on)
+            engine.generate(prompts, sp)
         for label, on in (("off", False), ("on", True), ("on_2", True), ("off_2", False)):
             switch(on)
             engine.generate(prompts, sp)

@@ -1,7 +1,8 @@
 """The sampler's draw as one Triton pass over the logits: per row the log-sum-exp of the scaled logits and
 the token of ``rollout.sampling.block_race`` (the noise ``log(-log(u))``, u the counter noise of
-``rollout.sampling.counter_log_exponential``): the pass keeps each block's log-sum-exp minus the block's noise
-and the best block, and a last step draws the token inside that block (1,024 hashes a row, not V).
+``rollout.sampling.counter_log_exponential``): the pass keeps each block's log-sum-exp minus the block's
+noise and the best block, and a last step draws the token inside that block (~1,024 + V / 1,024 hashes a
+row, not V).
 
 Why not the compiled ``_draw``: inductor writes the noise hash in int64 (the reference's dtype), and 64-bit
 multiplies are emulated on the GPU; measured on an H200 at B=512, V=151936 it took 0.52 ms, 16x the time
@@ -9,16 +10,18 @@ to read the logits. Here the per-element hash runs in uint32 (the same bits: the
 product to 32 bits), and only the per-row key mixing (``mix64``, [B]) stays in torch.
 
 Noise bits: ``libdevice.log`` (the CUDA math library's ``logf``, which eager torch calls) and no fused
-multiply-adds (``enable_fp_fusion=False``), so ``z`` and ``z - noise`` round as in the eager reference: inside
-the chosen block the token is the reference's bit for bit. A block's log-sum-exp is summed in the kernel's own
-order (within ~1e-7 of ``torch.logsumexp``), so where two blocks' scores lie that close the block, and the
-token, may differ from the eager draw's; the same kernel setting at every batch size (``NUM_WARPS``) keeps it
-the same whatever the batch. Ties go to the lowest block, then the lowest token id (``torch.argmax``'s rule).
+multiply-adds (``enable_fp_fusion=False``), so ``z`` and ``z - noise`` round as in the eager reference:
+inside the chosen block the token is the reference's bit for bit. A block's log-sum-exp is summed in fp32 in
+the kernel's own order (the eager draw sums in fp64), a few 1e-6 apart at most, so where two blocks' scores
+lie that close the block, and the token, may differ from the eager draw's (about one row in 10^6 on flat
+rows; the start-up trial allows exactly that); one kernel setting at every batch size (``NUM_WARPS``,
+``UNROLL``) keeps a row's token the same whatever the batch. Ties go to the lowest block, then the lowest
+token id (``torch.argmax``'s rule). NaN logits still give a token id inside the vocab.
 
 Parallelism: a row's vocab is split over ``splits`` programs (chosen from B alone, so a call is CUDA-graph
 capturable: no host syncs, allocations sized by B), each writing a partial (max, sum-exp, best block score,
-its block; greedy: best logit, its id); a small second kernel combines them and draws inside the block. Runs on CUDA where Triton is installed; tests run it on
-CPU under Triton's interpreter (``RUN_ON_CPU``).
+its block; greedy: best logit, its id); a small second kernel combines them and draws inside the block. Runs
+on CUDA where Triton is installed; tests run it on CPU under Triton's interpreter (``RUN_ON_CPU``).
 """
 
 from __future__ import annotations
@@ -85,13 +88,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _inside_block(row, key, k, vocab, inv_temp, block: tl.constexpr, libdevice_log: tl.constexpr):
-        """``block_race``'s second level: the token of block k (scalar) with the largest z - log(E), ties to the
-        lowest id (all -inf: the block's first id)."""
+        """``block_race``'s second level: the token of block k (scalar) with the largest z - log(E), ties to
+        the lowest id (all -inf, or no score equal to the max as with NaN logits: the block's first id)."""
         ids = k * block + tl.arange(0, block)
         z = tl.load(row + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32) * inv_temp
         score = z - _hash_log_noise(key, ids, libdevice_log)
         top = tl.max(score, 0)
-        return tl.min(tl.where(score == top, ids, vocab + block), 0)
+        tok = tl.min(tl.where(score == top, ids, vocab + block), 0)
+        return tl.where(tok < vocab, tok, k * block)
 
     @triton.jit
     def _draw_partial_kernel(
@@ -125,11 +129,14 @@ if HAVE_TRITON:
             big_safe = tl.where(big_new == float("-inf"), 0.0, big_new)
             run = run * tl.exp(big - big_safe) + tl.sum(bsum * tl.exp(zmax - big_safe), 0)
             big = big_new
-            if (
-                noisy
-            ):  # each block's log-sum-exp minus its log-noise (counter 2^31 + block: key ^ 2^31, block)
+            # noisy: each block's log-sum-exp minus its log-noise (counter 2^31 + block: key ^ 2^31, block)
+            if noisy:
                 blk = off // block + tl.arange(0, unroll)
-                score = z_safe + tl.log(bsum) - _hash_log_noise(key ^ 0x80000000, blk, libdevice_log)
+                if libdevice_log:  # the CUDA math library's logf, as torch's
+                    lse_b = z_safe + libdevice.log(bsum)
+                else:
+                    lse_b = z_safe + tl.log(bsum)
+                score = lse_b - _hash_log_noise(key ^ 0x80000000, blk, libdevice_log)
                 top = tl.max(score, 0)
                 first = tl.min(tl.where(score == top, blk, 2147483647), 0)  # the step's earliest tied block
                 take = top > best  # strict: an earlier block keeps a tie
@@ -139,9 +146,8 @@ if HAVE_TRITON:
                 take = (ids < end) & (z > lane_best)  # strict: a lane's earlier (lower) id keeps a tie
                 lane_best = tl.where(take, z, lane_best)
                 lane_id = tl.where(take, ids, lane_id)
-        if (
-            not noisy
-        ):  # the lowest id among tied lanes; all -inf: 0, as torch.argmax (lanes never taken hold 0)
+        # greedy: the lowest id among tied lanes; all -inf: 0, as torch.argmax (lanes never taken hold 0)
+        if not noisy:
             best = tl.max(lane_best, 0)
             best_id = tl.min(tl.where(lane_best == best, lane_id, vocab), 0)
         if splits == 1:
@@ -191,7 +197,7 @@ if HAVE_TRITON:
 RUN_ON_CPU = False
 # On CUDA from CUDA_MIN_ROWS rows. Session 9 (H200, ``benchmarks/bench_sampler.py``, bf16 logits over
 # 151,936 ids) measured it slower than the compiled draw below 512 rows (195-370 us at 64 rows against 152
-# us) and set 512. Session 22 (H100, the kernel as it is now: mixed keys, log-probs, block skip) measured it
+# us) and set 512. Session 22 (H100, the per-token kernel then: mixed keys, log-probs, block skip) measured it
 # faster at every row count: 74 / 95 / 111 / 127 / 139 / 249 us at 16 / 32 / 64 / 128 / 256 / 512 rows
 # against the compiled draw's 107 / 114 / 127 / 150 / 257 / 485 (``results/2026-12-05-h200-session22/cN``),
 # so it now serves every row count (the decode's finer batch buckets run 320-448 rows, where the compiled
@@ -220,13 +226,15 @@ def usable(logits: torch.Tensor, any_rows: bool = False) -> bool:
     )
 
 
-# Warps a program. Session 26 (H100, bf16 [rows, 151936], the per-element draw before session 37) measured a
-# 1024-id block with 4 warps faster than 2048 / 8 from 256 rows (207.7-213.5 against 246.3-250.5 us at 512) and
-# alike below (launch bound, ~80-90 us). The block is ``rollout.sampling.SAMPLE_BLOCK``, the two-level draw's:
+# Warps a program. Session 26 (H100, bf16 [rows, 151936], the per-element draw before session 37) measured
+# a 1024-id block with 4 warps faster than 2048 / 8 from 256 rows (207.7-213.5 against 246.3-250.5 us at 512)
+# and alike below (launch bound, ~80-90 us). The block is ``rollout.sampling.SAMPLE_BLOCK``, the two-level draw's:
 # one setting at every row count also keeps each block's log-sum-exp rounded alike whatever the batch.
 NUM_WARPS = 4
 # Blocks a program reads per loop step (1 until measured otherwise; ``draw``'s ``unroll``).
 UNROLL = 1
+# ``rollout.sampling.SAMPLE_BLOCK`` (that module imports this one): ids a block of the two-level draw
+SAMPLE_BLOCK = 1024
 
 
 def splits_for(rows: int, target_programs: int = 2048, most: int = 64) -> int:
@@ -239,15 +247,15 @@ def splits_for(rows: int, target_programs: int = 2048, most: int = 64) -> int:
 
 def draw(
     logits: torch.Tensor, row_keys32: torch.Tensor, inv_temp: float, noisy: bool, splits: int | None = None,
-    block: int = 1024, num_warps: int = NUM_WARPS, mix: bool = False, logprobs: bool = False,
+    block: int = SAMPLE_BLOCK, num_warps: int = NUM_WARPS, mix: bool = False, logprobs: bool = False,
     num_stages: int | None = None, unroll: int = UNROLL,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """logits [B, V], row_keys32 [B] int64 (``mix64(row_keys) & 0xFFFFFFFF``; with ``mix`` the raw row keys,
     mixed in the kernel) -> tokens [B] int64 (``rollout.sampling.block_race`` of ``logits * inv_temp`` with
     blocks of ``block`` ids, or its argmax when not ``noisy``) and the log-sum-exp [B] (fp32) of ``logits *
     inv_temp``; with ``logprobs`` also the tokens' log-probs [B] (fp32, ``logits[b, token] * inv_temp - lse``,
-    the eager ops). ``block``: a power of two, ``SAMPLE_BLOCK`` (1024) for the sampler's tokens; ``unroll``: blocks a
-    loop step (a power of two; the same tokens). ``num_stages``:
+    the eager ops). ``block``: a power of two, ``SAMPLE_BLOCK`` (1024) for the sampler's tokens; ``unroll``:
+    blocks a loop step (a power of two; the same tokens). ``num_stages``:
     Triton's launch option (None: its default), swept by ``benchmarks/bench_sampler.py``. Mixing the keys and
     reading the log-probs here saves the decode step ~16 small kernels (``mix64``'s eleven, the gather, the
     cast, the scale, the difference)."""
