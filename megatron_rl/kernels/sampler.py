@@ -231,7 +231,9 @@ def usable(logits: torch.Tensor, any_rows: bool = False) -> bool:
 # and alike below (launch bound, ~80-90 us). The block is ``rollout.sampling.SAMPLE_BLOCK``, the two-level draw's:
 # one setting at every row count also keeps each block's log-sum-exp rounded alike whatever the batch.
 NUM_WARPS = 4
-# Blocks a program reads per loop step (1 until measured otherwise; ``draw``'s ``unroll``).
+# Blocks a program reads per loop step (``draw``'s ``unroll``). Session 37 call E (H100, bf16 [512, 151936]):
+# 1 block 107.2 us, 2 blocks 139.3, 4 blocks 121.9 (110.6 with 8 warps); at 256 rows the runs spread too far
+# to tell (82-129 us). So one block a step.
 UNROLL = 1
 # ``rollout.sampling.SAMPLE_BLOCK`` (that module imports this one): ids a block of the two-level draw
 SAMPLE_BLOCK = 1024
