@@ -182,36 +182,30 @@ def test_greedy_ties_go_to_the_lowest_id_across_splits():
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=1e-6, atol=1e-5)
 
 
+def _colliding_pair(n: int, counters, tries: int):
+    """(key [1], lo, hi): the first key below ``tries`` whose noise at two of the n counters (``counters`` [1, n])
+    is the same float, and those two counters' indices."""
+    for k in range(tries):
+        key = torch.tensor([k])
+        values, order = counter_log_exponential(key, n, counters)[0].sort()
+        same = (values[1:] == values[:-1]).nonzero()[:, 0]
+        if len(same):
+            return key, *sorted((order[same[0]].item(), order[same[0] + 1].item()))
+    raise AssertionError(f"no key below {tries} with colliding noise among {n} counters")
+
+
 def test_noisy_ties_go_to_the_lowest_id():
     """Two ids of one block whose 23 noise bits collide get the same (top) logit and the rest -inf: their
     scores tie exactly and the lower id wins, as in torch.argmax; likewise two blocks whose noise collides,
     holding the same logits: the lower block wins."""
     block, vocab = 512, 4096
-    for k in range(1000):  # a key with a collision among the first block's ids (~3% of keys)
-        key = torch.tensor([k])
-        noise = counter_log_exponential(key, block)[0]
-        values, order = noise.sort()
-        same = (values[1:] == values[:-1]).nonzero()[:, 0]
-        if len(same):
-            lo, hi = sorted((order[same[0]].item(), order[same[0] + 1].item()))
-            break
-    else:
-        raise AssertionError("no key with colliding noise in the first block")
+    key, lo, hi = _colliding_pair(block, torch.arange(block)[None], 1000)  # ~3% of keys
     logits = torch.full((1, vocab), float("-inf"))
     logits[0, [lo, hi]] = 20.0
     tokens, _ = _kernel(logits, key, 1.0, True, splits=8, block=block)
     assert tokens.item() == lo == _reference(logits, key, 1.0, True, block)[0].item()
     blocks = 64  # block counters 2^31 + k: collisions among 64 blocks of 8 ids, same logits in each block
-    for k in range(20000):
-        key = torch.tensor([k])
-        noise = counter_log_exponential(key, blocks, (1 << 31) + torch.arange(blocks)[None])[0]
-        values, order = noise.sort()
-        same = (values[1:] == values[:-1]).nonzero()[:, 0]
-        if len(same):
-            lo, hi = sorted((order[same[0]].item(), order[same[0] + 1].item()))
-            break
-    else:
-        raise AssertionError("no key with colliding block noise")
+    key, lo, hi = _colliding_pair(blocks, (1 << 31) + torch.arange(blocks)[None], 20000)
     logits = torch.full((1, blocks * 8), float("-inf"))
     logits[0, lo * 8 : lo * 8 + 8] = logits[0, hi * 8 : hi * 8 + 8] = torch.arange(8.0)
     want = _reference(logits, key, 1.0, True, 8)[0].item()
