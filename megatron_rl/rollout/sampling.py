@@ -150,9 +150,9 @@ def block_scores(
 ) -> torch.Tensor:
     """``block_race``'s first level: each block's score [B, nb] (float64): the log-sum-exp of its ``block`` ids'
     z (padded with -inf to nb x block) minus log E_k, the counter noise at 2^31 + k. Each block's max is taken
-    in fp32 and its sum of exp(z - max) accumulated in fp64, so a block's score does not hang on the order
-    the sum runs in (a batch's size may change that order on a GPU): ``rollout.layout_invariant_sampling``
-    rows draw alike in any batch on every path. ``ids``: ``block_race``'s."""
+    in fp32 and its sum of exp(z - max) accumulated in fp64, so a block's score depends on the order the sum
+    runs in (a batch's size may change that order on a GPU) only at ~1e-15: ``rollout.layout_invariant_sampling``
+    rows draw alike in any batch on every path. A block holding +inf scores +inf. ``ids``: ``block_race``'s."""
     rows, vocab = z.shape
     nb = -(-vocab // block)
     if ids is None:
@@ -161,6 +161,7 @@ def block_scores(
     top = zb.amax(dim=-1, keepdim=True)  # [B, nb, 1]
     top = torch.where(top == float("-inf"), 0.0, top)  # all -inf: a sum of 0, log -inf
     lse = top[..., 0].double() + torch.exp(zb - top).sum(dim=-1, dtype=torch.float64).log()
+    lse = torch.where(top[..., 0] == float("inf"), float("inf"), lse)  # inf - inf made its sum NaN
     return lse - counter_log_exponential(row_keys, nb, _BLOCK_COUNTER + ids[:, :nb]).double()
 
 
@@ -304,6 +305,8 @@ def _check_draw(logits, keys, noisy: bool, tokens, lse, lp, lp_atol: float) -> N
     raises unless the tokens are equal (or differ only where two blocks' scores nearly tie:
     ``_near_tied_blocks``), the log-sum-exp within 1e-5 and the log-probs the eager ``picked - lse`` (exactly
     with ``lp_atol`` 0)."""
+    if not bool(((tokens >= 0) & (tokens < logits.shape[-1])).all()):  # before any gather at those ids
+        raise RuntimeError(f"tokens {tokens.tolist()} outside the vocab of {logits.shape[-1]}")
     want, want_lse = _draw(logits, keys, _token_ids(logits), 0.7, noisy)
     if not torch.equal(tokens, want) and not (
         noisy and _near_tied_blocks(logits.float() * 0.7, keys, tokens)
@@ -317,11 +320,12 @@ def _check_draw(logits, keys, noisy: bool, tokens, lse, lp, lp_atol: float) -> N
 
 def _near_tied_blocks(z: torch.Tensor, keys: torch.Tensor, tokens: torch.Tensor, atol: float = 1e-4) -> bool:
     """Whether each token is ``block_race``'s inside its own block and that block's score is within ``atol``
-    of the row's best: a kernel that sums a block's log-sum-exp in fp32 (a few 1e-6 off) may pick another
-    block where two blocks' scores lie that close, and only there."""
+    plus 8 fp32 roundings of the row's best score: a kernel that sums a block's log-sum-exp in fp32 (a few 1e-6
+    off at scores of ~30) may pick another block where two blocks' scores lie that close, and only there."""
     k = tokens // SAMPLE_BLOCK
     scores = block_scores(z, keys)
-    near = scores.gather(1, k[:, None])[:, 0] >= scores.amax(dim=-1) - atol
+    best = scores.amax(dim=-1)
+    near = scores.gather(1, k[:, None])[:, 0] >= best - (atol + 8 * 2**-23 * best.abs())
     return bool(near.all()) and torch.equal(tokens, race_inside(z, keys, k))
 
 

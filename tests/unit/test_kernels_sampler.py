@@ -199,7 +199,7 @@ def test_noisy_ties_go_to_the_lowest_id():
     scores tie exactly and the lower id wins, as in torch.argmax; likewise two blocks whose noise collides,
     holding the same logits: the lower block wins."""
     block, vocab = 512, 4096
-    key, lo, hi = _colliding_pair(block, torch.arange(block)[None], 1000)  # ~3% of keys
+    key, lo, hi = _colliding_pair(block, torch.arange(block)[None], 1000)  # ~1.6% of keys
     logits = torch.full((1, vocab), float("-inf"))
     logits[0, [lo, hi]] = 20.0
     tokens, _ = _kernel(logits, key, 1.0, True, splits=8, block=block)
@@ -327,3 +327,29 @@ def test_the_engine_draws_with_the_kernel_the_eager_tokens(monkeypatch):
     assert [c.response_ids for c in a] == [c.response_ids for c in b]
     for x, y in zip(a, b):
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=1e-5, atol=1e-5)
+
+
+def test_an_infinite_logit_is_drawn_on_every_path():
+    """A +inf logit (an fp16 overflow) is the token, in the kernel (one split and several, one block a step
+    and two) as in the eager draw: its block's sum is inf - inf, so its score is set to +inf, not NaN."""
+    torch.manual_seed(4)
+    logits = torch.randn(2, 3000)
+    logits[0, 2500] = float("inf")
+    keys = torch.randint(-(2**62), 2**62, (2,))
+    assert _reference(logits, keys, 1.0, True, 256)[0][0].item() == 2500
+    assert block_race(logits, keys)[0].item() == 2500
+    for splits in (1, 4):
+        for unroll in (1, 2):
+            tok, _ = _kernel(logits, keys, 1.0, True, splits=splits, block=256, unroll=unroll)
+            assert tok[0].item() == 2500, (splits, unroll)
+
+
+def test_the_trial_rejects_tokens_outside_the_vocab_before_reading_them():
+    """A broken kernel's out-of-range token fails the trial with an error naming it (on a GPU a gather at
+    that id would be a device-side assert, which no fallback survives)."""
+    logits = torch.randn(2, 300)
+    keys = torch.tensor([1, 2])
+    lse = torch.logsumexp(logits * 0.7, -1)
+    for bad in (300, -1):
+        with pytest.raises(RuntimeError, match="outside the vocab of 300"):
+            sampling._check_draw(logits, keys, True, torch.tensor([0, bad]), lse, lse, 0.0)

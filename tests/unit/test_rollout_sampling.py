@@ -92,11 +92,13 @@ def fused(monkeypatch):
     monkeypatch.setenv("MEGATRON_RL_COMPILE", "1")
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
-def test_fused_sampler_equals_the_eager_one_with_the_same_counter_noise(monkeypatch, temperature):
+@pytest.mark.parametrize("temperature,vocab", [(0.0, 500), (0.7, 500), (1.0, 500), (0.7, 3000)])
+def test_fused_sampler_equals_the_eager_one_with_the_same_counter_noise(monkeypatch, temperature, vocab):
+    """Compiled (inductor's CPU backend) and eager draws: the same tokens and log-probs, with one block of
+    the two-level draw (500 ids) and with three (3,000: the block race decides)."""
     from megatron_rl.rollout.sampling import sample_with_logprobs
 
-    logits = (3 * torch.randn(33, 500)).to(torch.bfloat16)
+    logits = (3 * torch.randn(33, vocab)).to(torch.bfloat16)
     keys = torch.randint(-(2**40), 2**40, (33,))
     params = SamplingParams(temperature=temperature)
     runs = {}
