@@ -22,7 +22,7 @@ import torch
 from _timing import timed_us  # benchmarks/, the script's folder
 
 from megatron_rl.kernels import sampler as kernel
-from megatron_rl.rollout.sampling import _FUSED_DRAW, SAMPLE_BLOCK, _draw, _token_ids
+from megatron_rl.rollout.sampling import _FUSED_DRAW, _draw, _token_ids
 
 
 def _load(path: str):
@@ -44,8 +44,6 @@ def bench(rows: int, vocab: int, key_sets: int, old=None) -> dict:
     out["read_logits_us"] = timed_us(lambda: flat.amax(-1), n=200, warmup=5)
 
     def engine(x, k, mod=kernel, **kw):  # the engine's call: raw keys mixed and log-probs read in the kernel
-        if mod is kernel:
-            kw.setdefault("block", SAMPLE_BLOCK)
         return mod.draw(x, k, inv_temp, kw.pop("noisy", True), mix=True, logprobs=True, **kw)
 
     ways = {

@@ -60,9 +60,15 @@ if HAVE_TRITON:
         ``libdevice_log`` off: ``tl.log`` (Triton's interpreter has no libdevice)."""
         x = _hash_bits(key, ids)
         u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # 23 uniform bits -> (0, 1), exact
+        return _log(-_log(u, libdevice_log), libdevice_log)
+
+    @triton.jit
+    def _log(x, libdevice_log: tl.constexpr):
+        """``libdevice.log`` (the CUDA math library's ``logf``, which eager torch calls), or ``tl.log`` where
+        there is no libdevice (Triton's interpreter)."""
         if libdevice_log:
-            return libdevice.log(-libdevice.log(u))
-        return tl.log(-tl.log(u))
+            return libdevice.log(x)
+        return tl.log(x)
 
     @triton.jit
     def _mix64(x):
@@ -134,10 +140,7 @@ if HAVE_TRITON:
             # noisy: each block's log-sum-exp minus its log-noise (counter 2^31 + block: key ^ 2^31, block)
             if noisy:
                 blk = off // block + tl.arange(0, unroll)
-                if libdevice_log:  # the CUDA math library's logf, as torch's
-                    lse_b = z_safe + libdevice.log(bsum)
-                else:
-                    lse_b = z_safe + tl.log(bsum)
+                lse_b = z_safe + _log(bsum, libdevice_log)
                 lse_b = tl.where(zmax == float("inf"), float("inf"), lse_b)  # inf - inf made its sum NaN
                 score = lse_b - _hash_log_noise(key ^ 0x80000000, blk, libdevice_log)
                 top = tl.max(score, 0)

@@ -145,6 +145,34 @@ SAMPLE_BLOCK = sampler_kernel.SAMPLE_BLOCK  # 1024
 _BLOCK_COUNTER = 1 << 31
 
 
+def _blocks(z: torch.Tensor, block: int, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """z [B, V] padded with -inf to nb x ``block`` ids and viewed as [B, nb, block], and ``ids`` (``block_race``'s;
+    made here when None)."""
+    rows, vocab = z.shape
+    nb = -(-vocab // block)
+    if ids is None:
+        ids = torch.arange(max(block, nb), device=z.device)[None]
+    return torch.nn.functional.pad(z, (0, nb * block - vocab), value=float("-inf")).view(rows, nb, block), ids
+
+
+def _scores(zb: torch.Tensor, row_keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``block_scores`` of the padded blocks zb [B, nb, block]."""
+    top = zb.amax(dim=-1, keepdim=True)  # [B, nb, 1]
+    top = torch.where(top == float("-inf"), 0.0, top)  # all -inf: a sum of 0, log -inf
+    lse = top[..., 0].double() + torch.exp(zb - top).sum(dim=-1, dtype=torch.float64).log()
+    lse = torch.where(top[..., 0] == float("inf"), float("inf"), lse)  # inf - inf made its sum NaN
+    nb = zb.shape[1]
+    return lse - counter_log_exponential(row_keys, nb, _BLOCK_COUNTER + ids[:, :nb]).double()
+
+
+def _inside(zb: torch.Tensor, row_keys: torch.Tensor, k: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``race_inside`` on the padded blocks zb [B, nb, block]."""
+    rows, _, block = zb.shape
+    inside = zb.gather(1, k[:, None, None].expand(rows, 1, block))[:, 0]  # [B, block]
+    ids = k[:, None] * block + ids[:, :block]  # [B, block] the block's token ids
+    return k * block + (inside - counter_log_exponential(row_keys, block, ids)).argmax(dim=-1)
+
+
 def block_scores(
     z: torch.Tensor, row_keys: torch.Tensor, block: int = SAMPLE_BLOCK, ids=None
 ) -> torch.Tensor:
@@ -153,16 +181,8 @@ def block_scores(
     in fp32 and its sum of exp(z - max) accumulated in fp64, so a block's score depends on the order the sum
     runs in (a batch's size may change that order on a GPU) only at ~1e-15: ``rollout.layout_invariant_sampling``
     rows draw alike in any batch on every path. A block holding +inf scores +inf. ``ids``: ``block_race``'s."""
-    rows, vocab = z.shape
-    nb = -(-vocab // block)
-    if ids is None:
-        ids = torch.arange(max(block, nb), device=z.device)[None]
-    zb = torch.nn.functional.pad(z, (0, nb * block - vocab), value=float("-inf")).view(rows, nb, block)
-    top = zb.amax(dim=-1, keepdim=True)  # [B, nb, 1]
-    top = torch.where(top == float("-inf"), 0.0, top)  # all -inf: a sum of 0, log -inf
-    lse = top[..., 0].double() + torch.exp(zb - top).sum(dim=-1, dtype=torch.float64).log()
-    lse = torch.where(top[..., 0] == float("inf"), float("inf"), lse)  # inf - inf made its sum NaN
-    return lse - counter_log_exponential(row_keys, nb, _BLOCK_COUNTER + ids[:, :nb]).double()
+    zb, ids = _blocks(z, block, ids)
+    return _scores(zb, row_keys, ids)
 
 
 def block_race(
@@ -178,22 +198,15 @@ def block_race(
     (``argmax``); all -inf: token 0. ``ids`` ([1, n] int64 0..n-1, n >= block and >= the block count;
     ``_token_ids``): as in ``counter_log_exponential``, loaded values for compiled code instead of
     ``arange`` s."""
-    if ids is None:
-        ids = torch.arange(max(block, -(-z.shape[1] // block)), device=z.device)[None]
-    return race_inside(z, row_keys, block_scores(z, row_keys, block, ids).argmax(dim=-1), block, ids)
+    zb, ids = _blocks(z, block, ids)  # padded once for both levels
+    return _inside(zb, row_keys, _scores(zb, row_keys, ids).argmax(dim=-1), ids)
 
 
 def race_inside(z: torch.Tensor, row_keys: torch.Tensor, k: torch.Tensor, block: int = SAMPLE_BLOCK,
                 ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """``block_race``'s second level: in block k [B] of each row, the token with the largest z - log E."""
-    rows, vocab = z.shape
-    nb = -(-vocab // block)
-    if ids is None:
-        ids = torch.arange(max(block, nb), device=z.device)[None]
-    zb = torch.nn.functional.pad(z, (0, nb * block - vocab), value=float("-inf")).view(rows, nb, block)
-    inside = zb.gather(1, k[:, None, None].expand(rows, 1, block))[:, 0]  # [B, block]
-    ids = k[:, None] * block + ids[:, :block]  # [B, block] the block's token ids
-    return k * block + (inside - counter_log_exponential(row_keys, block, ids)).argmax(dim=-1)
+    zb, ids = _blocks(z, block, ids)
+    return _inside(zb, row_keys, k, ids)
 
 
 def sample_row_keys(seq_keys: torch.Tensor, steps: torch.Tensor, seed: int) -> torch.Tensor:
@@ -323,10 +336,11 @@ def _near_tied_blocks(z: torch.Tensor, keys: torch.Tensor, tokens: torch.Tensor,
     plus 8 fp32 roundings of the row's best score: a kernel that sums a block's log-sum-exp in fp32 (a few 1e-6
     off at scores of ~30) may pick another block where two blocks' scores lie that close, and only there."""
     k = tokens // SAMPLE_BLOCK
-    scores = block_scores(z, keys)
+    zb, ids = _blocks(z, SAMPLE_BLOCK, None)
+    scores = _scores(zb, keys, ids)
     best = scores.amax(dim=-1)
     near = scores.gather(1, k[:, None])[:, 0] >= best - (atol + 8 * 2**-23 * best.abs())
-    return bool(near.all()) and torch.equal(tokens, race_inside(z, keys, k))
+    return bool(near.all()) and torch.equal(tokens, _inside(zb, keys, k, ids))
 
 
 def _fused_ok(logits: torch.Tensor) -> bool:

@@ -35,7 +35,7 @@ groups of head dim 64, FFN 4864, vocab 151936), bf16 unless said:
 - ``slot_state``: ``_row_keys_kernel``, ``_record_kernel`` (one stop token; bool ``live`` as int8).
 
 The ``triton.jit`` helpers called from these (``sampler._hash_log_noise`` / ``_hash_bits`` /
-``_row_key`` / ``_mix64`` / ``_store_logprob`` / ``_inside_block``, ``decode_fused._round_to``,
+``_log`` / ``_row_key`` / ``_mix64`` / ``_store_logprob`` / ``_inside_block``, ``decode_fused._round_to``,
 ``batch_invariant_triton._rms_row`` / ``_row_max`` / ``_row_exp_sum``) compile inside their callers.
 
 Each variant compiles twice: generic (every integer an unspecialised int32) and as launched at that shape
