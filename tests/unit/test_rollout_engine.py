@@ -704,3 +704,60 @@ def test_async_retire_gives_the_same_completions_as_syncing_retires(monkeypatch,
     engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=slots))
     engine.generate(prompts, greedy)
     assert engine.last_stats.async_retires == 0 and engine.last_stats.syncs > 0
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_decode_parts_give_the_one_piece_engine_tokens_with_leads_across_the_cuts(monkeypatch, parts):
+    """``rollout.decode_parts``: the decode step's rows as parts, each its own decode over views of the cache
+    from its first slot (on CUDA each on its own stream), give the one-piece engine's tokens, and its
+    log-probs to GEMM rounding (fewer rows a GEMM): with prompt KV sharing whose leads lie in an earlier part (a lead is counted from the part's
+    first slot: negative), through compaction (the cuts move with the live rows) and the one logits buffer."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import decode_attention as kernel
+    from megatron_rl.rollout import engine as engine_mod
+
+    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
+    monkeypatch.setattr(engine_mod, "_SYNC_EVERY", 2)
+    monkeypatch.setattr(engine_mod, "_PART_ROWS", 2)  # parts of a few rows (64 on a GPU)
+    hf = tiny_hf("qwen2")
+    spec = spec_of(hf)
+    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
+    prompts = random_prompts(6, seed=11)
+    stops = tuple(range(100, 140))  # samples of one prompt stop at uneven lengths: compaction
+    sp = SamplingParams(temperature=1.0, n=3, max_new_tokens=12, seed=4, stop_token_ids=stops,
+                        layout_invariant_sampling=True)  # fmt: skip
+    seen = {"parts": [], "negative_leads": 0}
+    original = engine_mod._DecodeState._part
+
+    def spy(state, r0, r1, kv, out):
+        seen["parts"].append((r0, r1))
+        seen["state"] = state
+        if r0 > 0:
+            seen["negative_leads"] += int(((state.lead[r0:r1] < r0) & (state.plen[r0:r1] > 0)).sum())
+        return original(state, r0, r1, kv, out)
+
+    monkeypatch.setattr(engine_mod._DecodeState, "_part", spy)
+    runs = {}
+    for n in (1, parts):
+        seen["parts"].clear()
+        engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=18, decode_parts=n))
+        runs[n] = (engine.generate(prompts, sp), engine.last_stats)
+        if n == 1:
+            assert all(r0 == 0 for r0, _ in seen["parts"])
+    (one, _), (cut, stats) = runs[1], runs[parts]
+    assert [c.response_ids for c in cut] == [c.response_ids for c in one]
+    for a, b in zip(cut, one):  # the GEMMs of fewer rows may round otherwise (as another batch size does)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+    assert stats.compactions > 0 and len({len(c.response_ids) for c in cut}) >= 4
+    ends = {r1 for r0, r1 in seen["parts"] if r0 > 0}
+    assert len(ends) >= 2 and seen["negative_leads"] > 0  # the parts moved with the live rows; leads across
+    state = seen["state"]
+    assert state.cuts(18) == ([0, 8, 18] if parts == 2 else [0, 8, 16, 18])
+    monkeypatch.setattr(engine_mod, "_PART_ROWS", 64)
+    assert state.cuts(512) == ([0, 256, 512] if parts == 2 else [0, 168, 344, 512])
+    assert state.cuts(127) == [0, 127]  # parts of at least 64 rows
+
+
+def test_decode_parts_must_be_a_positive_integer():
+    with pytest.raises(ValueError, match=r"rollout.decode_parts=0 must be an integer >= 1"):
+        EngineConfig(decode_parts=0)
