@@ -20,7 +20,7 @@ def check_sampling(*, temperature: float, top_p: float, top_k: int, n: int, max_
             raise ValueError(message)
 
 
-def check_engine(*, gpu_memory_utilization: float, max_num_seqs: int, max_prefill_tokens: int, kv_cache_tokens: int | None, decode_parts: int = 1) -> None:  # fmt: skip
+def check_engine(*, gpu_memory_utilization: float, max_num_seqs: int, max_prefill_tokens: int, kv_cache_tokens: int | None) -> None:  # fmt: skip
     """Raise ``ValueError`` naming the key of the first impossible engine setting."""
     checks = [
         (0 < gpu_memory_utilization <= 1, f"rollout.gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]."),
@@ -28,8 +28,6 @@ def check_engine(*, gpu_memory_utilization: float, max_num_seqs: int, max_prefil
         (max_prefill_tokens >= 1, f"rollout.max_prefill_tokens={max_prefill_tokens} must be >= 1."),
         (kv_cache_tokens is None or kv_cache_tokens >= 0,
          f"rollout.kv_cache_tokens={kv_cache_tokens} must be >= 0 (0 = sized from the batch)."),
-        (isinstance(decode_parts, int) and decode_parts >= 1,
-         f"rollout.decode_parts={decode_parts!r} must be an integer >= 1 (1 = the decode step's rows in one piece)."),
     ]  # fmt: skip
     for ok, message in checks:
         if not ok:

@@ -111,12 +111,6 @@ class RolloutConfig:
         "others hit the L2 cache. Every slot keeps its own copy, so results are the same bits either way. "
         "The Triton decode kernels (the default one and rollout.exact_logprobs's); SDPA reads each slot's own copy.",
     )
-    decode_parts: int = doc(
-        1,
-        "The decode step's rows run as this many parts (each at least 64 rows), each on its own CUDA stream "
-        "inside the decode graph, so one part's attention (bound by HBM) runs beside another's GEMMs (bound by "
-        "the tensor cores). Generation TP 1, not rollout.exact_logprobs, the Triton decode kernel; else 1.",
-    )
     keep_cache: Any = doc(
         "auto",
         "Keep the KV cache and decode CUDA graphs between steps (no new allocation or capture: with responses "

@@ -87,8 +87,7 @@ def _check_rollout(cfg: JobConfig, training: bool) -> None:
     r = cfg.rollout
     try:
         check_engine(gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=_slots(r.max_num_seqs),
-                     max_prefill_tokens=r.max_prefill_tokens, kv_cache_tokens=r.kv_cache_tokens,
-                     decode_parts=r.decode_parts)  # fmt: skip
+                     max_prefill_tokens=r.max_prefill_tokens, kv_cache_tokens=r.kv_cache_tokens)  # fmt: skip
         for key in ("rollout.temperature", "rollout.val_temperature"):
             check_sampling(temperature=_get(cfg, key), top_p=r.top_p, top_k=r.top_k, n=r.n,
                            max_new_tokens=r.max_new_tokens, key=key)  # fmt: skip

@@ -83,9 +83,6 @@ class EngineConfig:
     keep_cache: bool | str = _ROLLOUT.keep_cache
     # batch-invariant prefill/decode and log-probs: the trainer's exact recompute gives the same bits
     exact_logprobs: bool = _ROLLOUT.exact_logprobs
-    decode_parts: int = (
-        _ROLLOUT.decode_parts
-    )  # the decode step's rows as this many parts on their own streams
 
     def __post_init__(self):
         if self.kv_cache_tokens == 0:  # the config's "sized from the batch"
@@ -93,8 +90,7 @@ class EngineConfig:
         if self.keep_cache == "auto":
             object.__setattr__(self, "keep_cache", False)
         check_engine(gpu_memory_utilization=self.gpu_memory_utilization, max_num_seqs=self.max_num_seqs,
-                     max_prefill_tokens=self.max_prefill_tokens, kv_cache_tokens=self.kv_cache_tokens,
-                     decode_parts=self.decode_parts)  # fmt: skip
+                     max_prefill_tokens=self.max_prefill_tokens, kv_cache_tokens=self.kv_cache_tokens)  # fmt: skip
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> EngineConfig:
@@ -242,7 +238,7 @@ class RolloutEngine:
             plan = replace(plan, slots=int(fewest.item()))
         state = _DecodeState(spec, plan, groups, w.embed.dtype, dev, dev.type == "cuda" and cfg.cuda_graphs,
                              cfg.exact_logprobs, cfg.prompt_kv_sharing, fine_buckets=bool(cfg.keep_cache),
-                             one_logits_buffer=lay.tp_g == 1, parts=cfg.decode_parts)  # fmt: skip
+                             one_logits_buffer=lay.tp_g == 1)  # fmt: skip
         # a cache cut to the free memory still "fits" the calls it was planned for
         state.planned_slots = planned
         state.bind(w)
@@ -343,7 +339,6 @@ class _DecodeState:
     def __init__(
         self, spec: ModelArgs, plan, local_groups: int, dtype, device, use_graphs: bool, exact: bool,
         prompt_kv_sharing: bool = False, fine_buckets: bool = False, one_logits_buffer: bool = False,
-        parts: int = 1,
     ):  # fmt: skip
         self.spec, self.use_graphs, self.exact = spec, use_graphs, exact
         self.one_logits_buffer = one_logits_buffer and not exact  # (generation TP 1) see ``logits_buf``
@@ -365,18 +360,16 @@ class _DecodeState:
         self.planned_slots = plan.slots  # before ``fit_free_memory`` (set by the engine)
         self.tok = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S] token fed at `pos`
         self.pos = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S]
-        # (bucket, kv, parts) -> (graph, its logits). With ``one_logits_buffer`` every graph's logits are a view of
+        # (bucket, kv) -> (graph, its logits). With ``one_logits_buffer`` every graph's logits are a view of
         # ``logits_buf``: a replay overwrites the logits of the graph replayed before it (read each step's
         # logits before the next replay, as ``_Runner._step`` does)
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         # every graph writes its logits into the first rows of this one buffer (the LM head GEMM's ``out``;
         # generation TP 1, not exact), allocated at the first capture outside the graphs' pool: a graph's own
         # output would otherwise hold [bucket, V] of the pool for the whole run
         self.logits_buf: torch.Tensor | None = None
         self.stream: torch.cuda.Stream | None = None  # warm-ups and captures (``_capture``)
-        self.parts = parts  # rollout.decode_parts (``cuts``)
-        self.part_streams: list[torch.cuda.Stream] = []  # the streams of parts 1.. (``_eager``)
         self.w: GenWeights | None = None
         self.key: tuple | None = None
         self.capture_s = 0.0  # this generate call's
@@ -394,50 +387,9 @@ class _DecodeState:
         self.w, self.capture_s = w, 0.0
 
     def _eager(self, b: int, kv: int, logits_out: torch.Tensor | None = None) -> torch.Tensor:
-        cuts = self.cuts(b)
-        if len(cuts) == 2:
-            return self._part(0, b, kv, logits_out)
-        # rollout.decode_parts: each part of the rows is its own decode (the ops are row-local), written into
-        # its rows of the one logits buffer; on CUDA part j > 0 runs on its own stream forked from the current
-        # one (inside a capture: parallel branches of the graph), so one part's attention, which waits on
-        # HBM, runs beside another's GEMMs, which wait on the tensor cores
-        out = logits_out if logits_out is not None else self._logits_out()
-        main = torch.cuda.current_stream() if out.device.type == "cuda" else None
-        if main is not None:
-            while len(self.part_streams) < len(cuts) - 2:
-                self.part_streams.append(torch.cuda.Stream())
-            for s in self.part_streams[: len(cuts) - 2]:  # every fork before any part's work
-                s.wait_stream(main)
-        for j in range(len(cuts) - 1):
-            if main is None or j == 0:
-                self._part(cuts[j], cuts[j + 1], kv, out)
-                continue
-            with torch.cuda.stream(self.part_streams[j - 1]):
-                self._part(cuts[j], cuts[j + 1], kv, out)
-        if main is not None:
-            for s in self.part_streams[: len(cuts) - 2]:
-                main.wait_stream(s)
-        return out[:b, : self.spec.vocab_size]
-
-    def cuts(self, b: int) -> list[int]:
-        """Row bounds of the decode step's parts for b rows: ``parts`` pieces of at least ``_PART_ROWS`` rows
-        (multiples of 8) where the logits go to the one buffer and the Triton attention serves, else [0, b]."""
-        n = min(self.parts, b // _PART_ROWS) if self.one_logits_buffer and self.reads_live_only else 1
-        if n <= 1:
-            return [0, b]
-        inner = {(b * j + 4 * n) // (8 * n) * 8 for j in range(1, n)}  # b * j / n to the nearest 8
-        return [0, *sorted(c for c in inner if 0 < c < b), b]
-
-    def _part(self, r0: int, r1: int, kv: int, logits_out: torch.Tensor | None) -> torch.Tensor:
-        """The decode of slots r0..r1-1 on their own (the cache and the inputs as views from slot r0)."""
-        prefix = None
-        if self.shares_prompts:  # a lead is a slot index; the kernel counts from the view's first slot
-            lead = self.lead[r0:r1] if r0 == 0 else self.lead[r0:r1] - r0
-            prefix = (lead, self.plen[r0:r1])
-        cache = self.cache.data if r0 == 0 else self.cache.data[:, :, r0:]
-        out = None if logits_out is None else logits_out[r0:]
-        return decoder.decode(self.w, self.spec, cache, self.tok[r0:r1], self.pos[r0:r1], kv, self.exact,
-                              prefix, out)  # fmt: skip
+        prefix = (self.lead[:b], self.plen[:b]) if self.shares_prompts else None
+        return decoder.decode(self.w, self.spec, self.cache.data, self.tok[:b], self.pos[:b], kv, self.exact,
+                              prefix, logits_out)  # fmt: skip
 
     def _logits_out(self) -> torch.Tensor | None:
         """The shared logits buffer [slots, Vp] where the decoder writes into it (``one_logits_buffer``),
@@ -481,7 +433,7 @@ class _DecodeState:
                 graph.capture_end()
         torch.cuda.current_stream().wait_stream(side)
         self.pool = graph.pool()
-        self.graphs[b, kv, self.parts] = (graph, out)
+        self.graphs[b, kv] = (graph, out)
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - t0
 
@@ -506,9 +458,9 @@ class _DecodeState:
         if not self.use_graphs:
             return self._eager(b, kv)
         bucket = self.bucket(b)
-        if (bucket, kv, self.parts) not in self.graphs:
+        if (bucket, kv) not in self.graphs:
             self._capture(bucket, kv)
-        graph, out = self.graphs[bucket, kv, self.parts]
+        graph, out = self.graphs[bucket, kv]
         graph.replay()
         return out
 
@@ -921,7 +873,6 @@ class _Runner:
 
 _COMPACT = True  # move live sequences to low slots when nothing waits (``_Runner._compact``)
 _FINE_STEP_MIN = 32  # the finer batch buckets' smallest step (``batch_bucket``)
-_PART_ROWS = 64  # rollout.decode_parts: the fewest rows a part of the decode step gets
 _KV_BUCKET = 128  # decode attention length granularity (one CUDA graph per bucket used)
 _KV_BUCKET_FROM = 512  # caches up to this many positions are attended whole (one graph per batch bucket)
 
