@@ -310,3 +310,40 @@ def test_rope_tables_are_computed_once_per_angle_tensor_and_never_served_stale(m
     assert len(made) == 7 and torch.equal(got, q)  # new tables: angle 0, no rotation
     rope.release_tables()
     assert not rope._TABLES
+
+
+@pytest.mark.parametrize(
+    "groups,rep,dim,dtype",
+    [(2, 7, 64, torch.float32), (1, 14, 32, torch.bfloat16), (3, 1, 16, torch.float32)],
+)
+def test_cascade_attention_equals_the_one_pass_kernel(monkeypatch, groups, rep, dim, dtype):
+    """``rollout.cascade_attention``: the prompt's keys attended once per tile of the rows that share it (their
+    query heads as one tile's rows), then each row's own keys from that softmax state, equal the one-pass
+    kernel: groups of 4 (one past a 3-row tile: it reads all its keys itself), 2, 1 (a lead alone), a row that
+    shares nothing, prompts past a key block, rows at their prompt's end (one own key) and past a block."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import decode_attention as kernel
+
+    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
+    g = torch.Generator().manual_seed(5)
+    b = 10
+    cache = torch.randn(2, b, groups, 200, dim, generator=g).to(dtype)
+    q = torch.randn(b, groups, rep + 2, dim, generator=g).to(dtype)[:, :, :rep]  # the engine's qkv view
+    lead = torch.tensor([1, 1, 1, 1, 5, 5, 6, 7, 8, 8])
+    plen = torch.tensor([40, 40, 40, 40, 70, 70, 30, 0, 64, 64])
+    pos = torch.tensor([40, 100, 41, 199, 70, 140, 30, 12, 64, 129])
+    for slot in range(b):
+        cache[:, slot, :, : plen[slot]] = cache[:, lead[slot], :, : plen[slot]]
+    want = kernel.decode_attention(q, cache[0], cache[1], pos, prefix=(lead, plen))
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=2e-2)
+    for per_tile in (3, kernel.tile_members(rep)):
+        members, start = kernel.prompt_tiles(lead, plen, per_tile)
+        table = {s: [r for r in range(b) if lead[r] == s and plen[r] > 0][:per_tile] for s in range(b)}
+        assert members.tolist() == [table[s] + [-1] * (per_tile - len(table[s])) for s in range(b)]
+        listed = {r for rows in table.values() for r in rows}
+        assert start.tolist() == [int(plen[r]) if r in listed else 0 for r in range(b)]
+        got = kernel.decode_attention(q, cache[0], cache[1], pos, prefix=(lead, plen, members, start))
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+    assert (
+        start[3] == 0 or per_tile >= 4
+    )  # with 3 a tile, the group of 4's last row attends its prompt itself

@@ -704,3 +704,79 @@ def test_async_retire_gives_the_same_completions_as_syncing_retires(monkeypatch,
     engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=slots))
     engine.generate(prompts, greedy)
     assert engine.last_stats.async_retires == 0 and engine.last_stats.syncs > 0
+
+
+@pytest.mark.parametrize("slots,compact", [(18, True), (7, False)])
+def test_cascade_attention_gives_the_one_pass_tokens_through_retire_reuse_and_compaction(
+    monkeypatch, slots, compact
+):
+    """``rollout.cascade_attention``: the rows sharing a prompt attend it in one tile, then their own keys.
+    Through continuous batching (leads that stop before their group, slots re-used) and compaction (tiles
+    rebuilt as leads move), tokens equal the one-pass engine's and log-probs agree to fp32 rounding; the
+    prefix kernel was handed tiles of several rows."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import decode_attention as kernel
+    from megatron_rl.rollout import engine as engine_mod
+
+    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
+    monkeypatch.setattr(engine_mod, "_SYNC_EVERY", 2)
+    monkeypatch.setattr(engine_mod, "_COMPACT", compact)
+    hf = tiny_hf("qwen2")
+    spec = spec_of(hf)
+    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
+    prompts = random_prompts(6, seed=11)
+    stops = tuple(range(100, 140))  # samples of one prompt stop at uneven lengths
+    sp = SamplingParams(temperature=1.0, n=3, max_new_tokens=14, seed=4, stop_token_ids=stops,
+                        layout_invariant_sampling=True)  # fmt: skip
+    tiles = []
+    original = kernel._prefix_state
+
+    def spy(q, k, v, members, *a):
+        tiles.append(int(((members >= 0).sum(1) >= 2).sum()))
+        return original(q, k, v, members, *a)
+
+    monkeypatch.setattr(kernel, "_prefix_state", spy)
+    runs, seen = {}, {}
+    for cascade in (True, False):
+        tiles.clear()
+        engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=slots, cascade_attention=cascade))
+        runs[cascade] = (engine.generate(prompts, sp), engine.last_stats)
+        seen[cascade] = list(tiles)
+    assert seen[False] == [] and max(seen[True]) >= 2
+    (tiled, stats), (plain, _) = runs[True], runs[False]
+    assert [c.response_ids for c in tiled] == [c.response_ids for c in plain]
+    for a, b in zip(tiled, plain):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+    assert len({len(c.response_ids) for c in tiled}) >= 4
+    assert stats.compactions > 0 if compact else stats.compactions == 0
+
+
+def test_cascade_attention_rebuilds_its_tiles_when_leads_change(monkeypatch):
+    """``_DecodeState.regroup`` after the runner's lead changes (admission, a released lead, compaction): the
+    tiles always list the rows reading each slot's prompt, checked against ``prompt_tiles`` at every decode
+    step of a run with retires and compaction."""
+    pytest.importorskip("triton", reason="triton is in the dev extras")
+    from megatron_rl.kernels import decode_attention as kernel
+    from megatron_rl.rollout import engine as engine_mod
+
+    monkeypatch.setattr(kernel, "RUN_ON_CPU", True)
+    monkeypatch.setattr(engine_mod, "_SYNC_EVERY", 2)
+    hf = tiny_hf("qwen2")
+    spec = spec_of(hf)
+    params = hf_to_mcore(hf, spec, 1, 0, 1, 0)
+    checked = []
+    original = engine_mod._DecodeState._eager
+
+    def spy(state, b, kv, *a):
+        members, start = kernel.prompt_tiles(state.lead, state.plen, state.members.shape[1])
+        assert torch.equal(state.members, members) and torch.equal(state.start, start)
+        checked.append(int((state.start > 0).sum()))
+        return original(state, b, kv, *a)
+
+    monkeypatch.setattr(engine_mod._DecodeState, "_eager", spy)
+    sp = SamplingParams(
+        temperature=1.0, n=3, max_new_tokens=10, seed=4, stop_token_ids=tuple(range(100, 140))
+    )
+    engine = RolloutEngine(params, spec, EngineConfig(max_num_seqs=12, cascade_attention=True))
+    engine.generate(random_prompts(6, seed=11), sp)
+    assert engine.last_stats.compactions > 0 and max(checked) >= 6 and len(set(checked)) >= 3
