@@ -133,7 +133,7 @@ if HAVE_TRITON:
         valid = (mem >= 0) & (mem < n_rows)
         row = tl.where(valid, mem, 0).to(tl.int64)
         first = tl.load(members_ptr + s * per_tile)
-        n_keys = tl.where(first >= 0, tl.load(plen_ptr + tl.maximum(first, 0)), 0)
+        n_keys = tl.where(first >= 0, tl.load(plen_ptr + s), 0)  # the members' prompt is the slot's own
         q = tl.load(q_ptr + row[:, None] * sq_b + g * sq_g + (i % rep)[:, None] * sq_r + d[None, :],
                     mask=valid[:, None], other=0.0)  # fmt: skip
         m_i = tl.full([rows], float("-inf"), tl.float32)
@@ -200,12 +200,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     without tiles). The same values, other rounding than the one pass."""
     if prefix is not None and len(prefix) == 4:
         lead, plen, members, start = prefix
-        part = _prefix_state(q, k, v, members, plen, scale, block, num_warps, num_stages)
+        part = _prefix_state(q, k, v, members, plen, scale, *PREFIX_CONFIG)
         return _launch(q, q.shape[2], k, v, positions, scale, block, num_warps, num_stages, (lead, plen),
                        cascade=(start, part))  # fmt: skip
     return _launch(q, q.shape[2], k, v, positions, scale, block, num_warps, num_stages, prefix)
 
 
+PREFIX_CONFIG = (64, 4, None)  # _prefix_attention_kernel's key block, warps and stages (None: Triton's)
 TILE_ROWS = 64  # query rows (a member's heads x members) of one _prefix_attention_kernel tile
 
 
@@ -225,7 +226,8 @@ def prompt_tiles(lead: torch.Tensor, plen: torch.Tensor, per_tile: int) -> tuple
     key, order = torch.sort(owner * slots + rows)
     owner = key // slots
     rank = rows - torch.searchsorted(owner, owner)  # place among the rows of its owner, in row order
-    listed = (owner < slots) & (rank < per_tile)
+    # (a row listed under slot s has s's prompt length: the tile reads plen[s] keys)
+    listed = (owner < slots) & (rank < per_tile) & (plen[order] == plen[owner.clamp(max=slots - 1)])
     members = torch.full((slots + 1, per_tile), -1, dtype=torch.long, device=lead.device)
     members.index_put_((torch.where(listed, owner, slots), torch.where(listed, rank, 0)),
                        torch.where(listed, order, -1))  # fmt: skip
