@@ -4,8 +4,7 @@ prompt + response = 768 positions, each row at a position drawn uniformly from t
 the middle of a GRPO rollout), timed per call replayed from a CUDA graph, with the live-KV bandwidth it
 reaches and its largest difference from SDPA. Then ``rollout.prompt_kv_sharing`` at the default config:
 groups of ``--samples`` slots holding copies of one prompt, read from each group's lead slot or each from its
-own, with the group's slots adjacent (as the engine admits them) and scattered over the batch, and with
-``rollout.cascade_attention``'s prompt tiles (each prompt attended once for its group).
+own, with the group's slots adjacent (as the engine admits them) and scattered over the batch.
 
     python3 benchmarks/bench_decode_attention.py --shape qwen2.5-0.5b --out $OUT/decode_attention_0.5b.json  (CUDA)
 """
@@ -20,8 +19,7 @@ import torch
 import torch.nn.functional as F
 from _timing import graphed_us  # benchmarks/, the script's folder
 
-from megatron_rl.kernels import decode_attention as kernel
-from megatron_rl.kernels.decode_attention import decode_attention, prompt_tiles, tile_members
+from megatron_rl.kernels.decode_attention import decode_attention
 from megatron_rl.models.shapes import SHAPES
 
 HBM_TB_S = 4.8
@@ -129,32 +127,15 @@ def sharing(cache, q, pos, prompt_len: int, samples: int, live_bytes: float) -> 
         plen = torch.full_like(pos, prompt_len)
         plain = decode_attention(q, c[0], c[1], pos)
         shared = decode_attention(q, c[0], c[1], pos, prefix=(lead, plen))
-        tiles = (lead, plen, *prompt_tiles(lead, plen, tile_members(q.shape[2])))  # rollout.cascade_attention
-        cascade = decode_attention(q, c[0], c[1], pos, prefix=tiles)
         us_plain = graphed_us(lambda c=c: decode_attention(q, c[0], c[1], pos))
         us_shared = graphed_us(
             lambda c=c, lead=lead, plen=plen: decode_attention(q, c[0], c[1], pos, prefix=(lead, plen))
         )
-        us_cascade = graphed_us(lambda c=c, tiles=tiles: decode_attention(q, c[0], c[1], pos, prefix=tiles))
-        sweep = {}  # the prefix kernel's (block, warps, stages)
-        default = kernel.PREFIX_CONFIG
-        for config in itertools.product((64, 128, 256), (4, 8), (1, 2, 3)):
-            kernel.PREFIX_CONFIG = config
-            try:
-                gap = float(
-                    (decode_attention(q, c[0], c[1], pos, prefix=tiles).float() - shared.float()).abs().max()
-                )
-                us = graphed_us(lambda c=c, tiles=tiles: decode_attention(q, c[0], c[1], pos, prefix=tiles))
-                sweep[str(config)] = (us, gap)
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is reported
-                sweep[str(config)] = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
-        kernel.PREFIX_CONFIG = default
         n_prompts = int(group.max()) + 1
         unique = live_bytes - (batch - n_prompts) * prompt_len * c.shape[2] * c.shape[4] * 2 * 2
         res["unique_live_kv_gb"] = unique / 1e9
         res[layout] = {"us_own_copies": us_plain, "us_shared": us_shared, "speedup": us_plain / us_shared,
-                       "equal_bits": bool(torch.equal(plain, shared)), "us_cascade": us_cascade, "prefix_sweep": sweep,
-                       "cascade_max_diff": float((cascade.float() - shared.float()).abs().max()),
+                       "equal_bits": bool(torch.equal(plain, shared)),
                        "unique_kv_tb_s_shared": unique / us_shared / 1e6}  # fmt: skip
         del c
     return res

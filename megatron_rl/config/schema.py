@@ -111,13 +111,6 @@ class RolloutConfig:
         "others hit the L2 cache. Every slot keeps its own copy, so results are the same bits either way. "
         "The Triton decode kernels (the default one and rollout.exact_logprobs's); SDPA reads each slot's own copy.",
     )
-    cascade_attention: bool = doc(
-        False,
-        "With prompt_kv_sharing: decode attention runs a prompt's keys once for all of its samples in the batch "
-        "(their query heads as the rows of one tile), then each sample's own keys, and merges the two by their "
-        "softmax statistics (cascade attention): the prompt is read once per group, not once per sample. The same "
-        "values, other rounding than one pass. The Triton decode kernel (not rollout.exact_logprobs).",
-    )
     keep_cache: Any = doc(
         "auto",
         "Keep the KV cache and decode CUDA graphs between steps (no new allocation or capture: with responses "

@@ -37,7 +37,6 @@ if HAVE_TRITON:
         sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, sc_b, sc_d,
         groups: tl.constexpr, rep: tl.constexpr, rows: tl.constexpr, dim: tl.constexpr, block: tl.constexpr,
         shared: tl.constexpr, rope: tl.constexpr, PDL: tl.constexpr = False,
-        cascade: tl.constexpr = False, start_ptr=None, part_ptr=None,
     ):  # fmt: skip
         # PDL (``decode_fused.PDL``): launched before the kernel ahead of it finished; its writes from here on
         if PDL:
@@ -72,19 +71,9 @@ if HAVE_TRITON:
         m_i = tl.full([rows], float("-inf"), tl.float32)
         l_i = tl.zeros([rows], tl.float32)
         acc = tl.zeros([rows, dim], tl.float32)
-        first = 0
-        if cascade:  # keys before start[b] were attended by _prefix_attention_kernel: go on from its state
-            first = tl.load(start_ptr + b)
-            head = (b * groups + g) * rep + r  # [rows] this row's heads in the partial state
-            part = (r < rep) & (r * 0 + first > 0)  # [rows] (a scalar's mask is not the interpreter's)
-            m_i = tl.load(part_ptr + head * (dim + 2), mask=part, other=float("-inf"))
-            l_i = tl.load(part_ptr + head * (dim + 2) + 1, mask=part, other=0.0)
-            acc = tl.load(
-                part_ptr + head[:, None] * (dim + 2) + 2 + d[None, :], mask=part[:, None], other=0.0
-            )
         k_base = k_ptr + g * sk_g
         v_base = v_ptr + g * sv_g
-        for start in range(first, n_kv, block):
+        for start in range(0, n_kv, block):
             t = start + tl.arange(0, block)
             live = t < n_kv
             if shared:
@@ -113,51 +102,6 @@ if HAVE_TRITON:
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + b * so_b + g * so_g + r[:, None] * so_r + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r[:, None] < rep)
-
-    @triton.jit
-    def _prefix_attention_kernel(
-        q_ptr, k_ptr, v_ptr, members_ptr, plen_ptr, part_ptr, scale, n_rows, sq_b, sq_g, sq_r, sk_b, sk_g, sk_t,
-        sv_b, sv_g, sv_t, groups: tl.constexpr, rep: tl.constexpr, per_tile: tl.constexpr, rows: tl.constexpr,
-        dim: tl.constexpr, block: tl.constexpr,
-    ):  # fmt: skip
-        # program (slot s, KV group g): the query heads of every row whose prompt is read from slot s (``members``
-        # row s, -1 padded; none: no work) as the rows of one tile, over the prompt's keys 0..plen-1 in slot s;
-        # writes each row's online-softmax state (max, sum, unnormalised output) for the decode kernel to go on
-        pid = tl.program_id(0)
-        s = pid // groups
-        g = pid % groups
-        i = tl.arange(0, rows)
-        d = tl.arange(0, dim)
-        k_of = i // rep  # [rows] member of the tile, head of that member
-        mem = tl.load(members_ptr + s * per_tile + k_of, mask=k_of < per_tile, other=-1)
-        valid = (mem >= 0) & (mem < n_rows)
-        row = tl.where(valid, mem, 0).to(tl.int64)
-        first = tl.load(members_ptr + s * per_tile)
-        n_keys = tl.where(first >= 0, tl.load(plen_ptr + s), 0)  # the members' prompt is the slot's own
-        q = tl.load(q_ptr + row[:, None] * sq_b + g * sq_g + (i % rep)[:, None] * sq_r + d[None, :],
-                    mask=valid[:, None], other=0.0)  # fmt: skip
-        m_i = tl.full([rows], float("-inf"), tl.float32)
-        l_i = tl.zeros([rows], tl.float32)
-        acc = tl.zeros([rows, dim], tl.float32)
-        k_rows = k_ptr + s.to(tl.int64) * sk_b + g * sk_g
-        v_rows = v_ptr + s.to(tl.int64) * sv_b + g * sv_g
-        for start in range(0, n_keys, block):
-            t = start + tl.arange(0, block)
-            live = t < n_keys
-            k = tl.load(k_rows + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0)
-            sc = tl.dot(q, tl.trans(k)) * scale
-            sc = tl.where(live[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            p = tl.exp(sc - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_rows + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        head = (row * groups + g) * rep + i % rep  # [rows] this row's heads in the partial state
-        tl.store(part_ptr + head * (dim + 2), m_i, mask=valid)
-        tl.store(part_ptr + head * (dim + 2) + 1, l_i, mask=valid)
-        tl.store(part_ptr + head[:, None] * (dim + 2) + 2 + d[None, :], acc, mask=valid[:, None])
 
 
 # Tests run the kernel on CPU under Triton's interpreter: TRITON_INTERPRET=1 must be set before triton
@@ -191,63 +135,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     ``prefix`` (lead [B], plen [B], int64; ``rollout.prompt_kv_sharing``): sequence b reads its keys and
     values before position plen[b] from row lead[b] (< B) instead of its own. The samples of one prompt
     point at one slot's copy of it: the GPU reads it from HBM once and the others hit the L2 cache; every
-    slot still holds its own copy, so the values and the result are the same bits either way.
-
-    ``prefix`` (lead, plen, members, start) (``rollout.cascade_attention``; ``prompt_tiles`` builds the last
-    two from lead and plen): first ``_prefix_attention_kernel`` runs the query heads of the rows listed in
-    ``members[s]`` together over the prompt in slot s (read once for all of them, as the rows of one tile),
-    then each row goes on from that softmax state over its own keys from ``start[b]`` (0: all its keys, as
-    without tiles). The same values, other rounding than the one pass."""
-    if prefix is not None and len(prefix) == 4:
-        lead, plen, members, start = prefix
-        part = _prefix_state(q, k, v, members, plen, scale, *PREFIX_CONFIG)
-        return _launch(q, q.shape[2], k, v, positions, scale, block, num_warps, num_stages, (lead, plen),
-                       cascade=(start, part))  # fmt: skip
+    slot still holds its own copy, so the values and the result are the same bits either way."""
     return _launch(q, q.shape[2], k, v, positions, scale, block, num_warps, num_stages, prefix)
-
-
-PREFIX_CONFIG = (64, 4, None)  # _prefix_attention_kernel's key block, warps and stages (None: Triton's)
-TILE_ROWS = 64  # query rows (a member's heads x members) of one _prefix_attention_kernel tile
-
-
-def tile_members(rep: int) -> int:
-    """Rows whose prompt heads one prefix tile holds: as many as ``TILE_ROWS`` query rows take (at least 1)."""
-    return max(1, TILE_ROWS // rep)
-
-
-def prompt_tiles(lead: torch.Tensor, plen: torch.Tensor, per_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """From lead [S] / plen [S] (``decode_attention``'s prefix): (members [S, per_tile], start [S]). members[s]
-    lists (ascending, -1 padded) the rows with plen > 0 whose lead is s, the first ``per_tile`` of them; start[b]
-    is plen[b] for a listed row (its prompt attended in s's tile), 0 for any other (all its keys itself). Device
-    ops only (no host sync), for the engine to rebuild when leads change."""
-    slots = lead.shape[0]
-    rows = torch.arange(slots, device=lead.device)
-    owner = torch.where(plen > 0, lead, slots)  # slots: not in any tile
-    key, order = torch.sort(owner * slots + rows)
-    owner = key // slots
-    rank = rows - torch.searchsorted(owner, owner)  # place among the rows of its owner, in row order
-    # (a row listed under slot s has s's prompt length: the tile reads plen[s] keys)
-    listed = (owner < slots) & (rank < per_tile) & (plen[order] == plen[owner.clamp(max=slots - 1)])
-    members = torch.full((slots + 1, per_tile), -1, dtype=torch.long, device=lead.device)
-    members.index_put_((torch.where(listed, owner, slots), torch.where(listed, rank, 0)),
-                       torch.where(listed, order, -1))  # fmt: skip
-    start = torch.zeros_like(plen)
-    start[order] = torch.where(listed, plen[order], 0)
-    return members[:slots], start
-
-
-def _prefix_state(q, k, v, members, plen, scale, block, num_warps, num_stages) -> torch.Tensor:
-    """``_prefix_attention_kernel`` over every slot's tile: [B, G, rep, D + 2] fp32 (max, sum, output sum)."""
-    bsz, groups, rep, dim = q.shape
-    part = torch.empty(bsz, groups, rep, dim + 2, dtype=torch.float32, device=q.device)
-    per_tile = members.shape[1]
-    _prefix_attention_kernel[(bsz * groups,)](
-        q, k, v, members, plen, part, dim**-0.5 if scale is None else scale, bsz, q.stride(0), q.stride(1),
-        q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), groups=groups,
-        rep=rep, per_tile=per_tile, rows=max(16, triton.next_power_of_2(per_tile * rep)), dim=dim, block=block,
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
-    )  # fmt: skip
-    return part
 
 
 def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
@@ -260,12 +149,9 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return _launch(qkv, qkv.shape[2] - 2, k, v, positions, None, 64, 4, None, prefix, (cos, sin))
 
 
-def _launch(
-    q, rep: int, k, v, positions, scale, block, num_warps, num_stages, prefix, rope=None, cascade=None
-):
+def _launch(q, rep: int, k, v, positions, scale, block, num_warps, num_stages, prefix, rope=None):
     """One ``_decode_attention_kernel`` launch over the [B x G] (slot, KV group) programs; q holds rep query
-    rows per group (with ``rope`` = (cos, sin): the step's qkv, rep + 2 rows; with ``cascade`` = (start,
-    the prefix state): each row's keys from start on)."""
+    rows per group (with ``rope`` = (cos, sin): the step's qkv, rep + 2 rows)."""
     bsz, groups, _, dim = q.shape
     out = torch.empty(bsz, groups, rep, dim, dtype=q.dtype, device=q.device)
     rows = max(16, triton.next_power_of_2(rep + 2 if rope is not None else rep))
@@ -278,46 +164,8 @@ def _launch(
         cos.stride(0), cos.stride(-1), groups=groups, rep=rep, rows=rows, dim=dim, block=block,
         shared=prefix is not None, rope=rope is not None, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **decode_fused.pdl(q.device),
-        **({} if cascade is None else {"cascade": True, "start_ptr": cascade[0], "part_ptr": cascade[1]}),
     )  # fmt: skip
     return out
-
-
-def cascade_usable(q: torch.Tensor) -> bool:
-    """Whether ``decode_attention`` runs the prompt tiles (``rollout.cascade_attention``) for q [B, G, rep, D]:
-    the kernel serves it and a trial for that head layout gave the one-pass kernel's results (else it warns
-    once and the one pass serves). Not tried inside a CUDA-graph capture (the engine's eager warm-up step
-    tries it first)."""
-    if not usable(q):
-        return False
-    key = f"the cascade decode attention ({q.device.type}, {q.dtype}, {tuple(q.shape[1:])})"
-    if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing() and not trial_passed(key):
-        return False
-    return trial_once(
-        key,
-        lambda: _cascade_trial(q.device, q.dtype, *q.shape[1:]),
-        "The cascade decode attention failed its trial; each row attends its prompt itself (the one-pass "
-        "kernel: same values, a prompt read once per row).",
-    )
-
-
-def _cascade_trial(device, dtype, groups: int, rep: int, dim: int) -> None:
-    """The prompt tiles against the one-pass kernel on 6 slots of this head layout (a group of 3, one of 2 past
-    a key block, a row on its own)."""
-    g = torch.Generator().manual_seed(0)  # not the device's generator: the trial runs in the engine's step
-    cache = torch.randn(2, 6, groups, 160, dim, generator=g).to(device, dtype)
-    q = torch.randn(6, groups, rep, dim, generator=g).to(device, dtype)
-    lead = torch.tensor([0, 0, 0, 4, 4, 5], device=device)
-    plen = torch.tensor([30, 30, 30, 70, 70, 0], device=device)
-    pos = torch.tensor([30, 90, 64, 70, 150, 20], device=device)
-    cache[:, 1:3, :, :30] = cache[:, :1, :, :30]
-    cache[:, 3, :, :70] = cache[:, 4, :, :70]
-    want = decode_attention(q, cache[0], cache[1], pos, prefix=(lead, plen))
-    members, start = prompt_tiles(lead, plen, tile_members(rep))
-    got = decode_attention(q, cache[0], cache[1], pos, prefix=(lead, plen, members, start))
-    gap = float((got.float() - want.float()).abs().max())
-    if not gap <= 2e-2:  # nan fails too
-        raise RuntimeError(f"largest gap to the one-pass kernel {gap:.3g}")
 
 
 def rope_usable(qkv: torch.Tensor) -> bool:

@@ -146,12 +146,8 @@ def decode_attention(q, k, v, mask, positions, prefix=None) -> torch.Tensor:
 
     The Triton kernel (``kernels.decode_attention``) where it runs (bf16/fp16 on CUDA); SDPA with the
     mask otherwise. ``prefix`` (lead [B], plen [B]): the kernel reads each row's prompt from its lead
-    slot's copy (``rollout.prompt_kv_sharing``); SDPA reads the row's own copy, the same values. With
-    (members, start) after them (``rollout.cascade_attention``) the kernel attends each prompt once for the
-    rows that share it, where its trial passed."""
+    slot's copy (``rollout.prompt_kv_sharing``); SDPA reads the row's own copy, the same values."""
     if decode_kernel.usable(q):
-        if prefix is not None and len(prefix) == 4 and not decode_kernel.cascade_usable(q):
-            prefix = prefix[:2]  # the prompt tiles failed their trial: the one pass
         return decode_kernel.decode_attention(q, k, v, positions, prefix=prefix)
     if mask is None:  # the caller expected the kernel (``_decode_fused``): the mask for this layer alone
         mask = _decode_mask(positions, k.shape[2], q.dtype)
@@ -234,7 +230,7 @@ def decode(
     positions: torch.Tensor,
     kv_len: int | None = None,
     exact: bool = False,
-    prefix: tuple[torch.Tensor, ...] | None = None,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
     logits_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step for slots 0..B-1 (static shapes, CUDA-graph capturable).
@@ -242,7 +238,7 @@ def decode(
     tokens [B] (the token at ``positions``), positions [B]; cache [L, 2, S, Gl, Tmax, D] with S >= B.
     Writes each slot's new key/value at its position and attends to keys 0..position, reading only the
     first ``kv_len`` cache positions (default all; every position must be < kv_len).
-    ``prefix`` (lead [B], plen [B][, members, start]): ``decode_attention``'s; ``logits_out``: ``logits``' ``out``. Returns
+    ``prefix`` (lead [B], plen [B]): ``decode_attention``'s; ``logits_out``: ``logits``' ``out``. Returns
     logits [B, V] (weights' dtype).
     """
     B = tokens.shape[0]
@@ -345,7 +341,6 @@ def _rope_attention(h, layer, spec: ModelArgs, cos, sin, positions, k_cache, v_c
     qkv = _qkv(h[:, None], layer, spec)[:, 0]  # [B, Gl, rep+2, D]
     fused_rope = decode_fused.usable("rope_kv_write", qkv)
     if fused_rope and decode_kernel.rope_usable(qkv):  # RoPE, the KV write and attention in one kernel
-        prefix = None if prefix is None else prefix[:2]  # (no prompt tiles in this kernel)
         return decode_kernel.rope_decode_attention(qkv, cos2, sin2, k_cache, v_cache, positions, prefix)
     if fused_rope:
         q = decode_fused.rope_kv_write(qkv, cos2, sin2, positions, k_cache, v_cache)  # [B, Gl, rep, D]

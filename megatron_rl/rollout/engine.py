@@ -83,8 +83,6 @@ class EngineConfig:
     keep_cache: bool | str = _ROLLOUT.keep_cache
     # batch-invariant prefill/decode and log-probs: the trainer's exact recompute gives the same bits
     exact_logprobs: bool = _ROLLOUT.exact_logprobs
-    # decode attention runs a shared prompt once for all the rows that read it (with prompt_kv_sharing)
-    cascade_attention: bool = _ROLLOUT.cascade_attention
 
     def __post_init__(self):
         if self.kv_cache_tokens == 0:  # the config's "sized from the batch"
@@ -240,7 +238,7 @@ class RolloutEngine:
             plan = replace(plan, slots=int(fewest.item()))
         state = _DecodeState(spec, plan, groups, w.embed.dtype, dev, dev.type == "cuda" and cfg.cuda_graphs,
                              cfg.exact_logprobs, cfg.prompt_kv_sharing, fine_buckets=bool(cfg.keep_cache),
-                             one_logits_buffer=lay.tp_g == 1, cascade=cfg.cascade_attention)  # fmt: skip
+                             one_logits_buffer=lay.tp_g == 1)  # fmt: skip
         # a cache cut to the free memory still "fits" the calls it was planned for
         state.planned_slots = planned
         state.bind(w)
@@ -341,7 +339,6 @@ class _DecodeState:
     def __init__(
         self, spec: ModelArgs, plan, local_groups: int, dtype, device, use_graphs: bool, exact: bool,
         prompt_kv_sharing: bool = False, fine_buckets: bool = False, one_logits_buffer: bool = False,
-        cascade: bool = False,
     ):  # fmt: skip
         self.spec, self.use_graphs, self.exact = spec, use_graphs, exact
         self.one_logits_buffer = one_logits_buffer and not exact  # (generation TP 1) see ``logits_buf``
@@ -359,14 +356,6 @@ class _DecodeState:
         self.shares_prompts = prompt_kv_sharing  # read by the Triton decode kernels; SDPA reads its own copy
         self.lead = torch.arange(plan.slots, device=device)  # [S]
         self.plen = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S]
-        # rollout.cascade_attention: the rows reading each slot's prompt (members) and where each row's own
-        # keys start, rebuilt from lead / plen by ``regroup`` whenever the runner changes them
-        self.tiles = cascade and prompt_kv_sharing and self.reads_live_only and not exact
-        per_tile = decode_kernel.tile_members(spec.num_attention_heads // spec.num_query_groups)
-        self.members = torch.full(
-            (plan.slots, per_tile), -1, dtype=torch.long, device=device
-        )  # [S, per tile]
-        self.start = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S]
         self.cache = KVCache(plan, spec.num_layers, local_groups, spec.head_dim, dtype, device)
         self.planned_slots = plan.slots  # before ``fit_free_memory`` (set by the engine)
         self.tok = torch.zeros(plan.slots, dtype=torch.long, device=device)  # [S] token fed at `pos`
@@ -397,18 +386,8 @@ class _DecodeState:
             self.graphs, self.pool, self.key = {}, None, key
         self.w, self.capture_s = w, 0.0
 
-    def regroup(self) -> None:
-        """Rebuild ``members`` / ``start`` from ``lead`` / ``plen`` (device ops, no host sync); a no-op without
-        ``tiles``."""
-        if self.tiles:
-            members, start = decode_kernel.prompt_tiles(self.lead, self.plen, self.members.shape[1])
-            self.members.copy_(members)
-            self.start.copy_(start)
-
     def _eager(self, b: int, kv: int, logits_out: torch.Tensor | None = None) -> torch.Tensor:
         prefix = (self.lead[:b], self.plen[:b]) if self.shares_prompts else None
-        if prefix is not None and self.tiles:
-            prefix += (self.members[:b], self.start[:b])
         return decoder.decode(self.w, self.spec, self.cache.data, self.tok[:b], self.pos[:b], kv, self.exact,
                               prefix, logits_out)  # fmt: skip
 
@@ -526,7 +505,6 @@ class _Runner:
         self.slot_kernels: bool | None = None  # kernels.slot_state keeps the step's bookkeeping (first step)
         state.lead.copy_(self.rows)  # every slot reads its own prompt copy until _admit says otherwise
         state.plen.zero_()
-        state.regroup()
 
     def _row_keys(self, rows: torch.Tensor | slice) -> torch.Tensor | None:
         """The layout-invariant noise keys of slots ``rows`` (ids, or a slice: views) for this step, or None
@@ -615,7 +593,6 @@ class _Runner:
         rows = torch.tensor(unique, device=dev)  # [B]
         self.state.lead[slot_t] = lead_slots[rows]  # the samples of a prompt read the lead's copy
         self.state.plen[slot_t] = lengths[rows]
-        self.state.regroup()
         self.count[slot_t] = 0
         self.seq_keys[slot_t] = torch.tensor([seq.key for seq in batch], device=dev)
         self.keys[slot_t] = torch.tensor([seeded_key(seq.key, self.params.seed) for seq in batch], device=dev)
@@ -722,7 +699,6 @@ class _Runner:
         lead = self.state.lead
         lead.copy_(torch.where(torch.isin(lead, freed), self.rows, lead))
         self.state.plen.index_fill_(0, freed, 0)
-        self.state.regroup()
 
     def _next_turns(self, ended: list, count: list[int]) -> list:
         """Ask the session what follows each ended turn; prefill the appended ids onto the slots that go
@@ -852,7 +828,6 @@ class _Runner:
         lead.copy_(moved_to[lead])
         lead[src] = src
         plen.index_fill_(0, src, 0)  # not ``plen[src] = 0``: that copies the 0 to the device (a sync)
-        self.state.regroup()
         self.live.index_fill_(0, src, False)
         self.state.pos.index_fill_(0, src, 0)  # idle, as a released slot
         for a, b in zip(movers, dests):
