@@ -363,6 +363,7 @@ def run(a: argparse.Namespace) -> dict:
         varlen_status,
     )
     from megatron_rl.trainer.build import build_components
+    from megatron_rl.trainer.collector import Collector
     from megatron_rl.trainer.memory_model import estimate
     from megatron_rl.trainer.run import train_step
 
@@ -390,6 +391,8 @@ def run(a: argparse.Namespace) -> dict:
     # the memory model at the values the run resolved (auto budgets included), for the measured peaks
     dry = estimate(cfg, dims, c.args, a.prompt_len)
     steps = []
+    collector = Collector(cfg.trainer.gc_freeze, cfg.trainer.manual_gc_interval)  # as run_training's loop
+    collector.settle()
     for step in range(a.steps):
         timer = Timer()
         if cuda:
@@ -399,6 +402,8 @@ def run(a: argparse.Namespace) -> dict:
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
+        gc_s = collector.take_pause_s()  # the collector's time inside this step
+        collector.after_step(step + 1)
         counts = torch.tensor(
             [float(batch.prompt_lens.sum()), float(batch.response_lens.sum()), float(len(batch))],
             dtype=torch.float64,
@@ -416,6 +421,7 @@ def run(a: argparse.Namespace) -> dict:
             "response_tokens": int(counts[1]),
             "tok_per_s_per_gpu": tokens / seconds / dims.world_size,
             "timing_s": phases,
+            "gc_s": gc_s,
             "actor_update_mfu": 6
             * n_params
             * tokens

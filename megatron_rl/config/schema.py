@@ -514,6 +514,18 @@ class TrainerConfig:
     force_unlock: bool = doc(
         False, "Take over the output_dir lock of another run (only when that run is known to be gone)."
     )
+    gc_freeze: bool = doc(
+        True,
+        "After setup (and resume), collect Python's garbage once and freeze what is left (gc.freeze): the "
+        "collector's later full collections walk only what the steps create, not the hundreds of thousands of "
+        "startup objects (a CPU run of the defaults: 8 such collections took 1.8 s over 6 steps, up to 489 ms "
+        "each, at unplanned points). timing_s/gc reports the collector's time a step.",
+    )
+    manual_gc_interval: int = doc(
+        0,
+        "> 0: automatic garbage collection off; a full collection at the end of every N steps, on every rank "
+        "at once (Megatron-LM's --manual-gc). 0 = automatic.",
+    )
 
 
 @dataclass

@@ -366,6 +366,11 @@ def validate_job(
             f"trainer.timeout_minutes={cfg.trainer.timeout_minutes} must be > 0 (minutes, fractions allowed); "
             "e.g. trainer.timeout_minutes=30."
         )
+    if not cfg.trainer.manual_gc_interval >= 0:
+        raise ConfigError(
+            f"trainer.manual_gc_interval={cfg.trainer.manual_gc_interval} must be >= 0 (0 = Python's automatic "
+            "garbage collection; N > 0 = a collection every N steps), e.g. trainer.manual_gc_interval=0."
+        )
     _check_rollout(cfg, training)
     _check_exact_logprobs(cfg)
     if par.sequence_parallel and par.tensor_model_parallel_size == 1:

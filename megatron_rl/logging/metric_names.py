@@ -43,6 +43,7 @@ def timing_key(phase: str) -> str:
 
 
 TIMING_STEP = timing_key("step")
+TIMING_GC = timing_key("gc")  # not a phase: the collector runs inside the phases (trainer.collector)
 
 STANDARD_METRICS: dict[str, str] = {
     ACTOR_PG_LOSS: "policy-gradient loss (clipped surrogate), mean over the step's mini-batches",
@@ -72,4 +73,5 @@ STANDARD_METRICS: dict[str, str] = {
     PERF_CRITIC_UPDATE_SHARED_FRAC: "the same for the critic update",
     VAL_SCORE_MEAN: "mean score on the validation set",
     **{timing_key(p): f"seconds spent in phase '{p}' this step" for p in TIMING_PHASES},
+    TIMING_GC: "seconds Python's garbage collector ran since the last step's log (inside the phases; trainer.gc_freeze)",
 }

@@ -18,6 +18,7 @@ from megatron_rl.distributed import ParallelDims, destroy_distributed, device, i
 from megatron_rl.distributed.phase_watchdog import phase, set_error_dir
 from megatron_rl.distributed.shutdown import EXIT_SIGNALLED, agreed_stop
 from megatron_rl.logging import Timer
+from megatron_rl.logging.metric_names import TIMING_GC
 from megatron_rl.logging.perf import step_perf
 from megatron_rl.logging.timer import PHASE_WORK, PhaseTimer, annotate
 from megatron_rl.rollout.batch import Pending, RolloutBatch, build_batch
@@ -34,6 +35,7 @@ from megatron_rl.trainer.advantage import (
     score_responses,
 )
 from megatron_rl.trainer.build import Components, build_components
+from megatron_rl.trainer.collector import Collector
 from megatron_rl.trainer.dynamic_sampling import (
     ROUND_KEY_STRIDE,
     extra_prompt_indices,
@@ -313,7 +315,8 @@ def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
     c = build_components(cfg, dims)
     start = c.checkpointer.resume()
     saved_at, stopped = start, None  # the newest checkpointed step; the one-line message after a signal
-    with c.logger:
+    with Collector(tr.gc_freeze, tr.manual_gc_interval) as collector, c.logger:
+        collector.settle()  # what setup, resume and the logger built leaves the collector's walks
         if tr.val_before_train and start == 0:
             c.logger.log(validate(c, 0, PhaseTimer(tr.timeout_minutes)), step=0)
         for step in range(start, c.total_steps):
@@ -323,8 +326,10 @@ def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
             timer, t0 = PhaseTimer(tr.timeout_minutes), time.perf_counter()
             with at_step(step + 1):
                 metrics, batch = train_step(c, step, timer)
+            metrics[TIMING_GC] = collector.take_pause_s()
             if _finish_step(c, step + 1, metrics, batch, timer, t0):
                 saved_at = step + 1
+            collector.after_step(step + 1)
     # every rank finished: tear the process groups down before the interpreter exits (letting gloo's
     # threads die during interpreter teardown aborted a rank now and then: "terminate called without an
     # active exception" after the last step)

@@ -84,6 +84,10 @@ def test_critic_optimizer_checked_with_a_critic_and_timeout_must_be_positive():
     cfg.trainer.timeout_minutes = 0
     with pytest.raises(ConfigError, match=r"trainer\.timeout_minutes=0 must be > 0"):
         validate_job(cfg, world_size=1, num_layers=2)
+    cfg = JobConfig()
+    cfg.trainer.manual_gc_interval = -1
+    with pytest.raises(ConfigError, match=r"trainer\.manual_gc_interval=-1 must be >= 0"):
+        validate_job(cfg, world_size=1, num_layers=2)
 
 
 def test_tokenizer_larger_than_embedding_names_both_sizes():
