@@ -517,9 +517,10 @@ class TrainerConfig:
     gc_freeze: bool = doc(
         True,
         "After setup (and resume), collect Python's garbage once and freeze what is left (gc.freeze): the "
-        "collector's later full collections walk only what the steps create, not the hundreds of thousands of "
-        "startup objects (a CPU run of the defaults: 8 such collections took 1.8 s over 6 steps, up to 489 ms "
-        "each, at unplanned points). timing_s/gc reports the collector's time a step.",
+        "collector's later full collections walk only what the steps create, not the ~550k startup objects (the "
+        "default config on a 2-core CPU: a full collection 280 ms before the freeze, 0.0 ms after), so none "
+        "stalls a step (and, under SPMD, every rank at its next collective). timing_s/gc reports the collector's "
+        "time a step.",
     )
     manual_gc_interval: int = doc(
         0,

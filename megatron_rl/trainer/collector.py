@@ -1,10 +1,10 @@
 """Python's cyclic garbage collector in the training loop (``trainer.gc_freeze``, ``trainer.manual_gc_interval``).
 
 A trainer process holds hundreds of thousands of objects the collector tracks (modules, parameters' Python
-wrappers, configs, the tokenizer, the dataset rows): a full collection walks all of them, and the allocations of
-a step (completions, metrics) trigger one now and then at an unplanned point: on a CPU run of the default config
-8 full collections took 1.8 s over 6 steps, the largest 489 ms. Under SPMD a pause on one rank holds every
-other rank at its next collective. ``gc_freeze`` moves what exists after setup (built, resumed) into the
+wrappers, configs, the tokenizer, the dataset rows): a full collection walks all of them (the default config on
+a 2-core CPU: ~554k tracked objects after setup, a full collection 280 ms; 0.0 ms once they are frozen), and the
+allocations of the steps trigger one now and then at an unplanned point. Under SPMD a pause on one rank holds
+every other rank at its next collective. ``gc_freeze`` moves what exists after setup (built, resumed) into the
 collector's permanent generation (``gc.freeze``), so later collections walk only what the steps create; objects
 still go when their last reference does (reference counting is untouched), only cycles among the frozen ones
 stay. ``manual_gc_interval`` > 0 turns automatic collection off and collects at the end of every that many steps,
