@@ -399,11 +399,11 @@ def run(a: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         metrics, batch = train_step(c, step, timer)
+        collector.after_step(step + 1)  # a manual collection inside the step's time, as in run_training
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         gc_s = collector.take_pause_s()  # the collector's time inside this step
-        collector.after_step(step + 1)
         counts = torch.tensor(
             [float(batch.prompt_lens.sum()), float(batch.response_lens.sum()), float(len(batch))],
             dtype=torch.float64,
@@ -453,6 +453,7 @@ def run(a: argparse.Namespace) -> dict:
         steps.append(row)
         if dist.get_rank() == 0:
             print(json.dumps(row), flush=True)
+    collector.close()
     if a.profile:  # one more step, not timed: where generation's and the update's device time goes
         profile_phases(
             c, a.steps, a.profile, update_seqs=a.profile_update_seqs, device_only=a.profile_device_only

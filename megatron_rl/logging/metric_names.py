@@ -73,5 +73,5 @@ STANDARD_METRICS: dict[str, str] = {
     PERF_CRITIC_UPDATE_SHARED_FRAC: "the same for the critic update",
     VAL_SCORE_MEAN: "mean score on the validation set",
     **{timing_key(p): f"seconds spent in phase '{p}' this step" for p in TIMING_PHASES},
-    TIMING_GC: "seconds Python's garbage collector ran since the last step's log (inside the phases; trainer.gc_freeze)",
+    TIMING_GC: "seconds Python's garbage collector ran on rank 0 since the last step's log (this step, its validation, the last checkpoint save; trainer.gc_freeze)",
 }

@@ -5,10 +5,12 @@ wrappers, configs, the tokenizer, the dataset rows): a full collection walks all
 a 2-core CPU: ~554k tracked objects after setup, a full collection 280-410 ms; 0.0 ms once they are frozen), and the
 allocations of the steps trigger one now and then at an unplanned point. Under SPMD a pause on one rank holds
 every other rank at its next collective. ``gc_freeze`` moves what exists after setup (built, resumed) into the
-collector's permanent generation (``gc.freeze``), so later collections walk only what the steps create; objects
-still go when their last reference does (reference counting is untouched), only cycles among the frozen ones
-stay. ``manual_gc_interval`` > 0 turns automatic collection off and collects at the end of every that many steps,
-on every rank at the same point (as Megatron-LM's ``--manual-gc``).
+collector's permanent generation (``gc.freeze``), so later collections walk only what the steps create. Objects
+still go when their last reference does (reference counting is untouched); what the collector no longer frees is
+a reference cycle that reaches a frozen object (with whatever hangs on it), so setup must not build objects in
+cycles that the loop later drops (setup's own garbage is collected just before the freeze).
+``manual_gc_interval`` > 0 turns automatic collection off and collects at the end of every that many steps, on
+every rank at the same point (as Megatron-LM's ``--manual-gc``).
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import time
 
 
 class Collector:
-    """The policy of one run: ``settle`` after setup, ``after_step`` at each step's end; ``pause_s`` sums the time
-    the collector ran (every collection, automatic or manual, through ``gc.callbacks``) for the step's metrics."""
+    """The policy of one run: ``settle`` after setup, ``after_step`` at each step's end; ``take_pause_s`` gives the
+    time the collector ran (every collection, automatic or manual, through ``gc.callbacks``) since ``settle`` or
+    the last call. ``close`` (or leaving the ``with`` block) undoes only what ``settle`` did."""
 
     def __init__(self, freeze: bool, interval: int):
         self.freeze, self.interval = freeze, interval
         self.pause_s, self._t0 = 0.0, None
+        self._froze = self._disabled = False  # what settle changed, for close to undo
         gc.callbacks.append(self._timed)
 
     def _timed(self, phase: str, info: dict) -> None:
@@ -34,13 +38,15 @@ class Collector:
             self._t0 = None
 
     def settle(self) -> None:
-        """After setup: collect what setup left, then freeze the rest (``gc_freeze``); manual mode off-switches
-        the automatic collector."""
-        if self.freeze:
+        """After setup: collect what setup left, then freeze the rest (``gc_freeze``; not when something else
+        froze objects already: that freeze is its owner's); manual mode turns the automatic collector off."""
+        if self.freeze and gc.get_freeze_count() == 0:
             gc.collect()
             gc.freeze()
-        if self.interval > 0:
+            self._froze = True
+        if self.interval > 0 and gc.isenabled():
             gc.disable()
+            self._disabled = True
         self.pause_s = 0.0  # the steps' time from here (not setup's collections)
 
     def after_step(self, step: int) -> None:
@@ -49,7 +55,7 @@ class Collector:
             gc.collect()
 
     def take_pause_s(self) -> float:
-        """Seconds the collector ran since the last call."""
+        """Seconds the collector ran since the last call (or ``settle``)."""
         pause, self.pause_s = self.pause_s, 0.0
         return pause
 
@@ -60,10 +66,12 @@ class Collector:
         self.close()
 
     def close(self) -> None:
-        """Leave the interpreter's collector as it was found (tests run several trainers in one process)."""
+        """Leave the interpreter's collector as ``settle`` found it (tests run several trainers in one process)."""
         if self._timed in gc.callbacks:
             gc.callbacks.remove(self._timed)
-        if self.freeze:
+        if self._froze:
             gc.unfreeze()
-        if self.interval > 0:
+            self._froze = False
+        if self._disabled:
             gc.enable()
+            self._disabled = False

@@ -266,12 +266,15 @@ def _samples(c: Components, batch: RolloutBatch, k: int) -> list[dict]:
     ]  # fmt: skip
 
 
-def _finish_step(c: Components, done: int, metrics: dict, batch: RolloutBatch, timer: PhaseTimer, t0: float):
+def _finish_step(c: Components, done: int, metrics: dict, batch: RolloutBatch, timer: PhaseTimer, t0: float,
+                 collector: Collector | None = None):  # fmt: skip
     """Validation (every trainer.test_freq), timing/perf metrics, logging, sample prints, checkpoint.
     Returns whether it wrote a checkpoint."""
     tr = c.cfg.trainer
     if tr.test_freq > 0 and (done % tr.test_freq == 0 or done == c.total_steps):
         metrics |= validate(c, done, timer)
+    if collector is not None:  # since the last step's log: this step, its validation (and the last save)
+        metrics[TIMING_GC] = collector.take_pause_s()
     seconds = time.perf_counter() - t0
     metrics |= timer.metrics() | {"timing_s/step": seconds}
     metrics |= _perf(c, batch, seconds, metrics.get("timing_s/update_actor", 0.0))
@@ -326,10 +329,9 @@ def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
             timer, t0 = PhaseTimer(tr.timeout_minutes), time.perf_counter()
             with at_step(step + 1):
                 metrics, batch = train_step(c, step, timer)
-            metrics[TIMING_GC] = collector.take_pause_s()
-            if _finish_step(c, step + 1, metrics, batch, timer, t0):
+            collector.after_step(step + 1)  # inside the step's time (and its timing_s/gc)
+            if _finish_step(c, step + 1, metrics, batch, timer, t0, collector):
                 saved_at = step + 1
-            collector.after_step(step + 1)
     # every rank finished: tear the process groups down before the interpreter exits (letting gloo's
     # threads die during interpreter teardown aborted a rank now and then: "terminate called without an
     # active exception" after the last step)

@@ -2,6 +2,9 @@
 ``trainer.manual_gc_interval``), and the interpreter left as it was found."""
 
 import gc
+import weakref
+
+import pytest
 
 from megatron_rl.trainer.collector import Collector
 
@@ -11,18 +14,30 @@ class _Cycle:
         self.me = self
 
 
+@pytest.fixture(autouse=True)
+def _restore_gc():
+    """Whatever a test does, the worker's collector is as it was after it."""
+    enabled, frozen = gc.isenabled(), gc.get_freeze_count()
+    yield
+    if gc.get_freeze_count() != frozen:
+        gc.unfreeze()
+    (gc.enable if enabled else gc.disable)()
+
+
 def test_freeze_moves_the_setup_objects_out_of_the_collector_and_close_restores_it():
-    assert gc.get_freeze_count() == 0 and gc.isenabled()
-    setup = [{"layer": i} for i in range(1000)]  # what setup built, still referenced
-    _Cycle()  # setup's cyclic garbage: settle collects it before freezing
+    assert gc.get_freeze_count() == 0
+    setup = [_Cycle() for _ in range(100)]  # what setup built and keeps (tracked, in cycles)
+    garbage = weakref.ref(_Cycle())  # setup's cyclic garbage
     with Collector(freeze=True, interval=0) as c:
         c.settle()
-        assert gc.get_freeze_count() >= len(setup)  # frozen: later collections do not walk them
+        assert garbage() is None  # collected before the freeze, not frozen for the run
+        assert not any(o is setup[0] for o in gc.get_objects())  # frozen: later collections do not walk it
         assert gc.isenabled() and c.take_pause_s() == 0.0  # setup's collection is not a step's
-        gc.collect()  # an automatic-like collection during a step is timed
+        gc.collect()  # a collection during a step is timed
         assert c.take_pause_s() > 0.0 and c.take_pause_s() == 0.0
     assert gc.get_freeze_count() == 0 and gc.isenabled()
-    assert all(cb.__self__ is not c for cb in gc.callbacks if hasattr(cb, "__self__"))
+    assert any(o is setup[0] for o in gc.get_objects())  # walked again
+    assert c._timed not in gc.callbacks
 
 
 def test_manual_interval_turns_automatic_collection_off_and_collects_every_n_steps():
@@ -44,6 +59,29 @@ def test_manual_interval_turns_automatic_collection_off_and_collects_every_n_ste
         assert gc.isenabled()
     finally:
         gc.callbacks.remove(count)
+
+
+def test_close_undoes_only_what_settle_did():
+    """No settle: close changes nothing. Another party's freeze and a collector switched off before stay so;
+    nested collectors: the inner one's close leaves the outer one's state."""
+    mine = _Cycle()
+    gc.freeze()  # someone else's freeze
+    gc.disable()
+    with Collector(freeze=True, interval=2):
+        pass  # never settled
+    assert gc.get_freeze_count() > 0 and not gc.isenabled()
+    with Collector(freeze=True, interval=2) as c:
+        c.settle()  # finds both done already: owns neither
+    assert gc.get_freeze_count() > 0 and not gc.isenabled()
+    gc.unfreeze()
+    gc.enable()
+    with Collector(freeze=True, interval=2) as outer:
+        outer.settle()
+        with Collector(freeze=True, interval=2) as inner:
+            inner.settle()
+        assert gc.get_freeze_count() > 0 and not gc.isenabled()  # still the outer one's
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    del mine
 
 
 def test_the_default_freezes_and_collects_automatically():
