@@ -27,7 +27,9 @@ def test_grpo_learns_with_exact_step0(tmp_path):
     first = next(r for r in rows if r["step"] == 1)
     assert first["actor/reference_kl"] == 0.0  # actor == reference before the first update
     assert first["rollout/logprob_abs_diff"] < 1e-5  # engine log-probs == training recompute (fp32)
-    steps = [r for r in rows if "timing_s/step" in r]  # trainer.gc_freeze (default): the collector's time logged
+    steps = [
+        r for r in rows if "timing_s/step" in r
+    ]  # trainer.gc_freeze (default): the collector's time logged
     assert steps and all(0.0 <= r["timing_s/gc"] < r["timing_s/step"] for r in steps)
 
 
