@@ -43,7 +43,7 @@ def timing_key(phase: str) -> str:
 
 
 TIMING_STEP = timing_key("step")
-TIMING_GC = timing_key("gc")  # not a phase: the collector runs inside the phases (trainer.collector)
+TIMING_GC = timing_key("gc")  # not a phase: the collector runs inside and between them (trainer.collector)
 
 STANDARD_METRICS: dict[str, str] = {
     ACTOR_PG_LOSS: "policy-gradient loss (clipped surrogate), mean over the step's mini-batches",
