@@ -2,7 +2,7 @@
 
 A trainer process holds hundreds of thousands of objects the collector tracks (modules, parameters' Python
 wrappers, configs, the tokenizer, the dataset rows): a full collection walks all of them (the default config on
-a 2-core CPU: ~554k tracked objects after setup, a full collection 280-410 ms; 0.0 ms once they are frozen), and the
+a 2-core CPU: ~554k tracked objects after setup, a full collection 390-410 ms; 0.01 ms once they are frozen (benchmarks/gc_full_collection.py)), and the
 allocations of the steps trigger one now and then at an unplanned point. Under SPMD a pause on one rank holds
 every other rank at its next collective. ``gc_freeze`` moves what exists after setup (built, resumed) into the
 collector's permanent generation (``gc.freeze``), so later collections walk only what the steps create. Objects

@@ -267,14 +267,15 @@ def _samples(c: Components, batch: RolloutBatch, k: int) -> list[dict]:
 
 
 def _finish_step(c: Components, done: int, metrics: dict, batch: RolloutBatch, timer: PhaseTimer, t0: float,
-                 collector: Collector | None = None):  # fmt: skip
+                 collector: Collector):  # fmt: skip
     """Validation (every trainer.test_freq), timing/perf metrics, logging, sample prints, checkpoint.
     Returns whether it wrote a checkpoint."""
     tr = c.cfg.trainer
     if tr.test_freq > 0 and (done % tr.test_freq == 0 or done == c.total_steps):
         metrics |= validate(c, done, timer)
-    if collector is not None:  # since the last step's log: this step, its validation (and the last save)
-        metrics[TIMING_GC] = collector.take_pause_s()
+    metrics[TIMING_GC] = (
+        collector.take_pause_s()
+    )  # since the last step's log: this step, its validation, the last save
     seconds = time.perf_counter() - t0
     metrics |= timer.metrics() | {"timing_s/step": seconds}
     metrics |= _perf(c, batch, seconds, metrics.get("timing_s/update_actor", 0.0))
