@@ -26,6 +26,7 @@ warm-up and excluded from the medians. Writes ``--out`` (JSON, rank 0).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -215,6 +216,64 @@ def instrument(c, mem: PhaseMemory) -> None:
         c.critic.update = mem.wrap("critic_update", c.critic.update)
 
 
+class HostTimeline:
+    """Host seconds of the trainer's pieces inside a step, from the step's start (no device syncs added):
+    where the step's time outside generation and the update goes. ``wrap_trainer`` wraps the functions
+    ``train_step`` calls through its module (the trainer's code is unchanged)."""
+
+    PIECES = ("rollout", "build_batch", "_defer_advantages", "_score", "compute_advantages",
+              "rollout_correction", "batch_metrics")  # fmt: skip
+
+    def __init__(self):
+        self.t0 = 0.0
+        self.spans: list[tuple[str, float, float]] = []
+
+    def start(self, t0: float) -> None:
+        self.t0, self.spans = t0, []
+
+    def gc_callback(self, phase: str, info: dict) -> None:
+        """``gc.callbacks``: each collection of Python's collector as a span ``gc<generation>``."""
+        now = time.perf_counter() - self.t0
+        if phase == "start":
+            self._gc_start = now
+        elif getattr(self, "_gc_start", None) is not None:
+            self.spans.append((f"gc{info.get('generation')}", self._gc_start, now))
+            self._gc_start = None
+
+    def wrap(self, name: str, fn):
+        def wrapped(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spans.append((name, t - self.t0, time.perf_counter() - self.t0))
+
+        return wrapped
+
+    def wrap_trainer(self, c) -> None:
+        from megatron_rl.trainer import run as trainer_run
+
+        for name in self.PIECES:
+            setattr(trainer_run, name, self.wrap(name, getattr(trainer_run, name)))
+        c.train_loader.global_batch = self.wrap("global_batch", c.train_loader.global_batch)
+        c.engine.generate = self.wrap("generate", c.engine.generate)
+        c.actor.update = self.wrap("actor_update", c.actor.update)
+        gc.callbacks.append(self.gc_callback)
+
+    def report(self, step_s: float) -> dict:
+        """Spans in ms from the step's start, and the step's ms in none of the top-level spans."""
+        spans = sorted(self.spans, key=lambda s: s[1])
+        covered, end = 0.0, 0.0
+        for _, a, b in spans:  # the union of the spans (collections inside a piece count once)
+            if b > end:
+                covered += b - max(a, end)
+                end = b
+        return {
+            "spans_ms": [[n, round(a * 1e3, 2), round(b * 1e3, 2)] for n, a, b in spans],
+            "uncovered_ms": round((step_s - covered) * 1e3, 2),
+        }
+
+
 def _global_max(values: dict[str, float]) -> dict[str, float]:
     import torch
     import torch.distributed as dist
@@ -386,6 +445,8 @@ def run(a: argparse.Namespace) -> dict:
         c.tokenizer = NoEosTokenizer(c.tokenizer)
     mem = PhaseMemory()
     instrument(c, mem)
+    host = HostTimeline()
+    host.wrap_trainer(c)
     cuda = torch.cuda.is_available()
     n_params = c.args.matmul_params()
     # the memory model at the values the run resolved (auto budgets included), for the measured peaks
@@ -398,11 +459,15 @@ def run(a: argparse.Namespace) -> dict:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        host.start(t0)
         metrics, batch = train_step(c, step, timer)
+        t_collect = time.perf_counter()
         collector.after_step(step + 1)  # a manual collection inside the step's time, as in run_training
+        t_sync = time.perf_counter()
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
+        host.spans += [("collector", t_collect - t0, t_sync - t0), ("final_sync", t_sync - t0, seconds)]
         gc_s = collector.take_pause_s()  # the collector's time inside this step
         counts = torch.tensor(
             [float(batch.prompt_lens.sum()), float(batch.response_lens.sum()), float(len(batch))],
@@ -422,6 +487,7 @@ def run(a: argparse.Namespace) -> dict:
             "tok_per_s_per_gpu": tokens / seconds / dims.world_size,
             "timing_s": phases,
             "gc_s": gc_s,
+            "host_timeline": host.report(seconds),
             "actor_update_mfu": 6
             * n_params
             * tokens

@@ -157,13 +157,6 @@ def right_padded(seqs: list[list], width: int, dtype: torch.dtype, fill: float =
     return _placed(flat, lens, width, dtype, fill)
 
 
-def _padded(parts: list, lens: torch.Tensor, width: int, dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
-    """``right_padded`` from numpy arrays (one per row, or ``parts`` as row-major pieces whose lengths per row
-    sum to ``lens``): one concatenation in C, no Python values."""
-    flat = torch.from_numpy(np.concatenate(parts)).to(dtype) if int(lens.sum()) else None
-    return _placed(flat, lens, width, dtype, fill)
-
-
 def _placed(flat: torch.Tensor | None, lens: torch.Tensor, width: int, dtype: torch.dtype, fill: float):
     """[len(lens), width] of ``fill`` with row i's first lens[i] cells taken from ``flat`` (the rows' values
     back to back; None when they are all empty) in row-major order."""
@@ -173,30 +166,42 @@ def _placed(flat: torch.Tensor | None, lens: torch.Tensor, width: int, dtype: to
     return out
 
 
-def _from_arrays(
-    completions: list[Completion], prompt_lens: torch.Tensor, response_lens: torch.Tensor, t: int, r: int,
-    pad_id: int,
-) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def _padded(rows: list, width: int, dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
+    """``right_padded`` from numpy arrays: ``rows[i]`` is row i's array, or a tuple of arrays placed back to
+    back. A slice copy per piece into one array (GRPO's 512 x 768 ids: ~1 ms, against ~3 ms for a boolean-mask
+    scatter of the concatenated pieces, 2-core CPU, session 39)."""
+    out = np.full((len(rows), width), fill, dtype=torch.empty((), dtype=dtype).numpy().dtype)
+    for i, pieces in enumerate(rows):
+        if isinstance(pieces, np.ndarray):
+            out[i, : len(pieces)] = pieces
+            continue
+        at = 0
+        for piece in pieces:
+            out[i, at : at + len(piece)] = piece
+            at += len(piece)
+    return torch.from_numpy(out)
+
+
+def _from_arrays(completions: list[Completion], t: int, r: int, pad_id: int) -> tuple[torch.Tensor, ...]:
     """input_ids [B, t], responses [B, r] and rollout log-probs [B, r] from the engine's arrays
-    (``Completion.arrays``; ``prompt_lens`` / ``response_lens`` [B] the lists' lengths): each prompt's ids
-    converted once, the responses copied, not listed."""
+    (``Completion.arrays``): each prompt's ids converted once, the responses copied, not listed."""
     prompts: dict[int, tuple[list, np.ndarray]] = {}  # a prompt's samples hold equal ids (checked: cheap)
     ids = []
     for c in completions:
-        if not len(c.arrays[0]) == len(c.arrays[1]) == len(c.response_ids):  # lists changed after the engine
+        if not len(c.arrays[0]) == len(c.arrays[1]) == c.response_len():  # lists changed after the engine
             raise ValueError(
                 f"Completion {c.prompt_index}/{c.sample_index}: its arrays hold {len(c.arrays[0])} ids and "
-                f"{len(c.arrays[1])} log-probs for {len(c.response_ids)} response ids; set arrays=None after "
+                f"{len(c.arrays[1])} log-probs for {c.response_len()} response ids; set arrays=None after "
                 "changing response_ids or logprobs"
             )
         seen = prompts.get(c.prompt_index)
         if seen is None or seen[0] != c.prompt_ids:
             seen = prompts[c.prompt_index] = (c.prompt_ids, np.asarray(c.prompt_ids, dtype=np.int64))
-        ids += (seen[1], c.arrays[0])
+        ids.append((seen[1], c.arrays[0]))
     return (
-        _padded(ids, prompt_lens + response_lens, t, torch.long, pad_id),
-        _padded([c.arrays[0] for c in completions], response_lens, r, torch.long),
-        _padded([c.arrays[1] for c in completions], response_lens, r, torch.float32),
+        _padded(ids, t, torch.long, pad_id),
+        _padded([c.arrays[0] for c in completions], r, torch.long),
+        _padded([c.arrays[1] for c in completions], r, torch.float32),
     )
 
 
@@ -214,12 +219,12 @@ def build_batch(
     """
     b, r = len(completions), max_new_tokens
     prompt_lens = torch.tensor([len(c.prompt_ids) for c in completions])
-    response_lens = torch.tensor([len(c.response_ids) for c in completions])
+    response_lens = torch.tensor([c.response_len() for c in completions])
     t = int((prompt_lens + response_lens).max())
     # [B, R] 0 where a multi-turn response holds appended (not sampled) ids
     multi = any(c.response_mask for c in completions)
     if completions and not multi and all(c.arrays is not None for c in completions):
-        input_ids, responses, rollout_lp = _from_arrays(completions, prompt_lens, response_lens, t, r, pad_id)
+        input_ids, responses, rollout_lp = _from_arrays(completions, t, r, pad_id)
     else:
         input_ids = right_padded([c.prompt_ids + c.response_ids for c in completions], t, torch.long, pad_id)
         responses = right_padded([c.response_ids for c in completions], r, torch.long)
@@ -233,7 +238,7 @@ def build_batch(
     response_mask = (j[None, :] < response_lens[:, None]).float() * sampled  # [B, R]
     score_pos = (prompt_lens[:, None] - 1 + j[None, :]).clamp(max=t - 1)  # [B, R]
     truncated = None
-    if completions and all(c.truncated_logprobs or not c.response_ids for c in completions):
+    if completions and all(c.truncated_logprobs or not c.response_len() for c in completions):
         truncated = right_padded([c.truncated_logprobs for c in completions], r, torch.float32).to(device)
     return RolloutBatch(
         turns=torch.tensor([c.turns for c in completions], device=device) if multi else None,

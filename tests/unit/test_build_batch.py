@@ -102,3 +102,53 @@ def test_completions_cross_ranks_without_their_arrays(monkeypatch):
     want = build_batch(mine, [None], 0, 4, 0, torch.device("cpu"))
     have = build_batch(got, [None], 0, 4, 0, torch.device("cpu"))
     assert torch.equal(want.input_ids, have.input_ids) and torch.equal(want.responses, have.responses)
+
+
+class _Counted(np.ndarray):
+    """An array (and its views) counting ``tolist`` calls."""
+
+    listed = 0
+
+    def tolist(self):
+        _Counted.listed += 1
+        return super().tolist()
+
+
+def test_the_engines_arrays_are_listed_only_when_read():
+    """``Completion.set_arrays`` (the engine's single-turn results): ``build_batch`` and ``response_len`` read the
+    arrays and list nothing; ``response_ids`` / ``logprobs`` are the arrays' lists on the first read (once), equal
+    to a completion made from lists, and stay readable when a caller drops ``arrays`` or sets one list."""
+    import pickle
+
+    comps = _completions(False)
+    want = build_batch(comps, [None] * 4, 10, 8, 7, torch.device("cpu"))
+    lazy = []
+    for c in comps:
+        z = Completion(c.prompt_index, c.sample_index, c.prompt_ids, finish_reason="stop",
+                       truncated_logprobs=c.truncated_logprobs)  # fmt: skip
+        z.set_arrays(np.asarray(c.response_ids, dtype=np.int64).view(_Counted),
+                     np.asarray(c.logprobs, dtype=np.float32).view(_Counted))  # fmt: skip
+        lazy.append(z)
+    _Counted.listed = 0
+    got = build_batch(lazy, [None] * 4, 10, 8, 7, torch.device("cpu"))
+    assert [z.response_len() for z in lazy] == [len(c.response_ids) for c in comps]
+    assert _Counted.listed == 0
+    for f in ("input_ids", "responses", "rollout_log_probs", "response_mask", "score_pos", "response_lens"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    z, c = lazy[1], comps[1]
+    assert z.response_ids == c.response_ids and _Counted.listed == 1
+    assert z.response_ids is z.response_ids and _Counted.listed == 1  # listed once, then kept
+    assert z.logprobs == np.asarray(c.logprobs, dtype=np.float32).tolist()
+    # a caller drops the arrays, or replaces one list: the other still reads the engine's values
+    a, b = lazy[2], lazy[3]
+    a.arrays = None
+    assert a.response_ids == comps[2].response_ids and a.response_len() == len(comps[2].response_ids)
+    b.response_ids = [1, 2]
+    b.arrays = None
+    assert b.response_len() == 2 and b.logprobs == np.asarray(comps[3].logprobs, dtype=np.float32).tolist()
+    back = pickle.loads(pickle.dumps(lazy[4]))
+    assert back.response_ids == comps[4].response_ids
+    c = comps[5]
+    assert lazy[5] == Completion(c.prompt_index, c.sample_index, c.prompt_ids, c.response_ids,
+                                 np.asarray(c.logprobs, dtype=np.float32).tolist(), "stop",
+                                 truncated_logprobs=c.truncated_logprobs)  # fmt: skip
