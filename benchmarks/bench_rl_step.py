@@ -255,10 +255,27 @@ class HostTimeline:
 
         for name in self.PIECES:
             setattr(trainer_run, name, self.wrap(name, getattr(trainer_run, name)))
+        from megatron_rl.rollout import batch as batch_mod
+
+        batch_mod._from_arrays = self.wrap("from_arrays", batch_mod._from_arrays)  # build_batch's host part
         c.train_loader.global_batch = self.wrap("global_batch", c.train_loader.global_batch)
         c.engine.generate = self.wrap("generate", c.engine.generate)
         c.actor.update = self.wrap("actor_update", c.actor.update)
+        c.actor._split = self.wrap("actor_split", c.actor._split)  # the micro-batches, before the first runs
         gc.callbacks.append(self.gc_callback)
+
+    ALLOCATOR = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+    @classmethod
+    def allocator(cls) -> dict[str, int]:
+        """The CUDA caching allocator's counters of calls that can stall the host (cudaMalloc / cudaFree,
+        retries after a failed allocation); {} on CPU."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return {}
+        stats = torch.cuda.memory_stats()
+        return {k: stats.get(k, 0) for k in cls.ALLOCATOR}
 
     def report(self, step_s: float) -> dict:
         """Spans in ms from the step's start, and the step's ms in none of the top-level spans."""
@@ -458,6 +475,7 @@ def run(a: argparse.Namespace) -> dict:
         timer = Timer()
         if cuda:
             torch.cuda.synchronize()
+        alloc_before = host.allocator()
         t0 = time.perf_counter()
         host.start(t0)
         metrics, batch = train_step(c, step, timer)
@@ -487,7 +505,8 @@ def run(a: argparse.Namespace) -> dict:
             "tok_per_s_per_gpu": tokens / seconds / dims.world_size,
             "timing_s": phases,
             "gc_s": gc_s,
-            "host_timeline": host.report(seconds),
+            "host_timeline": host.report(seconds)
+            | {"allocator_calls": {k: v - alloc_before[k] for k, v in host.allocator().items()}},
             "actor_update_mfu": 6
             * n_params
             * tokens

@@ -239,20 +239,25 @@ def build_batch(
     score_pos = (prompt_lens[:, None] - 1 + j[None, :]).clamp(max=t - 1)  # [B, R]
     truncated = None
     if completions and all(c.truncated_logprobs or not c.response_len() for c in completions):
-        truncated = right_padded([c.truncated_logprobs for c in completions], r, torch.float32).to(device)
+        truncated = right_padded([c.truncated_logprobs for c in completions], r, torch.float32)
+
+    def put(value) -> torch.Tensor:  # pinned and non-blocking: a pageable copy waits for the stream (and on
+        # the GPU hosts here took 4-72 ms for this function's ~10 MB, H100, session 39)
+        return to_device_async(value if isinstance(value, torch.Tensor) else torch.tensor(value), device)
+
     return RolloutBatch(
-        turns=torch.tensor([c.turns for c in completions], device=device) if multi else None,
-        tool_reward=torch.tensor([c.tool_reward for c in completions], device=device) if multi else None,
-        tool_counts=torch.tensor([c.tool_counts for c in completions], device=device) if multi else None,
-        input_ids=input_ids.to(device),
-        responses=responses.to(device),
-        response_mask=response_mask.to(device),
-        score_pos=score_pos.to(device),
-        prompt_lens=prompt_lens.to(device),
-        response_lens=response_lens.to(device),
-        group_index=torch.tensor([group_offset + c.prompt_index for c in completions], device=device),
-        rollout_log_probs=rollout_lp.to(device),
-        rollout_truncated_log_probs=truncated,
+        turns=put([c.turns for c in completions]) if multi else None,
+        tool_reward=put([c.tool_reward for c in completions]) if multi else None,
+        tool_counts=put([c.tool_counts for c in completions]) if multi else None,
+        input_ids=put(input_ids),
+        responses=put(responses),
+        response_mask=put(response_mask),
+        score_pos=put(score_pos),
+        prompt_lens=put(prompt_lens),
+        response_lens=put(response_lens),
+        group_index=put([group_offset + c.prompt_index for c in completions]),
+        rollout_log_probs=put(rollout_lp),
+        rollout_truncated_log_probs=None if truncated is None else put(truncated),
         finish_reasons=[c.finish_reason or "length" for c in completions],
         rows=[rows[c.prompt_index] for c in completions],
     )

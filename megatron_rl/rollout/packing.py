@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_rl.distributed.transfer import to_device_async
 from megatron_rl.rollout.batch import RolloutBatch, packed_groups, trim
 
 
@@ -58,7 +59,7 @@ class PackedLayout:
         from megatron_rl.kernels.gather_rows import inverse, runs_on
         from megatron_rl.models.packed_attention import SegmentSeqParams
 
-        whole = torch.tensor([0, self.total], dtype=torch.int32, device=self.input_ids.device)
+        whole = to_device_async(torch.tensor([0, self.total], dtype=torch.int32), self.input_ids.device)
         rope_len = self.max_seqlen_k if self.shared else self.max_seqlen
         listed = self.shared and runs_on(self.kv_index.device)  # once, for every layer
         order, ptr = inverse(self.kv_index, self.total) if listed else (None, None)
