@@ -286,13 +286,15 @@ def _check_recompute(cfg: JobConfig, role: str, layers_per_stage: int | None) ->
 
 def _check_lora(cfg: JobConfig, role: str) -> None:
     """``<role>.lora``: rank >= 0 (0 = off), alpha > 0, 0 <= dropout < 1, known targets and init."""
-    from megatron_rl.models.lora import LORA_INITS, TARGETS
-
     lora, key = getattr(cfg, role).lora, f"{role}.lora"
     if not isinstance(lora.rank, int) or lora.rank < 0:
         raise ConfigError(f"{key}.rank={lora.rank!r} must be an integer >= 0 (0 = off, e.g. {key}.rank=16).")
     if not lora.enabled:
         return
+    # imported only with LoRA on: megatron_rl.models imports megatron-core (~5 s on a CPU), which a job with a
+    # configuration error further on in validate_job should not wait for
+    from megatron_rl.models.lora import LORA_INITS, TARGETS
+
     if not lora.alpha > 0:
         raise ConfigError(f"{key}.alpha={lora.alpha} must be > 0 (the scale is alpha / rank; e.g. 2 x rank).")
     if not 0 <= lora.dropout < 1:
