@@ -111,3 +111,19 @@ def test_update_attention_bench_counts_the_pairs_its_rows_allow():
     # a near-zero scale makes every allowed key equally weighted: out[i, j] > 0 exactly where i reads j
     allowed = sum(r * 5 + r * (r + 1) // 2 for r in (4, 1, 7, 2, 6, 3)) + 2 * 15  # responses, two prompts
     assert int((out[:, 0] > 0).sum()) == bua.pairs(p) == allowed
+
+
+def test_build_batch_bench_times_both_ways_and_writes_its_json(tmp_path):
+    """``bench_build_batch.py`` (session 39's host-time figures): both completion forms build a batch; its JSON
+    holds each way's medians."""
+    import json
+
+    import bench_build_batch as bbb
+
+    out = tmp_path / "b.json"
+    got = bbb.main(["--rows", "16", "--n", "4", "--prompt-len", "8", "--response-len", "12", "--repeats", "2",
+                    "--out", str(out)])  # fmt: skip
+    saved = json.loads(out.read_text())
+    for way in ("listed", "set_arrays"):
+        assert set(saved[way]) == {"make_ms", "build_ms", "free_ms", "runs"}
+        assert len(saved[way]["runs"]["build_ms"]) == 2 and got[way]["free_ms"] >= 0
