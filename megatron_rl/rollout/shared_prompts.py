@@ -21,6 +21,7 @@ from collections import Counter
 import numpy as np
 import torch
 
+from megatron_rl.distributed.transfer import to_device_async, to_host_async
 from megatron_rl.rollout.batch import RolloutBatch, trim
 from megatron_rl.rollout.packing import PackedLayout
 
@@ -44,7 +45,12 @@ def shared_layout(input_ids: torch.Tensor, prompt_lens: torch.Tensor, response_l
     mapped into it."""
     b, t = input_ids.shape
     dev = input_ids.device
-    ids_np, p_lens, r_lens = input_ids.cpu().numpy(), prompt_lens.tolist(), response_lens.tolist()
+    # one wait for the three reads, into pinned memory; the layout goes back without waiting (a pageable copy
+    # waits for the stream each: ~9 host syncs a micro-batch before the update's first forward, session 39)
+    (ids, p_lens, r_lens), ready = to_host_async([input_ids, prompt_lens, response_lens])
+    if ready is not None:
+        ready.synchronize()
+    ids_np, p_lens, r_lens = ids.numpy(), p_lens.tolist(), r_lens.tolist()
     # the packed row's segments as (start, length) ranges: source token (flat [B*T] index), position, keys
     src_s, src_n, pos_s, kv_s, kv_n = [], [], [], [], []
     cu_q, cu_k = [0], [0]
@@ -73,14 +79,16 @@ def shared_layout(input_ids: torch.Tensor, prompt_lens: torch.Tensor, response_l
     p_t, r_t = torch.tensor(p_lens)[:, None], torch.tensor(r_lens)[:, None]
     sp, sr = torch.tensor(row_start_p)[:, None], torch.tensor(row_start_r)[:, None]
     last = torch.where(r_t > 0, sr + r_t - 1, sp + p_t - 1)  # past its end a row points at its own last token
-    row_pos = torch.where(col < p_t, sp + col, torch.minimum(sr + col - p_t, last)).to(dev)  # [B, T]
-    as_int32 = dict(dtype=torch.int32, device=dev)
+    row_pos = to_device_async(
+        torch.where(col < p_t, sp + col, torch.minimum(sr + col - p_t, last)), dev
+    )  # [B, T]
     return PackedLayout(
-        input_ids=input_ids.reshape(-1)[ranges(src_s, src_n).to(dev)][None],
-        positions=ranges(pos_s, src_n).to(dev)[None],
-        cu_seqlens=torch.tensor(cu_q, **as_int32), max_seqlen=max(q_lens),
+        input_ids=input_ids.reshape(-1)[to_device_async(ranges(src_s, src_n), dev)][None],
+        positions=to_device_async(ranges(pos_s, src_n), dev)[None],
+        cu_seqlens=to_device_async(torch.tensor(cu_q, dtype=torch.int32), dev), max_seqlen=max(q_lens),
         starts=row_pos[:, 0], score_pos=row_pos.gather(1, score_pos.to(dev)),
-        kv_index=ranges(kv_s, kv_n).to(dev), cu_seqlens_k=torch.tensor(cu_k, **as_int32),
+        kv_index=to_device_async(ranges(kv_s, kv_n), dev),
+        cu_seqlens_k=to_device_async(torch.tensor(cu_k, dtype=torch.int32), dev),
         max_seqlen_k=max(k_lens), row_pos=row_pos,
     )  # fmt: skip
 
