@@ -585,6 +585,9 @@ def run(a: argparse.Namespace) -> dict:
             "actor_params": n_params,
         },
         "world_size": dims.world_size,
+        # which tree ran: this script puts its own repo first on sys.path, so an older package is run from
+        # that package's own tree (its benchmarks/ copied in), never through PYTHONPATH
+        "package": str(Path(sys.modules["megatron_rl"].__file__).parent),
         "overrides": overrides(a),
         "build_s": build_s,
         "steps": steps,

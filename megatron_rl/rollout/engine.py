@@ -124,17 +124,20 @@ class Completion:
     def set_arrays(self, ids, logprobs) -> None:
         """The engine's single-turn result as numpy arrays (``arrays``); ``response_ids`` and ``logprobs`` become
         their lists when first read. A fixed-length GRPO step (512 x 512 tokens) listed all of them at the end of
-        generation and freed them again after ``build_batch``, which reads the arrays: ~20 ms of host time a
-        step on a 2-core CPU (session 39) that nothing in the trainer's path needed."""
+        generation and freed them again after ``build_batch``, which reads the arrays: ~25 ms of host time a
+        step on a 2-core CPU (``benchmarks/bench_build_batch.py``, session 39) that the trainer's path never
+        needed."""
         self.arrays = (ids, logprobs)
         self.__dict__["_unlisted"] = (ids, logprobs)  # kept apart from ``arrays``, which a caller may drop
         self.__dict__["_response_ids"] = self.__dict__["_logprobs"] = None
 
     def response_len(self) -> int:
         """``len(response_ids)``, without listing the engine's arrays."""
-        ids = self.__dict__["_response_ids"]
+        ids = self.__dict__.get("_response_ids")
         return (
-            len(self.__dict__["_unlisted"][0]) if ids is None and "_unlisted" in self.__dict__ else len(ids)
+            len(self.__dict__["_unlisted"][0])
+            if ids is None and "_unlisted" in self.__dict__
+            else len(self.response_ids)
         )
 
 
@@ -143,6 +146,8 @@ def _listed(name: str, column: int) -> property:
     key = f"_{name}"
 
     def get(self) -> list:
+        if key not in self.__dict__:  # e.g. a Completion unpickled from before these properties
+            return self.__dict__.get(name, [])
         value = self.__dict__[key]
         if value is None and "_unlisted" in self.__dict__:
             value = self.__dict__[key] = self.__dict__["_unlisted"][column].tolist()

@@ -59,6 +59,15 @@ def test_the_engines_arrays_give_the_same_tensors_as_the_lists(monkeypatch):
     want = build_batch(comps, [None] * 4, 10, 8, 7, torch.device("cpu"))
     for c in comps:
         c.arrays = (np.asarray(c.response_ids, dtype=np.int64), np.asarray(c.logprobs, dtype=np.float32))
+    listed_arrays = [Completion(c.prompt_index, c.sample_index, c.prompt_ids, c.response_ids, c.logprobs, "stop",
+                                truncated_logprobs=c.truncated_logprobs, arrays=(list(c.response_ids),
+                                torch.tensor(c.logprobs))) for c in comps]  # fmt: skip
+    got = build_batch(
+        listed_arrays, [None] * 4, 10, 8, 7, torch.device("cpu")
+    )  # arrays as a list and a tensor
+    assert torch.equal(got.input_ids, want.input_ids) and torch.equal(
+        got.rollout_log_probs, want.rollout_log_probs
+    )
     calls = []
     real = batch_mod._from_arrays
     monkeypatch.setattr(batch_mod, "_from_arrays", lambda *a: calls.append(1) or real(*a))
@@ -146,6 +155,11 @@ def test_the_engines_arrays_are_listed_only_when_read():
     b.response_ids = [1, 2]
     b.arrays = None
     assert b.response_len() == 2 and b.logprobs == np.asarray(comps[3].logprobs, dtype=np.float32).tolist()
+    # a Completion whose state predates the properties (plain ``response_ids`` / ``logprobs`` keys)
+    old = Completion(0, 0, [1], [5, 6], [-0.5, -1.0], "stop")
+    for name in ("response_ids", "logprobs"):
+        old.__dict__[name] = old.__dict__.pop(f"_{name}")
+    assert old.response_ids == [5, 6] and old.logprobs == [-0.5, -1.0] and old.response_len() == 2
     back = pickle.loads(pickle.dumps(lazy[4]))
     assert back.response_ids == comps[4].response_ids
     c = comps[5]

@@ -32,6 +32,9 @@ def test_greedy_equals_hf_and_logprobs_equal_hf_forward(model):
         prompts, SamplingParams(temperature=0.7, top_p=0.9, n=2, max_new_tokens=10, seed=1)
     )
     assert [(c.prompt_index, c.sample_index) for c in sampled] == [(i, s) for i in range(6) for s in range(2)]
+    # single-turn results come unlisted (``Completion.set_arrays``): listed only when read, below
+    assert all(c.__dict__["_response_ids"] is None and c.__dict__["_logprobs"] is None for c in sampled)
+    assert engine.last_stats.new_tokens == 12 * 10
     for c in sampled:
         ref = hf_logprobs(hf, c.prompt_ids, c.response_ids, 0.7)
         assert (torch.tensor(c.logprobs) - ref).abs().max() < 1e-5

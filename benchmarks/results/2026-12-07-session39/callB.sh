@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Session 39, call B (carry `.whl` and `.old`, the package at dd5f26c; H200 only unless ANY=1): issue 16's
-# targets at this tree (0.5B fixed 5 steps, 3B fixed, 0.5B spread 5 steps) with bench_rl_step.py's host
-# timeline, the 0.5B fixed step at dd5f26c's package (the session's start) after the first; 3B if the time is left.
+# Session 39, call B (carry `.whl` and `.old`; H200 only unless ANY=1): issue 16's targets at this tree (0.5B
+# fixed 5 steps, 3B fixed, 0.5B spread 5 steps) with bench_rl_step.py's host timeline, and the 0.5B fixed step
+# at dd5f26c (the session's start) after the first; 3B if the time is left. `.old` must be a whole tree:
+#   rm -rf .old && mkdir -p .old/benchmarks && git archive dd5f26c megatron_rl configs | tar -x -C .old && cp benchmarks/*.py .old/benchmarks/
+# (bench_rl_step.py puts its own repo first on sys.path: as run in session 39, with PYTHONPATH=.old and this
+# tree's script, "d_fixed_old" ran this tree's package; its JSON's "package" now says which ran).
 set -u
 D=benchmarks/results/2026-12-06-session29; O=$OUT/cB; mkdir -p "$O"; T0=$SECONDS
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$GPU"
@@ -10,7 +13,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 source $D/steps.sh
 run_step 120 a_fixed 0 --steps 5 --shape qwen2.5-0.5b
-PYTHONPATH=$PWD/.old:/tmp/site:$PWD run_step 110 d_fixed_old 0 --steps 5 --shape qwen2.5-0.5b
+(cd .old && PYTHONPATH=/tmp/site run_step 110 d_fixed_old 0 --steps 5 --shape qwen2.5-0.5b)
 run_step 110 c_spread 0 --steps 5 --shape qwen2.5-0.5b --lengths spread
 run_step 250 b_fixed_3b 0 --steps 3 --shape qwen2.5-3b
 summary a_fixed b_fixed_3b c_spread d_fixed_old
