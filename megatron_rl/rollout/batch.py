@@ -168,8 +168,8 @@ def _placed(flat: torch.Tensor | None, lens: torch.Tensor, width: int, dtype: to
 
 def _padded(rows: list, width: int, dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
     """``right_padded`` from arrays: ``rows[i]`` is row i's array (or list, tensor), or a tuple of them placed back
-    to back. A slice copy per piece into one array (GRPO's 512 x 768 ids: ~1 ms, against ~3 ms for a boolean-mask
-    scatter of the concatenated pieces, 2-core CPU, session 39)."""
+    to back. A slice copy per piece into one array (a boolean-mask scatter of the concatenated pieces was most of
+    ``build_batch``'s host time in a CPU profile, session 39)."""
     out = np.full((len(rows), width), fill, dtype=torch.empty((), dtype=dtype).numpy().dtype)
     for i, pieces in enumerate(rows):
         at = 0
@@ -240,7 +240,7 @@ def build_batch(
         truncated = right_padded([c.truncated_logprobs for c in completions], r, torch.float32)
 
     def put(value) -> torch.Tensor:  # pinned and non-blocking: a pageable copy waits for the stream (and on
-        # the GPU hosts here took 4-72 ms for this function's ~10 MB, H100, session 39)
+        # one H100 host took 29-72 ms for this function's ~10 MB; benchmarks/results/2026-12-07-session39)
         return to_device_async(value if isinstance(value, torch.Tensor) else torch.tensor(value), device)
 
     return RolloutBatch(
