@@ -130,3 +130,30 @@ def test_measured_rates_are_the_means_of_the_measurements_that_ran():
     )
     assert bench_rl_step.measured_rates({}) is None
     assert bench_rl_step.slowest_rates({"before": before}) == (680e12, 3.0e12)
+
+
+def test_host_timeline_spans_union_and_the_trainer_pieces_it_wraps():
+    """``HostTimeline``: spans from the step's start (also when the wrapped call raises), collections of the
+    collector as ``gc<generation>``, the step's time outside every span; and every piece it wraps is still a
+    function of the trainer's loop module (a rename fails here, not on a device)."""
+    import time
+
+    from megatron_rl.trainer import run as trainer_run
+
+    tl = bench_rl_step.HostTimeline()
+    assert all(callable(getattr(trainer_run, name)) for name in tl.PIECES)
+    tl.start(time.perf_counter())
+
+    def boom():
+        raise ValueError("x")
+
+    assert tl.wrap("ok", lambda x: x + 1)(1) == 2
+    with pytest.raises(ValueError):
+        tl.wrap("boom", boom)()
+    tl.gc_callback("start", {"generation": 2})
+    tl.gc_callback("stop", {"generation": 2})
+    assert [s[0] for s in tl.spans] == ["ok", "boom", "gc2"]
+    tl.spans = [("a", 0.000, 0.010), ("b", 0.005, 0.020), ("c", 0.030, 0.040)]  # a and b overlap
+    got = tl.report(0.050)
+    assert got["uncovered_ms"] == pytest.approx(50 - 20 - 10)
+    assert [s[0] for s in got["spans_ms"]] == ["a", "b", "c"] and got["spans_ms"][1][1:] == [5.0, 20.0]
