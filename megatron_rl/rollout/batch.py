@@ -157,32 +157,33 @@ def right_padded(seqs: list[list], width: int, dtype: torch.dtype, fill: float =
     return _placed(flat, lens, width, dtype, fill)
 
 
+def _padded(parts: list, lens: torch.Tensor, width: int, dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
+    """``right_padded`` from arrays (one per row, or ``parts`` as row-major pieces whose lengths per row sum to
+    ``lens``): one concatenation in C, no Python values."""
+    flat = torch.from_numpy(np.concatenate(parts)).to(dtype) if int(lens.sum()) else None
+    return _placed(flat, lens, width, dtype, fill)
+
+
 def _placed(flat: torch.Tensor | None, lens: torch.Tensor, width: int, dtype: torch.dtype, fill: float):
     """[len(lens), width] of ``fill`` with row i's first lens[i] cells taken from ``flat`` (the rows' values
-    back to back; None when they are all empty) in row-major order."""
+    back to back; None when they are all empty) in row-major order: a slice copy a row (a boolean-mask scatter
+    was most of ``build_batch``'s host time in a CPU profile, session 39)."""
     out = torch.full((len(lens), width), fill, dtype=dtype)
     if flat is not None:
-        out[torch.arange(width)[None, :] < lens[:, None]] = flat
+        dst, src, at = out.numpy(), flat.numpy(), 0
+        for i, n in enumerate(lens.tolist()):
+            dst[i, :n] = src[at : at + n]
+            at += n
     return out
 
 
-def _padded(rows: list, width: int, dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
-    """``right_padded`` from arrays: ``rows[i]`` is row i's array (or list, tensor), or a tuple of them placed back
-    to back. A slice copy per piece into one array (a boolean-mask scatter of the concatenated pieces was most of
-    ``build_batch``'s host time in a CPU profile, session 39)."""
-    out = np.full((len(rows), width), fill, dtype=torch.empty((), dtype=dtype).numpy().dtype)
-    for i, pieces in enumerate(rows):
-        at = 0
-        for piece in pieces if isinstance(pieces, tuple) else (pieces,):
-            piece = np.asarray(piece)  # a caller's ``arrays`` may hold lists or tensors
-            out[i, at : at + len(piece)] = piece
-            at += len(piece)
-    return torch.from_numpy(out)
-
-
-def _from_arrays(completions: list[Completion], t: int, r: int, pad_id: int) -> tuple[torch.Tensor, ...]:
+def _from_arrays(
+    completions: list[Completion], prompt_lens: torch.Tensor, response_lens: torch.Tensor, t: int, r: int,
+    pad_id: int,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """input_ids [B, t], responses [B, r] and rollout log-probs [B, r] from the engine's arrays
-    (``Completion.arrays``): each prompt's ids converted once, the responses copied, not listed."""
+    (``Completion.arrays``; ``prompt_lens`` / ``response_lens`` [B] the responses' lengths): each prompt's ids
+    converted once, the responses copied, not listed."""
     prompts: dict[int, tuple[list, np.ndarray]] = {}  # a prompt's samples hold equal ids (checked: cheap)
     ids = []
     for c in completions:
@@ -195,11 +196,11 @@ def _from_arrays(completions: list[Completion], t: int, r: int, pad_id: int) -> 
         seen = prompts.get(c.prompt_index)
         if seen is None or seen[0] != c.prompt_ids:
             seen = prompts[c.prompt_index] = (c.prompt_ids, np.asarray(c.prompt_ids, dtype=np.int64))
-        ids.append((seen[1], c.arrays[0]))
+        ids += (seen[1], c.arrays[0])
     return (
-        _padded(ids, t, torch.long, pad_id),
-        _padded([c.arrays[0] for c in completions], r, torch.long),
-        _padded([c.arrays[1] for c in completions], r, torch.float32),
+        _padded(ids, prompt_lens + response_lens, t, torch.long, pad_id),
+        _padded([c.arrays[0] for c in completions], response_lens, r, torch.long),
+        _padded([c.arrays[1] for c in completions], response_lens, r, torch.float32),
     )
 
 
@@ -222,7 +223,7 @@ def build_batch(
     # [B, R] 0 where a multi-turn response holds appended (not sampled) ids
     multi = any(c.response_mask for c in completions)
     if completions and not multi and all(c.arrays is not None for c in completions):
-        input_ids, responses, rollout_lp = _from_arrays(completions, t, r, pad_id)
+        input_ids, responses, rollout_lp = _from_arrays(completions, prompt_lens, response_lens, t, r, pad_id)
     else:
         input_ids = right_padded([c.prompt_ids + c.response_ids for c in completions], t, torch.long, pad_id)
         responses = right_padded([c.response_ids for c in completions], r, torch.long)
