@@ -227,6 +227,7 @@ class HostTimeline:
     def __init__(self):
         self.t0 = 0.0
         self.spans: list[tuple[str, float, float]] = []
+        self._gc_start: float | None = None  # the running collection's start
 
     def start(self, t0: float) -> None:
         self.t0, self.spans = t0, []
@@ -236,7 +237,7 @@ class HostTimeline:
         now = time.perf_counter() - self.t0
         if phase == "start":
             self._gc_start = now
-        elif getattr(self, "_gc_start", None) is not None:
+        elif self._gc_start is not None:
             self.spans.append((f"gc{info.get('generation')}", self._gc_start, now))
             self._gc_start = None
 
@@ -251,12 +252,11 @@ class HostTimeline:
         return wrapped
 
     def wrap_trainer(self, c) -> None:
+        from megatron_rl.rollout import batch as batch_mod
         from megatron_rl.trainer import run as trainer_run
 
         for name in self.PIECES:
             setattr(trainer_run, name, self.wrap(name, getattr(trainer_run, name)))
-        from megatron_rl.rollout import batch as batch_mod
-
         batch_mod._from_arrays = self.wrap("from_arrays", batch_mod._from_arrays)  # build_batch's host part
         c.train_loader.global_batch = self.wrap("global_batch", c.train_loader.global_batch)
         c.engine.generate = self.wrap("generate", c.engine.generate)

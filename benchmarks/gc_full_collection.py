@@ -29,22 +29,17 @@ def main() -> None:
     a = ap.parse_args()
     res = {"overrides": a.override}
 
+    def full_collection_ms() -> float:
+        t = time.perf_counter()
+        gc.collect()
+        return 1e3 * (time.perf_counter() - t)
+
     class Timed(run.Collector):
         def settle(self) -> None:
-            t = time.perf_counter()
-            gc.collect()
-            res.update(
-                {
-                    "tracked_objects": len(gc.get_objects()),
-                    "full_collection_ms_before": 1e3 * (time.perf_counter() - t),
-                }
-            )
+            before = full_collection_ms()
+            res.update({"tracked_objects": len(gc.get_objects()), "full_collection_ms_before": before})
             super().settle()
-            t = time.perf_counter()
-            gc.collect()
-            res.update(
-                {"gc_freeze": self.freeze, "full_collection_ms_after": 1e3 * (time.perf_counter() - t)}
-            )
+            res.update({"gc_freeze": self.freeze, "full_collection_ms_after": full_collection_ms()})
 
     run.Collector = Timed
     with tempfile.TemporaryDirectory() as out:

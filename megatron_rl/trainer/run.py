@@ -273,9 +273,8 @@ def _finish_step(c: Components, done: int, metrics: dict, batch: RolloutBatch, t
     tr = c.cfg.trainer
     if tr.test_freq > 0 and (done % tr.test_freq == 0 or done == c.total_steps):
         metrics |= validate(c, done, timer)
-    metrics[TIMING_GC] = (
-        collector.take_pause_s()
-    )  # since the last step's log: this step, its validation, the last save
+    # the collector's time since the last step's log: this step, its validation, the last save
+    metrics[TIMING_GC] = collector.take_pause_s()
     seconds = time.perf_counter() - t0
     metrics |= timer.metrics() | {"timing_s/step": seconds}
     metrics |= _perf(c, batch, seconds, metrics.get("timing_s/update_actor", 0.0))
