@@ -11,12 +11,37 @@ from __future__ import annotations
 
 import torch
 
+_HOST = "_megatron_rl_host"  # the attribute of a device tensor that holds its host copy (``keep_host``)
 
-def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor ``t`` on ``device``; to a GPU pinned and non-blocking (no host sync)."""
+
+def to_device_async(t: torch.Tensor, device: torch.device, keep: bool = False) -> torch.Tensor:
+    """Host tensor ``t`` on ``device``; to a GPU pinned and non-blocking (no host sync). ``keep``: the result
+    keeps ``t`` as its host copy (``host_values``), so reading it back later needs no sync."""
     if device.type != "cuda":
-        return t if t.device == torch.device(device) else t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+        out = t if t.device == torch.device(device) else t.to(device)
+    else:
+        out = t.pin_memory().to(device, non_blocking=True)
+    return keep_host(out, t) if keep else out
+
+
+def keep_host(t: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
+    """``t`` (on a device) with ``host`` (its values on the host; None: none) as its host copy. The copy
+    stands for ``t`` as long as ``t`` is not changed in place: only the never-modified per-row tensors of a
+    rollout batch keep one (``rollout.batch.build_batch``; ``select`` and ``trim`` carry it to what they make)."""
+    if host is not None and t.device.type != "cpu":
+        setattr(t, _HOST, host)
+    return t
+
+
+def kept_host(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s host copy (``keep_host``), ``t`` itself on the CPU, else None."""
+    return t if t.device.type == "cpu" else getattr(t, _HOST, None)
+
+
+def host_values(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values on the host: its kept host copy (no sync) or a copy made now (on a GPU a host sync)."""
+    h = kept_host(t)
+    return h if h is not None else t.cpu()
 
 
 def to_host_async(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_rl.distributed.transfer import kept_host, to_device_async
 from megatron_rl.kernels import rope as rope_kernel
 from megatron_rl.models.head import cell_rows, set_head_positions, set_rope_positions
 from megatron_rl.models.weights import unwrap
@@ -67,16 +68,21 @@ class ResponseLogits:
 
 def response_cells(mb: MicroBatch) -> torch.Tensor | None:
     """The flat cells (b * R + r) of ``mb``'s response frame that hold response tokens (r < its length), or
-    None where every cell does (or ``mb`` has no ``response_lens``). One host sync: run before the schedule."""
+    None where every cell does (or ``mb`` has no ``response_lens``). One host sync (none where the lengths kept
+    their host copy): run before the schedule."""
     lens = getattr(mb, "response_lens", None)
     if lens is None:
         return None
     b, r = mb.score_pos.shape
+    kept = kept_host(lens)  # a rollout batch's lengths keep their host copy: the cells made there, no sync
+    lens = lens if kept is None else kept
     live = (torch.arange(r, device=lens.device)[None, :] < lens[:, None]).reshape(-1)
     cells = live.nonzero().squeeze(1)
     if cells.numel() == 0:  # no response token at all: one padding cell (masked by every loss), so N > 0
         cells = live.new_zeros(1, dtype=torch.long)
-    return None if cells.numel() == b * r else cells.to(mb.score_pos.device)
+    if cells.numel() == b * r:
+        return None
+    return cells.to(mb.score_pos.device) if kept is None else to_device_async(cells, mb.score_pos.device)
 
 
 def _positions(input_ids: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from megatron_rl.data import PromptRow
-from megatron_rl.distributed.transfer import to_device_async
+from megatron_rl.distributed.transfer import host_values, keep_host, kept_host, to_device_async
 from megatron_rl.rollout.engine import Completion
 
 
@@ -71,7 +71,8 @@ class RolloutBatch:
             if isinstance(value, torch.Tensor):
                 if value.device not in on_device:
                     on_device[value.device] = to_device_async(index, value.device)
-                out[f.name] = value[on_device[value.device]]
+                kept = kept_host(value)  # the per-row tensors of build_batch: their host copies follow
+                out[f.name] = keep_host(value[on_device[value.device]], None if kept is None else kept[index])
             elif isinstance(value, Deferred):
                 out[f.name] = value.select(index)
             elif isinstance(value, list) and value:
@@ -240,21 +241,27 @@ def build_batch(
     if completions and all(c.truncated_logprobs or not c.response_len() for c in completions):
         truncated = right_padded([c.truncated_logprobs for c in completions], r, torch.float32)
 
-    def put(value) -> torch.Tensor:  # pinned and non-blocking: a pageable copy waits for the stream (and on
-        # one H100 host took 29-72 ms for this function's ~10 MB; benchmarks/results/2026-12-07-session39)
-        return to_device_async(value if isinstance(value, torch.Tensor) else torch.tensor(value), device)
+    def put(
+        value, keep: bool = False
+    ) -> torch.Tensor:  # pinned and non-blocking: a pageable copy waits for the
+        # stream (and on one H100 host took 29-72 ms for this function's ~10 MB; results/2026-12-07-session39).
+        # ``keep``: the host copy stays with the tensor, so the update's split reads lengths, group ids and
+        # prompts without a host sync (``transfer.host_values``)
+        return to_device_async(
+            value if isinstance(value, torch.Tensor) else torch.tensor(value), device, keep
+        )
 
     return RolloutBatch(
         turns=put([c.turns for c in completions]) if multi else None,
         tool_reward=put([c.tool_reward for c in completions]) if multi else None,
         tool_counts=put([c.tool_counts for c in completions]) if multi else None,
-        input_ids=put(input_ids),
+        input_ids=put(input_ids, keep=True),
         responses=put(responses),
         response_mask=put(response_mask),
         score_pos=put(score_pos),
-        prompt_lens=put(prompt_lens),
-        response_lens=put(response_lens),
-        group_index=put([group_offset + c.prompt_index for c in completions]),
+        prompt_lens=put(prompt_lens, keep=True),
+        response_lens=put(response_lens, keep=True),
+        group_index=put([group_offset + c.prompt_index for c in completions], keep=True),
         rollout_log_probs=put(rollout_lp),
         rollout_truncated_log_probs=None if truncated is None else put(truncated),
         finish_reasons=[c.finish_reason or "length" for c in completions],
@@ -271,11 +278,13 @@ def trim(batch: RolloutBatch) -> RolloutBatch:
     """Drop the padding columns past the longest sequence of ``batch`` (positions past it are clamped),
     and the response-frame columns [B, R] past its longest response (callers pad per-row outputs back to R,
     ``pad_response``)."""
-    t = int((batch.prompt_lens + batch.response_lens).max())
+    p_lens, r_lens = host_values(batch.prompt_lens), host_values(batch.response_lens)  # kept: no host sync
+    t = int((p_lens + r_lens).max())
     if t < batch.seq_len:
-        batch.input_ids = batch.input_ids[:, :t]
+        kept = kept_host(batch.input_ids)
+        batch.input_ids = keep_host(batch.input_ids[:, :t], None if kept is None else kept[:, :t])
         batch.score_pos = batch.score_pos.clamp(max=t - 1)
-    r, r_mb = batch.responses.shape[1], max(1, int(batch.response_lens.max()))
+    r, r_mb = batch.responses.shape[1], max(1, int(r_lens.max()))
     if r_mb < r:
         for name in RESPONSE_FRAME:
             value = getattr(batch, name)
@@ -357,10 +366,6 @@ def split_by_tokens(
     Longest first, greedily filled, so padding is small and few, large micro-batches run. Returns the
     micro-batches and ``order``: micro-batch rows, concatenated, are ``batch`` rows ``order``.
     """
-    groups = token_budget_groups(
-        (batch.prompt_lens + batch.response_lens).tolist(),
-        max_tokens,
-        batch.response_lens.tolist(),
-        max_scored,
-    )
+    p_lens, r_lens = host_values(batch.prompt_lens), host_values(batch.response_lens)
+    groups = token_budget_groups((p_lens + r_lens).tolist(), max_tokens, r_lens.tolist(), max_scored)
     return [trim(batch.select(g)) for g in groups], [i for g in groups for i in g]

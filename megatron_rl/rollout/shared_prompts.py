@@ -18,24 +18,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
 import torch
 
-from megatron_rl.distributed.transfer import to_device_async, to_host_async
+from megatron_rl.distributed.transfer import host_values, kept_host, to_device_async, to_host_async
 from megatron_rl.rollout.batch import RolloutBatch, trim
-from megatron_rl.rollout.packing import PackedLayout
-
-
-def ranges(starts: list[int], lens: list[int]) -> torch.Tensor:
-    """``cat([arange(s, s + n) for s, n in zip(starts, lens)])`` [sum(lens)] (int64, CPU) in a few vector ops:
-    a Python list of every index made ``torch.tensor`` spend ~0.2 s per 0.4M indices, the whole update's
-    start at the GRPO benchmark shape. In numpy: 3-4x faster than the same ops in torch at these sizes (~35k
-    indices: ~0.08 against ~0.25 ms; 24 calls in a GRPO step's split)."""
-    n = np.asarray(lens, dtype=np.int64)
-    offsets = np.cumsum(n) - n  # where each range starts in the output
-    return torch.from_numpy(
-        np.repeat(np.asarray(starts, dtype=np.int64) - offsets, n) + np.arange(int(n.sum()))
-    )
+from megatron_rl.rollout.packing import PackedLayout, ranges
 
 
 def shared_layout(input_ids: torch.Tensor, prompt_lens: torch.Tensor, response_lens: torch.Tensor,
@@ -45,11 +32,16 @@ def shared_layout(input_ids: torch.Tensor, prompt_lens: torch.Tensor, response_l
     mapped into it."""
     b, t = input_ids.shape
     dev = input_ids.device
-    # one wait for the three reads, into pinned memory; the layout goes back without waiting (a pageable copy
-    # waits for the stream each: ~9 host syncs a micro-batch before the update's first forward, session 39)
-    (ids, p_lens, r_lens), ready = to_host_async([input_ids, prompt_lens, response_lens])
-    if ready is not None:
-        ready.synchronize()
+    # a batch's rows keep their host copies (``rollout.batch.build_batch``): no read back; else one wait for the
+    # three reads, into pinned memory. The layout goes back without waiting (a pageable copy waits for the
+    # stream each: ~9 host syncs a micro-batch before the update's first forward, session 39)
+    kept = [kept_host(x) for x in (input_ids, prompt_lens, response_lens)]
+    if all(k is not None for k in kept):
+        ids, p_lens, r_lens = kept
+    else:
+        (ids, p_lens, r_lens), ready = to_host_async([input_ids, prompt_lens, response_lens])
+        if ready is not None:
+            ready.synchronize()
     ids_np, p_lens, r_lens = ids.numpy(), p_lens.tolist(), r_lens.tolist()
     # the packed row's segments as (start, length) ranges: source token (flat [B*T] index), position, keys
     src_s, src_n, pos_s, kv_s, kv_n = [], [], [], [], []
@@ -89,7 +81,7 @@ def shared_layout(input_ids: torch.Tensor, prompt_lens: torch.Tensor, response_l
         starts=row_pos[:, 0], score_pos=row_pos.gather(1, score_pos.to(dev)),
         kv_index=to_device_async(ranges(kv_s, kv_n), dev),
         cu_seqlens_k=to_device_async(torch.tensor(cu_k, dtype=torch.int32), dev),
-        max_seqlen_k=max(k_lens), row_pos=row_pos,
+        max_seqlen_k=max(k_lens), row_pos=row_pos, real_tokens=cu_q[-1],
     )  # fmt: skip
 
 
@@ -149,7 +141,7 @@ def shared_max_scored(batch: RolloutBatch, max_tokens: int) -> int:
     sequences as ``max_tokens`` holds at ``shared_seq_tokens`` each (the memory model's bound; the unshared
     bound, ``packing.max_scored_rows``, would stop a micro-batch at the sequences of full length that fit)."""
     r = batch.responses.shape[1]
-    n = max(Counter(batch.group_index.tolist()).values(), default=1)
+    n = max(Counter(host_values(batch.group_index).tolist()).values(), default=1)
     return max(1, max_tokens // shared_seq_tokens(batch.seq_len - r, r, n)) * r
 
 
@@ -159,6 +151,7 @@ def split_shared(
     """``split_packed`` with shared prompts: micro-batches of whole GRPO groups (``shared_groups``) within
     ``max_tokens`` packed tokens and ``max_scored`` LM-head rows each (the memory plan's bound; default
     ``shared_max_scored``). Returns the micro-batches and the batch rows they hold, in order."""
-    groups = shared_groups(batch.group_index.tolist(), batch.prompt_lens.tolist(), batch.response_lens.tolist(),
-                           max_tokens, max_scored or shared_max_scored(batch, max_tokens))  # fmt: skip
+    groups = shared_groups(host_values(batch.group_index).tolist(), host_values(batch.prompt_lens).tolist(),
+                           host_values(batch.response_lens).tolist(), max_tokens,
+                           max_scored or shared_max_scored(batch, max_tokens))  # fmt: skip
     return [share(trim(batch.select(g))) for g in groups], [i for g in groups for i in g]

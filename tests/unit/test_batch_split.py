@@ -77,3 +77,59 @@ def test_deferred_fields_follow_select_and_trim_and_resolve_once():
         assert torch.equal(lazy.advantages, eager.advantages)  # the batch now holds the real tensors
     with pytest.raises(TypeError, match=r"\[:, :r\]"):
         Deferred(pending, "advantages")[:, 1:3]
+
+
+def test_the_update_split_reads_nothing_back_from_the_device():
+    """``build_batch`` keeps the host copies of the lengths, group ids and input ids it copies to the device,
+    ``select`` and ``trim`` carry them, so the update's splits (shared prompts, packed, by tokens), their
+    layouts, ``token_counts`` and ``response_cells`` read nothing back before the first forward (on a GPU,
+    a host sync each). On the meta device any read raises; there every split equals the CPU batch's in rows,
+    shapes and host-side counts, and the kept copies equal the CPU tensors."""
+    import random
+
+    import numpy as np
+
+    from megatron_rl.distributed.transfer import host_values, kept_host
+    from megatron_rl.models.pipeline import response_cells
+    from megatron_rl.rollout.batch import build_batch
+    from megatron_rl.rollout.engine import Completion
+    from megatron_rl.rollout.packing import split_packed, token_counts
+    from megatron_rl.rollout.shared_prompts import split_shared
+
+    rng = random.Random(3)
+    prompts = [[rng.randint(1, 99) for _ in range(rng.randint(2, 9))] for _ in range(5)]
+    prompts[4] = list(prompts[1])  # two groups with equal prompts: shared by token equality
+    comps = []
+    for i in range(20):
+        r = rng.choice([0, 1, 4, 7, 8])
+        c = Completion(i // 4, i % 4, prompts[i // 4], finish_reason="stop")
+        c.set_arrays(
+            np.array([rng.randint(1, 99) for _ in range(r)], dtype=np.int64),
+            np.random.default_rng(i).random(r, np.float32),
+        )
+        comps.append(c)
+    cpu = build_batch(comps, [None] * 5, 3, 8, 0, torch.device("cpu"))
+    meta = build_batch(comps, [None] * 5, 3, 8, 0, torch.device("meta"))
+    with pytest.raises(Exception):  # noqa: B017, PT011 - what any read back from the meta device does
+        meta.response_lens.tolist()
+    for name in ("input_ids", "prompt_lens", "response_lens", "group_index"):
+        assert torch.equal(kept_host(getattr(meta, name)), getattr(cpu, name))
+    assert kept_host(meta.responses) is None  # only the per-row tensors the split reads keep one
+    for split in (split_shared, split_packed, split_by_tokens):
+        want, want_order = split(cpu, 40)
+        got, got_order = split(meta, 40)
+        assert got_order == want_order and len(got) == len(want) > 1
+        for g, w in zip(got, want):
+            assert g.input_ids.shape == w.input_ids.shape and g.score_pos.shape == w.score_pos.shape
+            assert torch.equal(host_values(g.input_ids), w.input_ids)
+            assert torch.equal(host_values(g.response_lens), w.response_lens)
+            cells = response_cells(g)
+            assert (cells is None) == (response_cells(w) is None)
+            if cells is not None:
+                assert cells.device.type == "meta" and cells.shape == response_cells(w).shape
+            if w.packed is not None:
+                assert g.packed.total == w.packed.total and g.packed.max_seqlen == w.packed.max_seqlen
+                assert g.packed.cu_seqlens.shape == w.packed.cu_seqlens.shape
+                if w.packed.shared:
+                    assert g.packed.real == w.packed.real and g.packed.max_seqlen_k == w.packed.max_seqlen_k
+        assert token_counts(got) == token_counts(want)
