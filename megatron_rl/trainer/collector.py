@@ -5,8 +5,8 @@ wrappers, configs, the tokenizer, the dataset rows): a full collection walks all
 a 2-core CPU: ~554k tracked objects after setup, a full collection 390-410 ms; 0.01 ms once they are frozen (benchmarks/gc_full_collection.py)), and the
 allocations of the steps trigger one now and then at an unplanned point. Under SPMD a pause on one rank holds
 every other rank at its next collective. ``gc_freeze`` moves what exists after setup (built, resumed) into the
-collector's permanent generation (``gc.freeze``), so later collections walk only what the steps create. Objects
-still go when their last reference does (reference counting is untouched); what the collector no longer frees is
+collector's permanent generation (``gc.freeze``), and again what the first step left (``after_first_step``), so
+later collections walk only what the steps create. Objects still go when their last reference does (reference counting is untouched); what the collector no longer frees is
 a reference cycle that reaches a frozen object (with whatever hangs on it), so setup must not build objects in
 cycles that the loop later drops (setup's own garbage is collected just before the freeze).
 ``manual_gc_interval`` > 0 turns automatic collection off and collects at the end of every that many steps, on
@@ -48,6 +48,15 @@ class Collector:
             gc.disable()
             self._disabled = True
         self.pause_s = 0.0  # the steps' time from here (not setup's collections)
+
+    def after_first_step(self) -> None:
+        """The process's first step ended and its batch was dropped: with ``gc_freeze`` (frozen by ``settle``)
+        collect and freeze again. The first step builds what the run keeps (compiled kernels, CUDA graphs,
+        caches: on a GPU far more than the later steps), and at the 3B benchmark shape a full collection walking
+        it took 369-394 ms inside the next steps' update (benchmarks/results/2026-12-07-session39)."""
+        if self._froze:
+            gc.collect()
+            gc.freeze()
 
     def after_step(self, step: int) -> None:
         """``step`` (1-based) ended: a full collection every ``interval`` steps in manual mode."""

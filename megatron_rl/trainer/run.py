@@ -332,6 +332,11 @@ def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
             collector.after_step(step + 1)  # inside the step's time (and its timing_s/gc)
             if _finish_step(c, step + 1, metrics, batch, timer, t0, collector):
                 saved_at = step + 1
+            if (
+                step == start
+            ):  # outside the step's time; the step's batch gone first (not frozen with the rest)
+                del metrics, batch
+                collector.after_first_step()
     # every rank finished: tear the process groups down before the interpreter exits (letting gloo's
     # threads die during interpreter teardown aborted a rank now and then: "terminate called without an
     # active exception" after the last step)

@@ -89,3 +89,22 @@ def test_the_default_freezes_and_collects_automatically():
 
     tr = JobConfig().trainer
     assert tr.gc_freeze is True and tr.manual_gc_interval == 0
+
+
+def test_after_the_first_step_what_it_built_is_frozen_too_and_its_garbage_collected():
+    """The first step builds what the run keeps (on a GPU: compiled kernels, graphs, caches); with gc_freeze
+    it is frozen after that step (its cyclic garbage collected first), once settle froze; without gc_freeze
+    nothing is frozen; close unfreezes both."""
+    with Collector(freeze=True, interval=0) as c:
+        c.settle()
+        after_setup = gc.get_freeze_count()
+        kept = [_Cycle() for _ in range(50)]  # the first step's caches
+        garbage = weakref.ref(_Cycle())
+        c.after_first_step()
+        assert garbage() is None and gc.get_freeze_count() >= after_setup + 50
+        assert not any(o is kept[0] for o in gc.get_objects())
+    assert gc.get_freeze_count() == 0 and any(o is kept[0] for o in gc.get_objects())
+    with Collector(freeze=False, interval=0) as c:
+        c.settle()
+        c.after_first_step()
+        assert gc.get_freeze_count() == 0
