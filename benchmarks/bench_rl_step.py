@@ -538,6 +538,9 @@ def run(a: argparse.Namespace) -> dict:
         steps.append(row)
         if dist.get_rank() == 0:
             print(json.dumps(row), flush=True)
+        if step == 0:  # as run_training: the first step's batch dropped, then collect and freeze again
+            del metrics, batch
+            collector.after_first_step()
     collector.close()
     if a.profile:  # one more step, not timed: where generation's and the update's device time goes
         profile_phases(
