@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from megatron_rl.algos.collective import all_reduce_max, all_reduce_sum, informative_groups_dp
+from megatron_rl.distributed.transfer import keep_host, kept_host
 from megatron_rl.rollout.batch import RolloutBatch
 
 ROUND_KEY_STRIDE = 1 << 40  # group ids of round r start at r * stride: unique within a step
@@ -35,14 +36,19 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     """Rows of ``batches`` in order; ``input_ids`` right-padded with ``pad_id`` to the longest."""
     width = max(b.seq_len for b in batches)
     out = {}
+
+    def cat(name: str, values: list[torch.Tensor]) -> torch.Tensor:
+        if name == "input_ids":
+            values = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=pad_id) for v in values]
+        return torch.cat(values)
+
     for f in fields(RolloutBatch):
         values = [getattr(b, f.name) for b in batches]
-        if f.name == "input_ids":
-            out[f.name] = torch.cat(
-                [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=pad_id) for v in values]
+        if all(isinstance(v, torch.Tensor) for v in values):
+            kept = [kept_host(v) for v in values]  # the rounds' host copies (build_batch's) go along
+            out[f.name] = keep_host(
+                cat(f.name, values), cat(f.name, kept) if all(k is not None for k in kept) else None
             )
-        elif all(isinstance(v, torch.Tensor) for v in values):
-            out[f.name] = torch.cat(values)
         elif all(isinstance(v, list) for v in values):
             out[f.name] = [x for v in values for x in v]
         elif all(v is None for v in values):

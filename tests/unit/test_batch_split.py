@@ -133,3 +133,14 @@ def test_the_update_split_reads_nothing_back_from_the_device():
                 if w.packed.shared:
                     assert g.packed.real == w.packed.real and g.packed.max_seqlen_k == w.packed.max_seqlen_k
         assert token_counts(got) == token_counts(want)
+    # DAPO's rounds concatenated (input ids padded to the longest) keep them too
+    from megatron_rl.trainer.dynamic_sampling import concat_batches
+
+    short = build_batch(comps[:4], [None] * 5, 3, 8, 0, torch.device("meta"))
+    both, want = (
+        concat_batches([short, meta], 5),
+        concat_batches([build_batch(comps[:4], [None] * 5, 3, 8, 0, torch.device("cpu")), cpu], 5),
+    )
+    for name in ("input_ids", "prompt_lens", "response_lens", "group_index"):
+        assert torch.equal(kept_host(getattr(both, name)), getattr(want, name))
+    assert split_shared(both, 40)[1] == split_shared(want, 40)[1]
