@@ -217,7 +217,7 @@ def gather_case(groups: int, n: int, prompt: int, response: int, kv_heads: int, 
     autograd's index_select and through ``gather_rows.gather_kv``, each gradient's largest gap to a float64
     sum relative to the copies' absolute sum. HBM bytes of a backward: read the gathered gradients, write
     the rows'."""
-    from megatron_rl.rollout.shared_prompts import ranges
+    from megatron_rl.rollout.packing import ranges
 
     kv_s, kv_n, rows = [], [], 0
     for _ in range(groups):

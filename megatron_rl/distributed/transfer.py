@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-_HOST = "_megatron_rl_host"  # the attribute of a device tensor that holds its host copy (``keep_host``)
+_HOST = "_megatron_rl_host"  # the attribute of a device tensor that holds (its host copy, its version then)
 
 
 def to_device_async(t: torch.Tensor, device: torch.device, keep: bool = False) -> torch.Tensor:
@@ -21,21 +21,28 @@ def to_device_async(t: torch.Tensor, device: torch.device, keep: bool = False) -
         out = t if t.device == torch.device(device) else t.to(device)
     else:
         out = t.pin_memory().to(device, non_blocking=True)
-    return keep_host(out, t) if keep else out
+    return keep_host(out, t) if keep and out is not t else out
 
 
 def keep_host(t: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
-    """``t`` (on a device) with ``host`` (its values on the host; None: none) as its host copy. The copy
-    stands for ``t`` as long as ``t`` is not changed in place: only the never-modified per-row tensors of a
-    rollout batch keep one (``rollout.batch.build_batch``; ``select`` and ``trim`` carry it to what they make)."""
+    """``t`` (off the CPU) with ``host`` (its values on the host; None: none) as its host copy, which stands
+    for ``t`` until ``t`` is changed in place (its version counter moves: the copy is then ignored). The
+    per-row tensors of a rollout batch keep one (``rollout.batch.build_batch``; ``select``, ``trim`` and
+    ``trainer.dynamic_sampling.concat_batches`` carry it to what they make)."""
     if host is not None and t.device.type != "cpu":
-        setattr(t, _HOST, host)
+        setattr(t, _HOST, (host, t._version))
     return t
 
 
+def host_copy(t: torch.Tensor) -> torch.Tensor | None:
+    """The host copy ``t`` keeps (``keep_host``), None where it keeps none or was changed in place since."""
+    kept = getattr(t, _HOST, None)
+    return kept[0] if kept is not None and kept[1] == t._version else None
+
+
 def kept_host(t: torch.Tensor) -> torch.Tensor | None:
-    """``t``'s host copy (``keep_host``), ``t`` itself on the CPU, else None."""
-    return t if t.device.type == "cpu" else getattr(t, _HOST, None)
+    """``t`` itself on the CPU, else its host copy (``host_copy``) or None."""
+    return t if t.device.type == "cpu" else host_copy(t)
 
 
 def host_values(t: torch.Tensor) -> torch.Tensor:

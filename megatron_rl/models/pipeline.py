@@ -146,8 +146,8 @@ def run_micro_batches(
         micro_batches = [pad_to_length(mb, -(-mb.seq_len // tp) * tp, pad_id=0) for mb in micro_batches]
     # micro-batches of different shapes (dynamic batch size): stages exchange each activation's shape
     config.variable_seq_lengths = len({model_shape(mb) for mb in micro_batches}) > 1
-    # the response cells and packed-attention parameters of every micro-batch up front: their host syncs
-    # (a nonzero, a host-to-device copy) before any of the schedule's work, not between micro-batches
+    # the response cells and packed-attention parameters of every micro-batch up front: any host sync they
+    # make (the cells' nonzero where the lengths kept no host copy) before the schedule's work, not between
     cells = [response_cells(mb) if response_logits else None for mb in micro_batches]
     seq_params = [mb.packed.seq_params() if mb.packed is not None else None for mb in micro_batches]
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from megatron_rl.data import PromptRow
-from megatron_rl.distributed.transfer import host_values, keep_host, kept_host, to_device_async
+from megatron_rl.distributed.transfer import host_copy, host_values, keep_host, to_device_async
 from megatron_rl.rollout.engine import Completion
 
 
@@ -71,7 +71,7 @@ class RolloutBatch:
             if isinstance(value, torch.Tensor):
                 if value.device not in on_device:
                     on_device[value.device] = to_device_async(index, value.device)
-                kept = kept_host(value)  # the per-row tensors of build_batch: their host copies follow
+                kept = host_copy(value)  # the per-row tensors of build_batch: their host copies follow
                 out[f.name] = keep_host(value[on_device[value.device]], None if kept is None else kept[index])
             elif isinstance(value, Deferred):
                 out[f.name] = value.select(index)
@@ -241,12 +241,10 @@ def build_batch(
     if completions and all(c.truncated_logprobs or not c.response_len() for c in completions):
         truncated = right_padded([c.truncated_logprobs for c in completions], r, torch.float32)
 
-    def put(
-        value, keep: bool = False
-    ) -> torch.Tensor:  # pinned and non-blocking: a pageable copy waits for the
-        # stream (and on one H100 host took 29-72 ms for this function's ~10 MB; results/2026-12-07-session39).
-        # ``keep``: the host copy stays with the tensor, so the update's split reads lengths, group ids and
-        # prompts without a host sync (``transfer.host_values``)
+    # Pinned and non-blocking: a pageable copy waits for the stream (and on one H100 host took 29-72 ms for this
+    # function's ~10 MB; benchmarks/results/2026-12-07-session39). ``keep``: the host copy stays with the
+    # tensor, so the update's split reads lengths, group ids and prompts without a host sync (``host_values``).
+    def put(value, keep: bool = False) -> torch.Tensor:
         return to_device_async(
             value if isinstance(value, torch.Tensor) else torch.tensor(value), device, keep
         )
@@ -281,7 +279,7 @@ def trim(batch: RolloutBatch) -> RolloutBatch:
     p_lens, r_lens = host_values(batch.prompt_lens), host_values(batch.response_lens)  # kept: no host sync
     t = int((p_lens + r_lens).max())
     if t < batch.seq_len:
-        kept = kept_host(batch.input_ids)
+        kept = host_copy(batch.input_ids)
         batch.input_ids = keep_host(batch.input_ids[:, :t], None if kept is None else kept[:, :t])
         batch.score_pos = batch.score_pos.clamp(max=t - 1)
     r, r_mb = batch.responses.shape[1], max(1, int(r_lens.max()))

@@ -37,9 +37,7 @@ class PackedLayout:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_k: int = 0
     row_pos: torch.Tensor | None = None
-    real_tokens: int | None = (
-        None  # shared prompts: ``real`` as counted on the host where the layout was made
-    )
+    real_tokens: int = 0  # shared prompts: ``real``, counted on the host where the layout was made
 
     @property
     def total(self) -> int:
@@ -52,7 +50,7 @@ class PackedLayout:
     @property
     def real(self) -> int:
         """Shared prompts: tokens of the prompt and response segments (the row without its padding segment)."""
-        return self.real_tokens if self.real_tokens is not None else int(self.row_pos.max()) + 1
+        return self.real_tokens
 
     def seq_params(self):
         """The ``models.packed_attention.SegmentSeqParams`` of this layout: to megatron-core one segment of
@@ -93,6 +91,8 @@ def pack_layout(input_ids: torch.Tensor, lengths: torch.Tensor, score_pos: torch
     b, t = input_ids.shape
     dev = input_ids.device
     lens = host_values(lengths).long()
+    if len(lens) and int(lens.max()) > t:
+        raise ValueError(f"pack_layout: a sequence of {int(lens.max())} tokens in rows of {t}")
     cu = torch.zeros(b + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lens, 0)
     n = lens.tolist()

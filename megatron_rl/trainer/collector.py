@@ -2,13 +2,14 @@
 
 A trainer process holds hundreds of thousands of objects the collector tracks (modules, parameters' Python
 wrappers, configs, the tokenizer, the dataset rows): a full collection walks all of them (the default config on
-a 2-core CPU: ~554k tracked objects after setup, a full collection 390-410 ms; 0.01 ms once they are frozen (benchmarks/gc_full_collection.py)), and the
-allocations of the steps trigger one now and then at an unplanned point. Under SPMD a pause on one rank holds
+a 2-core CPU: ~554k tracked objects after setup, a full collection 390-410 ms; 0.01 ms once they are frozen
+(benchmarks/gc_full_collection.py)), and the allocations of the steps trigger one now and then at an unplanned
+point. Under SPMD a pause on one rank holds
 every other rank at its next collective. ``gc_freeze`` moves what exists after setup (built, resumed) into the
 collector's permanent generation (``gc.freeze``), and again what the first step left (``after_first_step``), so
 later collections walk only what the steps create. Objects still go when their last reference does (reference counting is untouched); what the collector no longer frees is
-a reference cycle that reaches a frozen object (with whatever hangs on it), so setup must not build objects in
-cycles that the loop later drops (setup's own garbage is collected just before the freeze).
+a reference cycle that reaches a frozen object (with whatever hangs on it), so setup and the first step must not
+build objects in cycles that later steps drop (the garbage of each is collected just before its freeze).
 ``manual_gc_interval`` > 0 turns automatic collection off and collects at the end of every that many steps, on
 every rank at the same point (as Megatron-LM's ``--manual-gc``).
 """
@@ -20,9 +21,10 @@ import time
 
 
 class Collector:
-    """The policy of one run: ``settle`` after setup, ``after_step`` at each step's end; ``take_pause_s`` gives the
-    time the collector ran (every collection, automatic or manual, through ``gc.callbacks``) since ``settle`` or
-    the last call. ``close`` (or leaving the ``with`` block) undoes only what ``settle`` did."""
+    """The policy of one run: ``settle`` after setup, ``after_step`` at each step's end, ``after_first_step``
+    once after the first; ``take_pause_s`` gives the time the collector ran in the steps (every collection,
+    automatic or manual, through ``gc.callbacks``; not those of ``settle`` and ``after_first_step``) since
+    ``settle`` or the last call. ``close`` (or leaving the ``with`` block) undoes only what these did."""
 
     def __init__(self, freeze: bool, interval: int):
         self.freeze, self.interval = freeze, interval
@@ -55,8 +57,10 @@ class Collector:
         caches: on a GPU far more than the later steps), and at the 3B benchmark shape a full collection walking
         it took 369-394 ms inside the next steps' update (benchmarks/results/2026-12-07-session39)."""
         if self._froze:
+            pause = self.pause_s
             gc.collect()
             gc.freeze()
+            self.pause_s = pause  # between steps: in no step's timing_s/gc
 
     def after_step(self, step: int) -> None:
         """``step`` (1-based) ended: a full collection every ``interval`` steps in manual mode."""

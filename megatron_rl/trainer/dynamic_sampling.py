@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from megatron_rl.algos.collective import all_reduce_max, all_reduce_sum, informative_groups_dp
-from megatron_rl.distributed.transfer import keep_host, kept_host
+from megatron_rl.distributed.transfer import host_copy, keep_host
 from megatron_rl.rollout.batch import RolloutBatch
 
 ROUND_KEY_STRIDE = 1 << 40  # group ids of round r start at r * stride: unique within a step
@@ -45,7 +45,7 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     for f in fields(RolloutBatch):
         values = [getattr(b, f.name) for b in batches]
         if all(isinstance(v, torch.Tensor) for v in values):
-            kept = [kept_host(v) for v in values]  # the rounds' host copies (build_batch's) go along
+            kept = [host_copy(v) for v in values]  # the rounds' host copies (build_batch's) go along
             out[f.name] = keep_host(
                 cat(f.name, values), cat(f.name, kept) if all(k is not None for k in kept) else None
             )

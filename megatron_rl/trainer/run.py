@@ -17,6 +17,7 @@ from megatron_rl.data import dp_share
 from megatron_rl.distributed import ParallelDims, destroy_distributed, device, init_distributed
 from megatron_rl.distributed.phase_watchdog import phase, set_error_dir
 from megatron_rl.distributed.shutdown import EXIT_SIGNALLED, agreed_stop
+from megatron_rl.distributed.transfer import host_values
 from megatron_rl.logging import Timer
 from megatron_rl.logging.metric_names import TIMING_GC
 from megatron_rl.logging.perf import step_perf
@@ -250,7 +251,8 @@ def train_step(c: Components, step: int, timer: Timer) -> tuple[dict[str, float]
 
 
 def _perf(c: Components, batch: RolloutBatch, seconds: float, update_s: float) -> dict[str, float]:
-    tokens = torch.tensor(float((batch.prompt_lens + batch.response_lens).sum()), device=device())
+    tokens = torch.tensor(float((host_values(batch.prompt_lens) + host_values(batch.response_lens)).sum()),
+                          device=device())  # fmt: skip
     torch.distributed.all_reduce(tokens, group=ps.get_data_parallel_group())
     return step_perf(tokens, seconds, update_s, world_size=c.dims.world_size, num_params=c.args.matmul_params(),
                      epochs=c.cfg.actor.ppo_epochs)  # fmt: skip
@@ -332,9 +334,8 @@ def run_training(cfg: JobConfig, dims: ParallelDims) -> None:
             collector.after_step(step + 1)  # inside the step's time (and its timing_s/gc)
             if _finish_step(c, step + 1, metrics, batch, timer, t0, collector):
                 saved_at = step + 1
-            if (
-                step == start
-            ):  # outside the step's time; the step's batch gone first (not frozen with the rest)
+            # after the first step, outside its time: its batch gone first (not frozen with the rest)
+            if step == start:
                 del metrics, batch
                 collector.after_first_step()
     # every rank finished: tear the process groups down before the interpreter exits (letting gloo's

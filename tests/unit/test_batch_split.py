@@ -144,3 +144,19 @@ def test_the_update_split_reads_nothing_back_from_the_device():
     for name in ("input_ids", "prompt_lens", "response_lens", "group_index"):
         assert torch.equal(kept_host(getattr(both, name)), getattr(want, name))
     assert split_shared(both, 40)[1] == split_shared(want, 40)[1]
+
+
+def test_a_kept_host_copy_is_ignored_once_its_tensor_changes_in_place():
+    """``keep_host``'s copy stands for the tensor only while the tensor's version is the one it was kept at:
+    an in-place write (to it or a view of it) drops it, and ``host_values`` reads the device again."""
+    from megatron_rl.distributed.transfer import host_copy, host_values, keep_host, kept_host, to_device_async
+
+    host = torch.arange(6)
+    dev = to_device_async(host, torch.device("meta"), keep=True)
+    assert kept_host(dev) is host and host_copy(dev) is host and host_values(dev) is host
+    dev[:2].zero_()  # through a view: the same version counter
+    assert kept_host(dev) is None and host_copy(dev) is None
+    same = to_device_async(dev, torch.device("meta"), keep=True)  # already there: no copy of itself kept
+    assert same is dev and host_copy(same) is None
+    cpu = keep_host(torch.ones(2), torch.zeros(2))  # on the CPU the tensor is its own host copy
+    assert kept_host(cpu) is cpu and host_copy(cpu) is None

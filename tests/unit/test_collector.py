@@ -93,15 +93,18 @@ def test_the_default_freezes_and_collects_automatically():
 
 def test_after_the_first_step_what_it_built_is_frozen_too_and_its_garbage_collected():
     """The first step builds what the run keeps (on a GPU: compiled kernels, graphs, caches); with gc_freeze
-    it is frozen after that step (its cyclic garbage collected first), once settle froze; without gc_freeze
-    nothing is frozen; close unfreezes both."""
+    it is frozen after that step (its cyclic garbage collected first, between steps: not in timing_s/gc),
+    once settle froze; without gc_freeze nothing is frozen; close unfreezes both."""
     with Collector(freeze=True, interval=0) as c:
         c.settle()
         after_setup = gc.get_freeze_count()
         kept = [_Cycle() for _ in range(50)]  # the first step's caches
         garbage = weakref.ref(_Cycle())
+        gc.collect()  # a collection inside the step: timed
+        step_pause = c.pause_s
         c.after_first_step()
         assert garbage() is None and gc.get_freeze_count() >= after_setup + 50
+        assert step_pause > 0 and c.take_pause_s() == step_pause  # its own collection is in no step's time
         assert not any(o is kept[0] for o in gc.get_objects())
     assert gc.get_freeze_count() == 0 and any(o is kept[0] for o in gc.get_objects())
     with Collector(freeze=False, interval=0) as c:

@@ -44,6 +44,33 @@ def test_pack_layout_keeps_real_tokens_and_points_score_pos_into_the_row():
     assert padded.total == 16 and padded.cu_seqlens.tolist() == [0, 5, 10, 13, 16]
 
 
+def test_pack_layout_equals_the_boolean_mask_packing_it_replaced():
+    """``pack_layout`` builds its indices on the host from the lengths (session 40); over random rows (empty
+    rows, full rows, int32 / int64 lengths) it gives what the device-side boolean mask gave, dtypes included,
+    and a length past the rows' width stops it (the mask dropped such tokens while ``cu_seqlens`` counted them)."""
+    from megatron_rl.rollout.packing import pack_layout
+
+    g = torch.Generator().manual_seed(0)
+    for case in range(60):
+        b, t, r = int(torch.randint(1, 7, (1,), generator=g)), int(torch.randint(1, 12, (1,), generator=g)), 4
+        lengths = torch.randint(0, t + 1, (b,), generator=g).to(torch.int32 if case % 2 else torch.int64)
+        ids = torch.randint(0, 99, (b, t), generator=g)
+        score_pos = torch.randint(0, t, (b, r), generator=g)
+        keep = torch.arange(t)[None, :] < lengths[:, None]  # the replaced implementation, on one device
+        cu = torch.zeros(b + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(lengths, 0)
+        lay = pack_layout(ids, lengths, score_pos)
+        assert torch.equal(lay.input_ids, ids[keep][None]) and lay.input_ids.dtype == ids.dtype
+        assert torch.equal(lay.positions, torch.arange(t).expand(b, t)[keep][None])
+        assert torch.equal(lay.cu_seqlens, cu) and torch.equal(lay.starts, cu[:-1].long())
+        assert lay.max_seqlen == int(lengths.max())
+        assert torch.equal(lay.score_pos, (score_pos + cu[:-1].long()[:, None]).clamp(max=int(cu[-1]) - 1))
+    with pytest.raises(ValueError, match="a sequence of 5 tokens in rows of 4"):
+        pack_layout(
+            torch.zeros(2, 4, dtype=torch.long), torch.tensor([2, 5]), torch.zeros(2, 1, dtype=torch.long)
+        )
+
+
 def test_packed_attention_equals_each_sequence_alone_and_ignores_its_neighbours():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(11, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))  # GQA 4 / 2

@@ -37,7 +37,7 @@ def test_the_row_holds_each_prompt_once_and_every_position_maps_into_it():
     batch = _batch()
     lay = shared_layout(batch.input_ids, batch.prompt_lens, batch.response_lens, batch.score_pos)
     # prompt 0, its three responses, prompt 1, its two: 3 + (2 + 4 + 1) + 2 + (3 + 2)
-    assert lay.total == 17 and lay.shared and lay.real == 17
+    assert lay.total == 17 and lay.shared and lay.real == 17 == int(lay.row_pos.max()) + 1
     assert lay.input_ids[0].tolist() == [5, 6, 7, 11, 12, 13, 14, 15, 16, 17, 8, 9, 18, 19, 20, 21, 22]
     assert lay.positions[0].tolist() == [0, 1, 2, 3, 4, 3, 4, 5, 6, 3, 0, 1, 2, 3, 4, 2, 3]
     assert lay.cu_seqlens.tolist() == [0, 3, 5, 9, 10, 12, 15, 17]
@@ -146,7 +146,7 @@ def test_shared_micro_batches_hold_the_sequences_the_memory_model_counts():
 
 
 def test_ranges_concatenates_aranges_with_empty_ones():
-    from megatron_rl.rollout.shared_prompts import ranges
+    from megatron_rl.rollout.packing import ranges
 
     starts, lens = [5, 0, 9, 2, 7], [3, 0, 1, 4, 0]
     want = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
