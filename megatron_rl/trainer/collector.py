@@ -4,11 +4,11 @@ A trainer process holds hundreds of thousands of objects the collector tracks (m
 wrappers, configs, the tokenizer, the dataset rows): a full collection walks all of them (the default config on
 a 2-core CPU: ~554k tracked objects after setup, a full collection 390-410 ms; 0.01 ms once they are frozen
 (benchmarks/gc_full_collection.py)), and the allocations of the steps trigger one now and then at an unplanned
-point. Under SPMD a pause on one rank holds
-every other rank at its next collective. ``gc_freeze`` moves what exists after setup (built, resumed) into the
-collector's permanent generation (``gc.freeze``), and again what the first step left (``after_first_step``), so
-later collections walk only what the steps create. Objects still go when their last reference does (reference counting is untouched); what the collector no longer frees is
-a reference cycle that reaches a frozen object (with whatever hangs on it), so setup and the first step must not
+point. Under SPMD a pause on one rank holds every other rank at its next collective. ``gc_freeze`` moves what
+exists after setup (built, resumed) into the collector's permanent generation (``gc.freeze``), and again what
+the first step left (``after_first_step``), so later collections walk only what the steps create. Objects still
+go when their last reference does (reference counting is untouched); what the collector no longer frees is a
+reference cycle that reaches a frozen object (with whatever hangs on it), so setup and the first step must not
 build objects in cycles that later steps drop (the garbage of each is collected just before its freeze).
 ``manual_gc_interval`` > 0 turns automatic collection off and collects at the end of every that many steps, on
 every rank at the same point (as Megatron-LM's ``--manual-gc``).
