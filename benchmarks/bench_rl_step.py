@@ -228,9 +228,11 @@ class HostTimeline:
         self.t0 = 0.0
         self.spans: list[tuple[str, float, float]] = []
         self._gc_start: float | None = None  # the running collection's start
+        self.full: list[list[float]] = []  # full collections: start ms, end ms, objects collected
+        self.alloc_generate: dict[str, int] = {}  # the allocator's calls inside generation
 
     def start(self, t0: float) -> None:
-        self.t0, self.spans = t0, []
+        self.t0, self.spans, self.full, self.alloc_generate = t0, [], [], {}
 
     def gc_callback(self, phase: str, info: dict) -> None:
         """``gc.callbacks``: each collection of Python's collector as a span ``gc<generation>``."""
@@ -239,6 +241,8 @@ class HostTimeline:
             self._gc_start = now
         elif self._gc_start is not None:
             self.spans.append((f"gc{info.get('generation')}", self._gc_start, now))
+            if info.get("generation") == 2:  # a long walk, or much garbage freed?
+                self.full.append([round(self._gc_start * 1e3, 2), round(now * 1e3, 2), info.get("collected")])
             self._gc_start = None
 
     def wrap(self, name: str, fn):
@@ -259,12 +263,34 @@ class HostTimeline:
             setattr(trainer_run, name, self.wrap(name, getattr(trainer_run, name)))
         batch_mod._from_arrays = self.wrap("from_arrays", batch_mod._from_arrays)  # build_batch's host part
         c.train_loader.global_batch = self.wrap("global_batch", c.train_loader.global_batch)
-        c.engine.generate = self.wrap("generate", c.engine.generate)
+        c.engine.generate = self.wrap("generate", self.count_allocator(c.engine.generate))
         c.actor.update = self.wrap("actor_update", c.actor.update)
         c.actor._split = self.wrap("actor_split", c.actor._split)  # the micro-batches, before the first runs
         gc.callbacks.append(self.gc_callback)
 
     ALLOCATOR = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+    def count_allocator(self, fn):
+        """``fn`` with the allocator's calls inside it kept in ``alloc_generate`` (the rest of the step's
+        are the update's and the host pieces')."""
+
+        def counted(*args, **kwargs):
+            before = self.allocator()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.alloc_generate = {k: v - before[k] for k, v in self.allocator().items()}
+
+        return counted
+
+    @staticmethod
+    def collector_state() -> dict:
+        """What Python's collector tracks after a step (outside its time: ``gc.get_objects`` walks them all)."""
+        return {
+            "tracked": len(gc.get_objects()),
+            "frozen": gc.get_freeze_count(),
+            "counts": list(gc.get_count()),
+        }
 
     @classmethod
     def allocator(cls) -> dict[str, int]:
@@ -288,6 +314,8 @@ class HostTimeline:
         return {
             "spans_ms": [[n, round(a * 1e3, 2), round(b * 1e3, 2)] for n, a, b in spans],
             "uncovered_ms": round((step_s - covered) * 1e3, 2),
+            "full_collections": self.full,
+            "allocator_calls_generate": self.alloc_generate,
         }
 
 
@@ -535,12 +563,14 @@ def run(a: argparse.Namespace) -> dict:
         )  # the floor at this card's rate
         row["decode"]["fraction_of_hbm_floor_this_gpu"] = row["decode"]["fraction_of_hbm_floor"] * slower
         row["actor_update_mfu_as_run"] = row["actor_update_mfu"] * (1 - (row["update_shared_frac"] or 0.0))
+        row["host_timeline"]["collector_after"] = host.collector_state()
         steps.append(row)
         if dist.get_rank() == 0:
             print(json.dumps(row), flush=True)
         if step == 0:  # as run_training: the first step's batch dropped, then collect and freeze again
             del metrics, batch
             collector.after_first_step()
+            row["host_timeline"]["collector_after_freeze"] = host.collector_state()
     collector.close()
     if a.profile:  # one more step, not timed: where generation's and the update's device time goes
         profile_phases(

@@ -151,9 +151,15 @@ def test_host_timeline_spans_union_and_the_trainer_pieces_it_wraps():
     with pytest.raises(ValueError):
         tl.wrap("boom", boom)()
     tl.gc_callback("start", {"generation": 2})
-    tl.gc_callback("stop", {"generation": 2})
-    assert [s[0] for s in tl.spans] == ["ok", "boom", "gc2"]
+    tl.gc_callback("stop", {"generation": 2, "collected": 7})
+    tl.gc_callback("start", {"generation": 0})
+    tl.gc_callback("stop", {"generation": 0, "collected": 3})
+    assert [s[0] for s in tl.spans] == ["ok", "boom", "gc2", "gc0"]
+    assert len(tl.full) == 1 and tl.full[0][2] == 7  # full collections only, with what they freed
+    assert tl.count_allocator(lambda: 5)() == 5 and tl.alloc_generate == {}  # CPU: no allocator counters
+    state = tl.collector_state()
+    assert state["tracked"] > 1000 and state["frozen"] >= 0 and len(state["counts"]) == 3
     tl.spans = [("a", 0.000, 0.010), ("b", 0.005, 0.020), ("c", 0.030, 0.040)]  # a and b overlap
     got = tl.report(0.050)
-    assert got["uncovered_ms"] == pytest.approx(50 - 20 - 10)
+    assert got["uncovered_ms"] == pytest.approx(50 - 20 - 10) and got["full_collections"] == tl.full
     assert [s[0] for s in got["spans_ms"]] == ["a", "b", "c"] and got["spans_ms"][1][1:] == [5.0, 20.0]
