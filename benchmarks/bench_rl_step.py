@@ -498,7 +498,9 @@ def run(a: argparse.Namespace) -> dict:
     dry = estimate(cfg, dims, c.args, a.prompt_len)
     steps = []
     collector = Collector(cfg.trainer.gc_freeze, cfg.trainer.manual_gc_interval)  # as run_training's loop
+    settle = {"before": HostTimeline.collector_state()}  # whether something froze objects before setup's end
     collector.settle()
+    settle["after"] = HostTimeline.collector_state()
     for step in range(a.steps):
         timer = Timer()
         if cuda:
@@ -623,6 +625,7 @@ def run(a: argparse.Namespace) -> dict:
         "package": str(Path(sys.modules["megatron_rl"].__file__).parent),
         "overrides": overrides(a),
         "build_s": build_s,
+        "collector_settle": settle,
         "steps": steps,
         "median_after_warmup": med,
         "resolved": {

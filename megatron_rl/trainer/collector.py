@@ -30,6 +30,7 @@ class Collector:
         self.freeze, self.interval = freeze, interval
         self.pause_s, self._t0 = 0.0, None
         self._froze = self._disabled = False  # what settle changed, for close to undo
+        self._owned = False  # the permanent generation was empty before settle's freeze
         gc.callbacks.append(self._timed)
 
     def _timed(self, phase: str, info: dict) -> None:
@@ -40,9 +41,15 @@ class Collector:
             self._t0 = None
 
     def settle(self) -> None:
-        """After setup: collect what setup left, then freeze the rest (``gc_freeze``; not when something else
-        froze objects already: that freeze is its owner's); manual mode turns the automatic collector off."""
-        if self.freeze and gc.get_freeze_count() == 0:
+        """After setup: collect what setup left, then freeze the rest (``gc_freeze``); manual mode turns the
+        automatic collector off. Where something else froze objects first this freezes as well, and
+        ``close`` then leaves everything frozen (the interpreter cannot unfreeze one party's objects apart
+        from another's). On the benchmark device 375 objects were frozen before setup's end (its Python 3.12
+        stack, by the time ``megatron_rl.trainer.run`` is imported); settle skipped its freeze there until
+        session 41, so every device run walked ~700k objects in its full collections (346 ms inside a 3B
+        step's update: benchmarks/results/2026-12-07-session41)."""
+        if self.freeze:
+            self._owned = gc.get_freeze_count() == 0
             gc.collect()
             gc.freeze()
             self._froze = True
@@ -82,9 +89,9 @@ class Collector:
         """Leave the interpreter's collector as ``settle`` found it (tests run several trainers in one process)."""
         if self._timed in gc.callbacks:
             gc.callbacks.remove(self._timed)
-        if self._froze:
+        if self._froze and self._owned:
             gc.unfreeze()
-            self._froze = False
+        self._froze = self._owned = False
         if self._disabled:
             gc.enable()
             self._disabled = False

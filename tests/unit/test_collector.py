@@ -63,16 +63,24 @@ def test_manual_interval_turns_automatic_collection_off_and_collects_every_n_ste
 
 def test_close_undoes_only_what_settle_did():
     """No settle: close changes nothing. Another party's freeze and a collector switched off before stay so;
-    nested collectors: the inner one's close leaves the outer one's state."""
+    settle still freezes what came after that freeze (on the device something froze a few hundred objects
+    before the trainer's setup, and the runs went unfrozen: session 41); nested collectors: the inner one's
+    close leaves the outer one's state."""
     mine = _Cycle()
     gc.freeze()  # someone else's freeze
     gc.disable()
     with Collector(freeze=True, interval=2):
         pass  # never settled
     assert gc.get_freeze_count() > 0 and not gc.isenabled()
+    before = gc.get_freeze_count()
+    later = [_Cycle() for _ in range(20)]  # setup's objects, after the other party's freeze
     with Collector(freeze=True, interval=2) as c:
-        c.settle()  # finds both done already: owns neither
-    assert gc.get_freeze_count() > 0 and not gc.isenabled()
+        c.settle()  # the switch was off already: not its own
+        assert gc.get_freeze_count() >= before + 20 and not any(o is later[0] for o in gc.get_objects())
+        first = [_Cycle() for _ in range(20)]
+        c.after_first_step()
+        assert not any(o is first[0] for o in gc.get_objects())
+    assert gc.get_freeze_count() >= before + 40 and not gc.isenabled()  # close cannot unfreeze its part alone
     gc.unfreeze()
     gc.enable()
     with Collector(freeze=True, interval=2) as outer:

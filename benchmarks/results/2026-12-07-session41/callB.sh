@@ -7,7 +7,7 @@ set -u
 D=benchmarks/results/2026-12-06-session29; O=$OUT/cB; mkdir -p "$O"; T0=$SECONDS
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD
+export PYTHONPATH=/tmp/site:$PWD TORCH_LOGS=recompiles  # a recompile in a later step: many new objects
 source $D/steps.sh
 run_step ${LIM:-300} a_3b 0 --steps ${STEPS:-5} --shape qwen2.5-3b "$@"
 python3 - "$O" <<'PY'
@@ -21,3 +21,4 @@ for r in d["steps"]:
           tl.get("allocator_calls_generate"), "after", tl.get("collector_after"), "freeze",
           tl.get("collector_after_freeze"), "x_roof", round(r["step_over_roofline_this_gpu"], 4))
 PY
+grep -c "Recompiling" "$O/a_3b.log"; grep -A3 "Recompiling" "$O/a_3b.log" | cut -c1-300 | head -40
