@@ -333,8 +333,9 @@ def _add_trial(device, dtype, hidden: int) -> None:
         torch.autograd.backward((s_ref, n_ref), (ds.float(), dn.float()))
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     pairs = [(s, s_ref), (n, n_ref)] + [(t.grad, ref.grad) for t, ref in zip(leaves, refs)]
-    gap = max(
-        float((x.detach().float() - y.detach()).abs().max() / y.abs().max().clamp(min=1.0)) for x, y in pairs
+    gap = max(  # all detached: a float() of a tensor that requires grad warns in the run's log
+        float((x.detach().float() - y.detach()).abs().max() / y.detach().abs().max().clamp(min=1.0))
+        for x, y in pairs
     )
     if not gap <= tol:  # nan fails too
         raise RuntimeError(f"largest gap to autograd through a + r and F.rms_norm {gap:.3g}")

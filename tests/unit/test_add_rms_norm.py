@@ -116,6 +116,16 @@ def test_a_fused_add_that_fails_its_trial_warns_and_the_two_ops_serve(monkeypatc
     assert not kernel.fusable(a, r, w)  # remembered
 
 
+def test_the_trial_passes_without_warnings():
+    """The one-time trial measures its gaps on detached tensors: no "requires_grad ... to a scalar" warning in a
+    run's log (the device's logs had one per process until session 41)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernel._add_trial(torch.device("cpu"), torch.float32, 64)
+
+
 def test_tensors_the_kernel_cannot_take_go_apart():
     a, w = torch.randn(4, 16), torch.ones(16)
     assert kernel.fusable(a, torch.randn(4, 16), w)
