@@ -130,7 +130,10 @@ def cuda_allocator_defaults(env: dict | None = None) -> str | None:
     env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
     env.setdefault("NCCL_GRAPH_REGISTER", "0")
     if env is os.environ and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.memory._set_allocator_settings(ALLOC_CONF)
+        # torch >= 2.11's name for it (2.11 warns that ``torch.cuda.memory._set_allocator_settings`` is
+        # deprecated; in 2.13 that function only calls this one)
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        (setter or torch.cuda.memory._set_allocator_settings)(ALLOC_CONF)
     return ALLOC_CONF
 
 

@@ -88,3 +88,27 @@ def test_expandable_segments_are_the_default_and_a_user_setting_is_kept():
     env = {"NCCL_GRAPH_REGISTER": "1"}
     cuda_allocator_defaults(env)
     assert env["NCCL_GRAPH_REGISTER"] == "1" and env["PYTORCH_CUDA_ALLOC_CONF"] == ALLOC_CONF
+
+
+def test_a_live_allocator_gets_the_setting_without_a_deprecation_warning(monkeypatch):
+    """CUDA already in use (the benchmarks touch it before setup): the setting goes to the live allocator
+    through ``torch._C._accelerator_setAllocatorSettings``, not the name torch 2.11 warns about."""
+    import os
+
+    import torch
+
+    from megatron_rl.distributed.runtime import ALLOC_CONF, cuda_allocator_defaults
+
+    got = []
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.setenv(key, "")  # restored (to absent, if so) after the test
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", got.append, raising=False)
+    monkeypatch.setattr(
+        torch.cuda.memory, "_set_allocator_settings", lambda s: pytest.fail("deprecated name")
+    )
+    assert cuda_allocator_defaults() == ALLOC_CONF and got == [ALLOC_CONF]
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == ALLOC_CONF
