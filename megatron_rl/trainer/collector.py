@@ -24,7 +24,8 @@ class Collector:
     """The policy of one run: ``settle`` after setup, ``after_step`` at each step's end, ``after_first_step``
     once after the first; ``take_pause_s`` gives the time the collector ran in the steps (every collection,
     automatic or manual, through ``gc.callbacks``; not those of ``settle`` and ``after_first_step``) since
-    ``settle`` or the last call. ``close`` (or leaving the ``with`` block) undoes only what these did."""
+    ``settle`` or the last call. ``close`` (or leaving the ``with`` block) undoes only what these did, and of
+    the freezes only those made into an empty permanent generation (see ``settle``)."""
 
     def __init__(self, freeze: bool, interval: int):
         self.freeze, self.interval = freeze, interval
@@ -44,12 +45,14 @@ class Collector:
         """After setup: collect what setup left, then freeze the rest (``gc_freeze``); manual mode turns the
         automatic collector off. Where something else froze objects first this freezes as well, and
         ``close`` then leaves everything frozen (the interpreter cannot unfreeze one party's objects apart
-        from another's). On the benchmark device 375 objects were frozen before setup's end (its Python 3.12
-        stack, by the time ``megatron_rl.trainer.run`` is imported); settle skipped its freeze there until
-        session 41, so every device run walked ~700k objects in its full collections (346 ms inside a 3B
-        step's update: benchmarks/results/2026-12-07-session41)."""
+        from another's). On the benchmark device 375 objects were frozen by the time
+        ``megatron_rl.trainer.run`` is imported (which import froze them is not known; none does on the CPU
+        machines); settle skipped its freeze there until session 41, so every device run walked ~700k
+        objects in its full collections (355 ms inside a 3B step's update:
+        benchmarks/results/2026-12-07-session41)."""
         if self.freeze:
-            self._owned = gc.get_freeze_count() == 0
+            if not self._froze:  # a second settle keeps what the first found
+                self._owned = gc.get_freeze_count() == 0
             gc.collect()
             gc.freeze()
             self._froze = True
@@ -86,7 +89,9 @@ class Collector:
         self.close()
 
     def close(self) -> None:
-        """Leave the interpreter's collector as ``settle`` found it (tests run several trainers in one process)."""
+        """Leave the interpreter's collector as ``settle`` found it (tests run several trainers in one process),
+        but for a freeze made where something else had frozen objects first: those stay frozen until the
+        process ends (so would a later trainer's cyclic garbage that reaches them)."""
         if self._timed in gc.callbacks:
             gc.callbacks.remove(self._timed)
         if self._froze and self._owned:

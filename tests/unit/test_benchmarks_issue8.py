@@ -162,4 +162,7 @@ def test_host_timeline_spans_union_and_the_trainer_pieces_it_wraps():
     tl.spans = [("a", 0.000, 0.010), ("b", 0.005, 0.020), ("c", 0.030, 0.040)]  # a and b overlap
     got = tl.report(0.050)
     assert got["uncovered_ms"] == pytest.approx(50 - 20 - 10) and got["full_collections"] == tl.full
+    tl.gc_callback("start", {"generation": 2})  # after the report (after_first_step's): not in it
+    tl.gc_callback("stop", {"generation": 2, "collected": 1})
+    assert len(got["full_collections"]) == 1 and len(tl.full) == 2
     assert [s[0] for s in got["spans_ms"]] == ["a", "b", "c"] and got["spans_ms"][1][1:] == [5.0, 20.0]

@@ -35,6 +35,7 @@ def test_freeze_moves_the_setup_objects_out_of_the_collector_and_close_restores_
         assert gc.isenabled() and c.take_pause_s() == 0.0  # setup's collection is not a step's
         gc.collect()  # a collection during a step is timed
         assert c.take_pause_s() > 0.0 and c.take_pause_s() == 0.0
+        c.settle()  # again (its own freeze found): still the owner of the freeze
     assert gc.get_freeze_count() == 0 and gc.isenabled()
     assert any(o is setup[0] for o in gc.get_objects())  # walked again
     assert c._timed not in gc.callbacks

@@ -112,3 +112,7 @@ def test_a_live_allocator_gets_the_setting_without_a_deprecation_warning(monkeyp
     )
     assert cuda_allocator_defaults() == ALLOC_CONF and got == [ALLOC_CONF]
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == ALLOC_CONF
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings")  # an older torch: the old name serves
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", got.append)
+    assert cuda_allocator_defaults() == ALLOC_CONF and got == [ALLOC_CONF, ALLOC_CONF]

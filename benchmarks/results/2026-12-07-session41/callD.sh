@@ -21,7 +21,8 @@ for f in ("a_frozen", "b_unfrozen"):
         gcs = {}
         for n, a, b in tl["spans_ms"]:
             if n.startswith("gc"):
-                gcs[n] = round(gcs.get(n, 0) + b - a, 1)
+                gcs[n] = gcs.get(n, 0) + b - a
+        gcs = {n: round(v, 2) for n, v in gcs.items()}  # rounded once (the run's own printout rounded each span)
         print(f, r["step"], round(r["step_s"], 4), "gen", round(t["gen"], 4), "upd", round(t["update_actor"], 4),
               "gc_ms", gcs, "x_roof", round(r["step_over_roofline_this_gpu"], 4), "tracked",
               tl["collector_after"]["tracked"])
