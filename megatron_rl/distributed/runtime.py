@@ -130,10 +130,12 @@ def cuda_allocator_defaults(env: dict | None = None) -> str | None:
     env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
     env.setdefault("NCCL_GRAPH_REGISTER", "0")
     if env is os.environ and torch.cuda.is_available() and torch.cuda.is_initialized():
-        # torch >= 2.11's name for it (2.11 warns that ``torch.cuda.memory._set_allocator_settings`` is
-        # deprecated; in 2.13 that function only calls this one)
-        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-        (setter or torch.cuda.memory._set_allocator_settings)(ALLOC_CONF)
+        # the same call on every torch this supports; 2.11 warns that it is deprecated (FutureWarning in every
+        # device log) while 2.13 only forwards it to ``torch._C._accelerator_setAllocatorSettings``, whose
+        # meaning in 2.9-2.10 is not checked here: the old name is kept and its warning silenced
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            torch.cuda.memory._set_allocator_settings(ALLOC_CONF)
     return ALLOC_CONF
 
 
