@@ -1,4 +1,4 @@
-"""The built-in task learns with LoRA: GRPO with adapters only takes the val score past 0.8.
+"""The built-in task learns with LoRA: GRPO with adapters only takes the val score from under 0.5 past 0.7.
 
 LoRA straight on the random tiny model stalls near 0.11-0.13 whatever the rank (4, 16 and 64 = the hidden
 size: 0.109-0.125 after 120 steps, train score ~0.06): its embeddings are tied to the LM head and frozen, with
@@ -32,8 +32,10 @@ def test_lora_learns_the_builtin_task_on_a_trained_base(tmp_path):
                  "trainer.save_final=true")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     scores = val_scores(metrics(out))
-    # step 0 is the base (B = 0): it has not learned the task; the adapters alone take it past 0.8
-    assert len(scores) == 3 and scores[0] < 0.5 and scores[-1] > 0.8, scores
+    # step 0 is the base (B = 0): it has not learned the task; the adapters alone take it past 0.7. The score
+    # at step 100 moves with the machine's float rounding (64 validation prompts, 1/64 a prompt): 0.812 in
+    # session 39, 0.859 (0.875 at step 50) in session 42; a bar of 0.8 was cleared by one prompt in session 39
+    assert len(scores) == 3 and scores[0] < 0.5 and scores[-1] > 0.7, scores
     keys = read_metadata_file(
         out / "checkpoints" / "global_step_100" / "dist" / ".metadata"
     ).state_dict_metadata
