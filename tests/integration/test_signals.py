@@ -26,10 +26,10 @@ from tests.integration.test_checkpoint_resume import (
     train,
 )
 
-# A step here takes ~40 ms. The signal must reach rank 1 before the stop check ahead of the last step, or
-# the run just finishes (exit 0): with 4 steps that window was ~80 ms after step 1 was logged, which the
-# poller missed under a loaded CI machine (session 42). 30 steps give it ~1 s and more.
-STEPS = 30
+# A step here takes ~40 ms unloaded. The signal must reach rank 1 before the stop check ahead of the last
+# step, or the run just finishes (exit 0): with 4 steps that window was ~80 ms after step 1 was logged, which
+# the poller missed on a loaded machine (session 42). 12 steps give it ~10 steps (30 cost the suite ~24 s).
+STEPS = 12
 ARGS = [*SMALL, "trainer.save_freq=-1", f"trainer.total_training_steps={STEPS}"]  # only the signal saves
 
 
