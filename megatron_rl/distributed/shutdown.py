@@ -3,7 +3,7 @@ the run.
 
 Signals. slurm and Kubernetes send SIGTERM some time before they kill a job, and Ctrl-C sends SIGINT.
 Either may reach one rank or all of them. The handler only records the signal; the training loop calls
-``agreed_stop()`` after each step, a MAX all-reduce of that record over the world, so every rank sees the
+``agreed_stop()`` before each step (none after the last), a MAX all-reduce of that record over the world, so every rank sees the
 same answer at the same step and they all save and stop together (megatron-LM's exit-signal handler
 works the same way). A second signal of the same kind on a rank stops that rank at once (default action).
 After a signal the trainer exits with ``EXIT_SIGNALLED``.
@@ -65,7 +65,7 @@ def install_stop_handlers() -> None:
 
 def agreed_stop(dev: torch.device | None = None) -> str | None:
     """Collective over the default group: the name of the signal any rank received, else None.
-    Every rank must call it at the same point (after each step)."""
+    Every rank must call it at the same point (before each step)."""
     flag = torch.tensor([_state["received"]], dtype=torch.int64, device=dev)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -7,7 +7,7 @@ state norm sqrt(64) = 8, so no change to the linear layers can lift a digit's lo
 (measured on that model): with the 27 other tokens near 0 the right digit keeps p ~0.13. So the base here is
 what LoRA is for in practice, a trained model: the same tiny model after 15 steps of full fine-tuning (its LM
 head has grown; val 0.30), exported to HF; the LoRA run loads it as ``model.path`` and trains only the
-adapters on the built-in task (val 0.30 -> 0.75 at step 50 -> 0.875 at 100; trainer.seed 1, 2, 3: bases
+adapters on the built-in task (val 0.30 -> 0.75-0.875 at step 50 -> 0.81-0.875 at 100 across machines; trainer.seed 1, 2, 3: bases
 0.36 / 0.42 / 0.50, after 100 LoRA steps 0.89 / 0.92 / 1.0).
 """
 
@@ -34,7 +34,7 @@ def test_lora_learns_the_builtin_task_on_a_trained_base(tmp_path):
     scores = val_scores(metrics(out))
     # step 0 is the base (B = 0): it has not learned the task; the adapters alone take it past 0.7. The score
     # at step 100 moves with the machine's float rounding (64 validation prompts, 1/64 a prompt): 0.812 in
-    # session 39, 0.859 (0.875 at step 50) in session 42; a bar of 0.8 was cleared by one prompt in session 39
+    # session 39's note (a bar of 0.8 cleared by one prompt), 0.859 (0.875 at step 50) in session 42
     assert len(scores) == 3 and scores[0] < 0.5 and scores[-1] > 0.7, scores
     keys = read_metadata_file(
         out / "checkpoints" / "global_step_100" / "dist" / ".metadata"
