@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from megatron_rl.algos.collective import all_reduce_max, all_reduce_sum, informative_groups_dp
-from megatron_rl.distributed.transfer import host_copy, keep_host
+from megatron_rl.distributed.transfer import host_copy, host_values, keep_host
 from megatron_rl.rollout.batch import RolloutBatch
 
 ROUND_KEY_STRIDE = 1 << 40  # group ids of round r start at r * stride: unique within a step
@@ -61,7 +61,8 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
 def _first_groups(batch: RolloutBatch, keep: torch.Tensor, quota: int) -> tuple[list[int], int]:
     """Rows of the first ``quota`` groups (in row order) among rows with ``keep``; and how many groups."""
     chosen, rows = [], []
-    for i, (k, g) in enumerate(zip(keep.tolist(), batch.group_index.tolist())):
+    # the group ids from their kept host copy (build_batch's; no sync); ``keep`` is computed on the device
+    for i, (k, g) in enumerate(zip(keep.tolist(), host_values(batch.group_index).tolist())):
         if not k:
             continue
         if g not in chosen:
@@ -83,7 +84,7 @@ def fill_with_informative_groups(
     informative ones from ``next_round(r)`` (a scored batch of the same size), r = 1, 2, ...;
     see the module doc. Returns the batch (as many groups as ``first``) and metrics over ``dp_group``
     (None: this process alone)."""
-    quota = int(torch.unique(first.group_index).numel())
+    quota = int(torch.unique(host_values(first.group_index)).numel())
     kept_parts, have, batch, totals = [], 0, first, torch.zeros(4, dtype=torch.float64)
     first_keep = None
     for round_ in range(max_rounds):
