@@ -7,8 +7,8 @@ state norm sqrt(64) = 8, so no change to the linear layers can lift a digit's lo
 (measured on that model): with the 27 other tokens near 0 the right digit keeps p ~0.13. So the base here is
 what LoRA is for in practice, a trained model: the same tiny model after 15 steps of full fine-tuning (its LM
 head has grown; val 0.30), exported to HF; the LoRA run loads it as ``model.path`` and trains only the
-adapters on the built-in task (val 0.30 -> 0.75-0.875 at step 50 -> 0.81-0.875 at 100 across machines; trainer.seed 1, 2, 3: bases
-0.36 / 0.42 / 0.50, after 100 LoRA steps 0.89 / 0.92 / 1.0).
+adapters on the built-in task (val 0.30 -> 0.75-0.875 at step 50 -> 0.81-0.875 at 100 across machines;
+trainer.seed 1, 2, 3: bases 0.36 / 0.42 / 0.50, after 100 LoRA steps 0.89 / 0.92 / 1.0).
 """
 
 from __future__ import annotations
