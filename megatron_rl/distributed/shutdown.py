@@ -5,8 +5,9 @@ Signals. slurm and Kubernetes send SIGTERM some time before they kill a job, and
 Either may reach one rank or all of them. The handler only records the signal; the training loop calls
 ``agreed_stop()`` before each step (none after the last: a signal during the last step lets the run end
 normally), a MAX all-reduce of that record over the world, so every rank sees the same answer at the same
-step and they all save and stop together (megatron-LM's exit-signal handler works the same way). A second signal of the same kind on a rank stops that rank at once (default action).
-After a signal the trainer exits with ``EXIT_SIGNALLED``.
+step and they all save and stop together (megatron-LM's exit-signal handler works the same way). A second
+signal of the same kind on a rank stops that rank at once (default action). After a signal the trainer exits
+with ``EXIT_SIGNALLED``.
 
 Child processes. megatron-core's checkpoint writer keeps a results queue in a ``spawn``-started
 multiprocessing Manager (about 270 MB) that lives until interpreter exit, and that Manager keeps
