@@ -28,7 +28,7 @@ from tests.integration.test_checkpoint_resume import (
 
 # A step here takes ~40 ms unloaded. The signal must reach rank 1 before the stop check ahead of the last
 # step, or the run just finishes (exit 0): with 4 steps that window was ~80 ms after step 1 was logged, which
-# the poller missed on a loaded machine (session 42). 12 steps give it ~10 steps (30 cost the suite ~24 s).
+# the poller missed on a loaded machine (session 42). 12 steps give it ~10 steps.
 STEPS = 12
 ARGS = [*SMALL, "trainer.save_freq=-1", f"trainer.total_training_steps={STEPS}"]  # only the signal saves
 
